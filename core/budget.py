@@ -1,0 +1,143 @@
+"""The budget tree: nodes named by slash paths, each with a weight and an owner.
+
+The root is the path ``""``. A node's share is ``weight / sum(sibling weights)``;
+its global share is the product of shares up to the root. Every node keeps a
+:class:`~apportion.core.usage.ChargeSeries` of the allocated GPU time charged to
+its subtree; a charge to a leaf is a charge to every ancestor, so a parent's
+series is the sum of its children's (plus history of removed children).
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+import msgspec
+
+from .usage import ChargeSeries
+
+ROOT = ""
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+class BudgetNode(msgspec.Struct, kw_only=True):
+    path: str
+    weight: int
+    owner: str
+    children: list[str] = msgspec.field(default_factory=list)
+    """Child paths in the order they were created."""
+    series: ChargeSeries = msgspec.field(default_factory=ChargeSeries)
+
+
+def parent_of(path: str) -> str:
+    """``"a/b/c" -> "a/b"``, ``"a" -> ""`` (the root)."""
+    cut = path.rfind("/")
+    return path[:cut] if cut >= 0 else ROOT
+
+
+def ancestors_of(path: str) -> list[str]:
+    """Proper ancestors from the root down: ``"a/b/c" -> ["", "a", "a/b"]``."""
+    out = [ROOT]
+    if not path:
+        return []
+    parts = path.split("/")
+    for i in range(1, len(parts)):
+        out.append("/".join(parts[:i]))
+    return out
+
+
+def path_error(path: str) -> str | None:
+    """Why ``path`` is not a well-formed node path, or ``None``."""
+    if path == ROOT:
+        return None
+    for segment in path.split("/"):
+        if not _SEGMENT.match(segment):
+            return (
+                f"bad budget path {path!r}: segments are letters, digits, '_', '.', '-' "
+                "separated by '/'"
+            )
+    return None
+
+
+class BudgetTree:
+    """Nodes by path plus the derived caches the fold needs (rebuilt, never stored)."""
+
+    __slots__ = ("nodes", "_chains")
+
+    def __init__(self, nodes: dict[str, BudgetNode] | None = None) -> None:
+        self.nodes: dict[str, BudgetNode] = (
+            nodes if nodes is not None else {ROOT: BudgetNode(path=ROOT, weight=1, owner="")}
+        )
+        self._chains: dict[str, tuple[ChargeSeries, ...]] = {}
+
+    # -- reading -------------------------------------------------------
+    @property
+    def root(self) -> BudgetNode:
+        return self.nodes[ROOT]
+
+    def is_leaf(self, path: str) -> bool:
+        node = self.nodes.get(path)
+        return node is not None and path != ROOT and not node.children
+
+    def leaves(self) -> list[str]:
+        return [p for p, n in self.nodes.items() if p != ROOT and not n.children]
+
+    def chain(self, path: str) -> tuple[ChargeSeries, ...]:
+        """The charge series of ``path`` and all its ancestors (the root included)."""
+        chain = self._chains.get(path)
+        if chain is None:
+            chain = tuple(self.nodes[p].series for p in [*ancestors_of(path), path])
+            self._chains[path] = chain
+        return chain
+
+    def may_edit(self, actor: str, path: str) -> bool:
+        """``actor`` owns a proper ancestor of ``path`` (for the root: owns the root,
+        or the root has no owner yet)."""
+        if path == ROOT:
+            owner = self.root.owner
+            return owner == "" or owner == actor
+        return any(self.nodes[a].owner == actor for a in ancestors_of(path) if a in self.nodes)
+
+    def share(self, path: str) -> Fraction:
+        """``weight / sum(sibling weights)`` (1 for the root)."""
+        if path == ROOT:
+            return Fraction(1)
+        node = self.nodes[path]
+        parent = self.nodes[parent_of(path)]
+        total = sum(self.nodes[c].weight for c in parent.children)
+        return Fraction(node.weight, total)
+
+    def global_share(self, path: str) -> Fraction:
+        """Product of shares from ``path`` up to the root."""
+        out = Fraction(1)
+        p = path
+        while p != ROOT:
+            out *= self.share(p)
+            p = parent_of(p)
+        return out
+
+    def depth_first(self) -> list[str]:
+        """Every path, parents before children, children in creation order."""
+        out: list[str] = []
+        stack = [ROOT]
+        while stack:
+            p = stack.pop()
+            out.append(p)
+            stack.extend(reversed(self.nodes[p].children))
+        return out
+
+    # -- changing (validated by the caller) -----------------------------
+    def set_node(self, path: str, weight: int, owner: str) -> None:
+        node = self.nodes.get(path)
+        if node is not None:
+            node.weight = weight
+            node.owner = owner
+            return
+        self.nodes[path] = BudgetNode(path=path, weight=weight, owner=owner)
+        self.nodes[parent_of(path)].children.append(path)
+        self._chains.clear()
+
+    def remove_node(self, path: str) -> None:
+        del self.nodes[path]
+        self.nodes[parent_of(path)].children.remove(path)
+        self._chains.clear()

@@ -1,0 +1,628 @@
+"""Scheduler state and the fold ``apply(state, event) -> state``.
+
+The fold is a plain function of the state and one event, one mutator per event
+kind. It reads time only from events (``at_ms``; an input stamped earlier than
+the current time folds at the current time), never iterates a ``set``, and uses
+integers for GPUs, milliseconds and GPU-milliseconds. For speed it updates the
+state in place and returns it; :meth:`State.copy` (through a snapshot) gives an
+independent copy when one is needed.
+
+Inputs are validated here. An input that cannot apply (bad input, or a stale
+report racing a decision) changes nothing but the clock and the input sequence,
+and is recorded in :attr:`State.rejections`; the next scheduling cycle turns
+each into an :class:`~apportion.schemas.events.InputRejected` decision, whose
+fold clears it. Decisions come only from the scheduler: a decision that cannot
+apply means the history is corrupt and raises :class:`CorruptHistory`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+import msgspec
+
+from apportion.schemas.events import (
+    ANY_GPU_TYPE,
+    DAY_MS,
+    HOUR_MS,
+    PPM,
+    BudgetRemoved,
+    BudgetSet,
+    ClockTicked,
+    Event,
+    InputRejected,
+    NodeDrained,
+    NodeHealthChanged,
+    NodeRegistered,
+    PolicySet,
+    Slot,
+    WorkloadCancelled,
+    WorkloadFinished,
+    WorkloadPlaced,
+    WorkloadPreempted,
+    WorkloadSubmitted,
+)
+
+from .budget import ROOT, BudgetNode, BudgetTree, parent_of, path_error
+from .usage import MAX_LOOKBACK_MS
+
+Status = Literal["pending", "running", "succeeded", "failed", "cancelled", "preempted", "rejected"]
+ENDED = ("succeeded", "failed", "cancelled", "preempted")
+
+
+class CorruptHistory(Exception):
+    """A decision that cannot apply to the state it was folded into."""
+
+
+class Policy(msgspec.Struct, kw_only=True):
+    lookback_ms: int = 7 * DAY_MS
+    max_min_runtime_ms: int = 8 * HOUR_MS
+    preemption_margin_ppm: int = 50_000
+    reservations: bool = True
+
+
+class ClusterNode(msgspec.Struct, kw_only=True):
+    """A host: ``free`` GPUs and the GPUs each running workload holds on it."""
+
+    node: str
+    gpus: int
+    gpu_type: str
+    health: str = "healthy"
+    free: int = 0
+    workloads: dict[str, int] = msgspec.field(default_factory=dict)
+    drained: bool = False
+    """A ``NodeDrained`` decision has been folded since it began draining."""
+
+    @property
+    def schedulable(self) -> bool:
+        return self.health == "healthy"
+
+
+class Workload(msgspec.Struct, kw_only=True):
+    """A live (pending or running) workload. Ended ones keep only their status."""
+
+    id: str
+    owner: str
+    gpus: int
+    gpu_type: str
+    min_runtime_ms: int
+    resumable: bool
+    priority: int
+    submitted_ms: int
+    submitted_by: str = ""
+    duration_ms: int | None = None
+    status: str = "pending"
+    queued_ms: int = 0
+    """Start of the current queue episode (submit or requeue)."""
+    placement: tuple[Slot, ...] = ()
+    started_ms: int = 0
+    protected_until_ms: int = 0
+    attempt: int = 0
+    """Number of placements so far; the current run's number while running."""
+    run_ms: int = 0
+    """Progress: time run in finished earlier runs (preemption keeps it)."""
+    preemptions: int = 0
+    first_placed_ms: int | None = None
+
+    @property
+    def allocated(self) -> bool:
+        """Charged to its owner (``min_runtime > 0``) rather than free and preemptible."""
+        return self.min_runtime_ms > 0
+
+    @property
+    def is_debug(self) -> bool:
+        return self.gpus <= 8 and self.min_runtime_ms <= 15 * 60_000
+
+
+class StateSnapshot(msgspec.Struct, kw_only=True):
+    """Everything :class:`State` holds, in a deterministic order; round-trips exactly."""
+
+    now_ms: int
+    input_seq: int
+    decisions_folded: int
+    policy: Policy
+    budget: list[BudgetNode]
+    nodes: list[ClusterNode]
+    workloads: list[Workload]
+    pending: list[str]
+    running: list[str]
+    ended: list[tuple[str, str]]
+    rejections: list[tuple[str, str]]
+
+
+_snapshot_encoder = msgspec.msgpack.Encoder()
+_snapshot_decoder = msgspec.msgpack.Decoder(StateSnapshot)
+
+
+class State:
+    """The folded state of one cluster."""
+
+    __slots__ = (
+        "now_ms",
+        "input_seq",
+        "decisions_folded",
+        "policy",
+        "budget",
+        "nodes",
+        "workloads",
+        "pending",
+        "running",
+        "ended",
+        "rejections",
+        "pools",
+        "active_by_owner",
+    )
+
+    def __init__(self) -> None:
+        self.now_ms = 0
+        self.input_seq = 0
+        """Number of inputs folded: the sequence of the last input in ``INPUTS``."""
+        self.decisions_folded = 0
+        self.policy = Policy()
+        self.budget = BudgetTree()
+        self.nodes: dict[str, ClusterNode] = {}
+        self.workloads: dict[str, Workload] = {}
+        """Live workloads (pending or running) by id."""
+        self.pending: dict[str, Workload] = {}
+        self.running: dict[str, Workload] = {}
+        self.ended: dict[str, str] = {}
+        """Status of every ended or rejected workload id."""
+        self.rejections: list[tuple[str, str]] = []
+        """``(input id, reason)`` not yet announced by an ``InputRejected`` decision."""
+        # derived, rebuilt on restore:
+        self.pools: dict[tuple[str, int], int] = {}
+        """``(gpu_type, gpus_per_node) -> number of nodes``."""
+        self.active_by_owner: dict[str, int] = {}
+        """Live workloads per owner leaf."""
+
+    # -- reading -------------------------------------------------------
+    def usage(self, path: str) -> int:
+        """GPU-ms charged to ``path``'s subtree inside ``[now - lookback, now]``."""
+        return self.budget.nodes[path].series.window(self.now_ms, self.policy.lookback_ms)
+
+    def status_of(self, workload: str) -> str | None:
+        live = self.workloads.get(workload)
+        if live is not None:
+            return live.status
+        return self.ended.get(workload)
+
+    # -- snapshots -----------------------------------------------------
+    def snapshot(self) -> StateSnapshot:
+        return StateSnapshot(
+            now_ms=self.now_ms,
+            input_seq=self.input_seq,
+            decisions_folded=self.decisions_folded,
+            policy=self.policy,
+            budget=[self.budget.nodes[p] for p in self.budget.nodes],
+            nodes=list(self.nodes.values()),
+            workloads=list(self.workloads.values()),
+            pending=list(self.pending),
+            running=list(self.running),
+            ended=list(self.ended.items()),
+            rejections=list(self.rejections),
+        )
+
+    def to_bytes(self) -> bytes:
+        return _snapshot_encoder.encode(self.snapshot())
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> State:
+        return cls.from_snapshot(_snapshot_decoder.decode(data))
+
+    @classmethod
+    def from_snapshot(cls, snap: StateSnapshot) -> State:
+        state = cls()
+        state.now_ms = snap.now_ms
+        state.input_seq = snap.input_seq
+        state.decisions_folded = snap.decisions_folded
+        state.policy = snap.policy
+        state.budget = BudgetTree({n.path: n for n in snap.budget})
+        state.nodes = {n.node: n for n in snap.nodes}
+        state.workloads = {w.id: w for w in snap.workloads}
+        state.pending = {i: state.workloads[i] for i in snap.pending}
+        state.running = {i: state.workloads[i] for i in snap.running}
+        state.ended = dict(snap.ended)
+        state.rejections = [tuple(r) for r in snap.rejections]  # type: ignore[misc]
+        for n in state.nodes.values():
+            key = (n.gpu_type, n.gpus)
+            state.pools[key] = state.pools.get(key, 0) + 1
+        for w in state.workloads.values():
+            state.active_by_owner[w.owner] = state.active_by_owner.get(w.owner, 0) + 1
+        return state
+
+    def copy(self) -> State:
+        """An independent deep copy."""
+        return State.from_bytes(self.to_bytes())
+
+    def digest(self) -> str:
+        """A stable SHA-256 of the whole state (same events -> same digest, anywhere)."""
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+
+# ----------------------------------------------------------------------
+# The fold
+# ----------------------------------------------------------------------
+
+
+def apply(state: State, event: Event) -> State:
+    """Fold one input or decision event into ``state`` (in place) and return it."""
+    handler = _HANDLERS.get(type(event))
+    if handler is None:
+        raise TypeError(f"not an apportion event: {type(event).__name__}")
+    handler(state, event)
+    return state
+
+
+def fold(events: Iterable[Event], state: State | None = None) -> State:
+    """Fold ``events`` in order, starting from ``state`` or an empty state."""
+    state = State() if state is None else state
+    handlers = _HANDLERS
+    for event in events:
+        handlers[type(event)](state, event)
+    return state
+
+
+def _tick(state: State, event: Event) -> None:
+    """Advance the clock for an input; time never goes backwards."""
+    state.input_seq += 1
+    if event.at_ms > state.now_ms:
+        state.now_ms = event.at_ms
+
+
+def _reject(state: State, event: Event, reason: str) -> None:
+    state.rejections.append((event.id, reason))
+
+
+# -- hosts ----------------------------------------------------------------
+
+
+def _node_registered(state: State, e: NodeRegistered) -> None:
+    _tick(state, e)
+    if not e.node:
+        return _reject(state, e, "node name is empty")
+    if e.gpus <= 0:
+        return _reject(state, e, f"node {e.node!r}: gpus must be positive, got {e.gpus}")
+    if not e.gpu_type or e.gpu_type == ANY_GPU_TYPE:
+        return _reject(state, e, f"node {e.node!r}: gpu_type must name a real GPU type")
+    known = state.nodes.get(e.node)
+    if known is not None:
+        if known.gpus == e.gpus and known.gpu_type == e.gpu_type:
+            return _reject(state, e, f"node {e.node!r} is already registered (no change)")
+        if known.workloads:
+            return _reject(
+                state,
+                e,
+                f"node {e.node!r} has running work; drain it before changing its GPUs",
+            )
+        _remove_pool(state, known)
+        known.gpus, known.gpu_type, known.free = e.gpus, e.gpu_type, e.gpus
+        _add_pool(state, known)
+        return None
+    node = ClusterNode(node=e.node, gpus=e.gpus, gpu_type=e.gpu_type, free=e.gpus)
+    state.nodes[e.node] = node
+    _add_pool(state, node)
+    return None
+
+
+def _add_pool(state: State, node: ClusterNode) -> None:
+    key = (node.gpu_type, node.gpus)
+    state.pools[key] = state.pools.get(key, 0) + 1
+
+
+def _remove_pool(state: State, node: ClusterNode) -> None:
+    key = (node.gpu_type, node.gpus)
+    state.pools[key] -= 1
+    if not state.pools[key]:
+        del state.pools[key]
+
+
+def _node_health_changed(state: State, e: NodeHealthChanged) -> None:
+    _tick(state, e)
+    node = state.nodes.get(e.node)
+    if node is None:
+        return _reject(state, e, f"unknown node {e.node!r}")
+    if node.health == e.state:
+        return _reject(state, e, f"node {e.node!r} is already {e.state} (no change)")
+    node.health = e.state
+    node.drained = False
+    return None
+
+
+# -- budget and policy ------------------------------------------------------
+
+
+def _budget_set(state: State, e: BudgetSet) -> None:
+    _tick(state, e)
+    tree = state.budget
+    problem = path_error(e.path)
+    if problem:
+        return _reject(state, e, problem)
+    if e.weight <= 0:
+        return _reject(state, e, f"budget {e.path!r}: weight must be a positive integer, got {e.weight}")
+    if not e.owner:
+        return _reject(state, e, f"budget {e.path!r}: owner is empty")
+    if e.path != ROOT:
+        parent = parent_of(e.path)
+        if parent not in tree.nodes:
+            return _reject(state, e, f"budget {e.path!r}: parent {parent!r} does not exist; create it first")
+    if not tree.may_edit(e.actor, e.path):
+        where = "the root" if e.path == ROOT else f"{parent_of(e.path)!r} or an ancestor"
+        return _reject(state, e, f"budget {e.path!r}: {e.actor!r} does not own {where}")
+    if e.path not in tree.nodes and e.path != ROOT:
+        parent = parent_of(e.path)
+        if state.active_by_owner.get(parent, 0):
+            return _reject(
+                state,
+                e,
+                f"budget {e.path!r}: parent {parent!r} has pending or running work; a node with work cannot get children",
+            )
+    tree.set_node(e.path, e.weight, e.owner)
+    return None
+
+
+def _budget_removed(state: State, e: BudgetRemoved) -> None:
+    _tick(state, e)
+    tree = state.budget
+    node = tree.nodes.get(e.path)
+    if e.path == ROOT:
+        return _reject(state, e, "the root of the budget tree cannot be removed")
+    if node is None:
+        return _reject(state, e, f"unknown budget node {e.path!r}")
+    if not tree.may_edit(e.actor, e.path):
+        return _reject(state, e, f"budget {e.path!r}: {e.actor!r} does not own {parent_of(e.path)!r} or an ancestor")
+    if node.children:
+        return _reject(state, e, f"budget {e.path!r} has children; remove them first")
+    active = state.active_by_owner.get(e.path, 0)
+    if active:
+        return _reject(state, e, f"budget {e.path!r} has {active} pending or running workloads")
+    tree.remove_node(e.path)
+    return None
+
+
+def _policy_set(state: State, e: PolicySet) -> None:
+    _tick(state, e)
+    if not state.budget.may_edit(e.actor, ROOT):
+        return _reject(state, e, f"policy: {e.actor!r} does not own the root of the budget tree")
+    if not 0 < e.lookback_ms <= MAX_LOOKBACK_MS:
+        return _reject(state, e, f"policy: lookback must be between 1 ms and 90 days, got {e.lookback_ms} ms")
+    if not 0 <= e.max_min_runtime_ms <= e.lookback_ms:
+        return _reject(state, e, "policy: max_min_runtime must be between 0 and the lookback")
+    if not 0 <= e.preemption_margin_ppm < PPM:
+        return _reject(state, e, "policy: preemption margin must be in [0, 1)")
+    state.policy = Policy(
+        lookback_ms=e.lookback_ms,
+        max_min_runtime_ms=e.max_min_runtime_ms,
+        preemption_margin_ppm=e.preemption_margin_ppm,
+        reservations=e.reservations,
+    )
+    return None
+
+
+# -- workloads ----------------------------------------------------------------
+
+
+def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
+    """Why ``e`` cannot be queued, or ``None``. Pure; used by the fold and the gateway."""
+    if not e.workload:
+        return "workload id is empty"
+    if e.workload in state.workloads or e.workload in state.ended:
+        return f"workload {e.workload!r} already exists; ids are never reused"
+    if e.owner not in state.budget.nodes or e.owner == ROOT:
+        return f"unknown owner {e.owner!r}: submit to a leaf of the budget tree"
+    if not state.budget.is_leaf(e.owner):
+        return f"owner {e.owner!r} is not a leaf of the budget tree (it has children)"
+    if e.gpus <= 0:
+        return f"gpus must be positive, got {e.gpus}"
+    cap = state.policy.max_min_runtime_ms
+    if not 0 <= e.min_runtime_ms <= cap:
+        return f"min_runtime must be between 0 and {cap // 60_000} min, got {e.min_runtime_ms} ms"
+    if e.duration_ms is not None and e.duration_ms < 0:
+        return f"duration must not be negative, got {e.duration_ms} ms"
+    pools = [
+        (t, gpn, n)
+        for (t, gpn), n in state.pools.items()
+        if e.gpu_type == ANY_GPU_TYPE or t == e.gpu_type
+    ]
+    if not pools:
+        known = sorted({t for t, _ in state.pools})
+        return f"no nodes of gpu_type {e.gpu_type!r} (known types: {', '.join(known) or 'none'})"
+    for _, gpn, count in pools:
+        if e.gpus <= gpn or (e.gpus % gpn == 0 and e.gpus <= gpn * count):
+            return None
+    sizes = ", ".join(f"{n} x {gpn} {t}" for t, gpn, n in sorted(pools))
+    return (
+        f"{e.gpus} GPUs is not a valid gang: at most one node's GPUs, or a multiple of "
+        f"the node size within one pool ({sizes})"
+    )
+
+
+def _workload_submitted(state: State, e: WorkloadSubmitted) -> None:
+    _tick(state, e)
+    problem = submission_error(state, e)
+    if problem:
+        return _reject(state, e, problem)
+    w = Workload(
+        id=e.workload,
+        owner=e.owner,
+        gpus=e.gpus,
+        gpu_type=e.gpu_type,
+        min_runtime_ms=e.min_runtime_ms,
+        resumable=e.resumable,
+        priority=e.priority,
+        submitted_ms=state.now_ms,
+        submitted_by=e.submitted_by,
+        duration_ms=e.duration_ms,
+        queued_ms=state.now_ms,
+    )
+    state.workloads[w.id] = w
+    state.pending[w.id] = w
+    state.active_by_owner[w.owner] = state.active_by_owner.get(w.owner, 0) + 1
+    return None
+
+
+def _stale_reason(state: State, workload: str, what: str) -> str:
+    status = state.ended.get(workload)
+    if status is None:
+        return f"{what}: unknown workload {workload!r}"
+    return f"{what}: workload {workload!r} already ended as {status} (stale report)"
+
+
+def _workload_cancelled(state: State, e: WorkloadCancelled) -> None:
+    _tick(state, e)
+    w = state.workloads.get(e.workload)
+    if w is None:
+        return _reject(state, e, _stale_reason(state, e.workload, "cancel"))
+    if w.status == "running":
+        _end_run(state, w)
+    else:
+        del state.pending[w.id]
+    _end(state, w, "cancelled")
+    return None
+
+
+def _workload_finished(state: State, e: WorkloadFinished) -> None:
+    _tick(state, e)
+    w = state.workloads.get(e.workload)
+    if w is None:
+        return _reject(state, e, _stale_reason(state, e.workload, "finished"))
+    if w.status != "running":
+        return _reject(
+            state, e, f"finished: workload {e.workload!r} is {w.status}, not running (stale report)"
+        )
+    if e.attempt is not None and e.attempt != w.attempt:
+        return _reject(
+            state,
+            e,
+            f"finished: report for attempt {e.attempt} of {e.workload!r}, which is on attempt {w.attempt} (stale report)",
+        )
+    _end_run(state, w)
+    _end(state, w, e.outcome)
+    return None
+
+
+def _clock_ticked(state: State, e: ClockTicked) -> None:
+    _tick(state, e)
+
+
+# -- runs: the only places that move GPUs and charges ------------------------
+
+
+def _end_run(state: State, w: Workload) -> None:
+    """Stop ``w``'s current run at ``now``: free its GPUs, stop its charge, keep its progress."""
+    now = state.now_ms
+    nodes = state.nodes
+    for slot in w.placement:
+        node = nodes[slot.node]
+        node.free += slot.gpus
+        del node.workloads[w.id]
+    if w.min_runtime_ms > 0:
+        for series in state.budget.chain(w.owner):
+            series.change_rate(now, -w.gpus)
+    w.run_ms += now - w.started_ms
+    w.placement = ()
+    del state.running[w.id]
+
+
+def _end(state: State, w: Workload, status: str) -> None:
+    del state.workloads[w.id]
+    state.ended[w.id] = status
+    w.status = status
+    n = state.active_by_owner[w.owner] - 1
+    if n:
+        state.active_by_owner[w.owner] = n
+    else:
+        del state.active_by_owner[w.owner]
+
+
+def _decision_time(state: State, e: Event) -> None:
+    state.decisions_folded += 1
+    if e.at_ms > state.now_ms:
+        raise CorruptHistory(
+            f"decision {e.id!r} at {e.at_ms} is later than the input it was based on ({state.now_ms})"
+        )
+
+
+def _workload_placed(state: State, e: WorkloadPlaced) -> None:
+    _decision_time(state, e)
+    w = state.pending.get(e.workload)
+    if w is None:
+        raise CorruptHistory(f"placed {e.workload!r}, which is not pending")
+    if e.allocated != (w.min_runtime_ms > 0):
+        raise CorruptHistory(f"placed {e.workload!r} with allocated={e.allocated} against its contract")
+    if sum(s.gpus for s in e.placement) != w.gpus:
+        raise CorruptHistory(f"placed {e.workload!r} on {e.placement} for {w.gpus} GPUs")
+    now = state.now_ms
+    nodes = state.nodes
+    for slot in e.placement:
+        node = nodes.get(slot.node)
+        if node is None or node.free < slot.gpus or not node.schedulable or slot.gpus <= 0:
+            raise CorruptHistory(f"placed {e.workload!r} on {slot.node!r}, which cannot take {slot.gpus} GPUs")
+        if w.gpu_type != ANY_GPU_TYPE and node.gpu_type != w.gpu_type:
+            raise CorruptHistory(f"placed {e.workload!r} on {slot.node!r} of the wrong GPU type")
+    for slot in e.placement:
+        node = nodes[slot.node]
+        node.free -= slot.gpus
+        node.workloads[w.id] = slot.gpus
+    if w.min_runtime_ms > 0:
+        for series in state.budget.chain(w.owner):
+            series.change_rate(now, w.gpus)
+    del state.pending[w.id]
+    state.running[w.id] = w
+    w.status = "running"
+    w.placement = e.placement
+    w.started_ms = now
+    w.protected_until_ms = now + w.min_runtime_ms
+    w.attempt += 1
+    if w.first_placed_ms is None:
+        w.first_placed_ms = now
+
+
+def _workload_preempted(state: State, e: WorkloadPreempted) -> None:
+    _decision_time(state, e)
+    w = state.running.get(e.workload)
+    if w is None:
+        raise CorruptHistory(f"preempted {e.workload!r}, which is not running")
+    _end_run(state, w)
+    w.preemptions += 1
+    if e.requeued:
+        w.status = "pending"
+        w.queued_ms = state.now_ms
+        state.pending[w.id] = w
+    else:
+        _end(state, w, "preempted")
+
+
+def _node_drained(state: State, e: NodeDrained) -> None:
+    _decision_time(state, e)
+    node = state.nodes.get(e.node)
+    if node is None or node.health != "draining" or node.workloads:
+        raise CorruptHistory(f"node {e.node!r} announced drained while not an empty draining node")
+    node.drained = True
+
+
+def _input_rejected(state: State, e: InputRejected) -> None:
+    _decision_time(state, e)
+    for i, (ref, _reason) in enumerate(state.rejections):
+        if ref == e.ref:
+            del state.rejections[i]
+            return
+    raise CorruptHistory(f"InputRejected for {e.ref!r}, which was not rejected")
+
+
+_HANDLERS: dict[type, Callable[[State, Event], None]] = {
+    NodeRegistered: _node_registered,
+    NodeHealthChanged: _node_health_changed,
+    BudgetSet: _budget_set,
+    BudgetRemoved: _budget_removed,
+    PolicySet: _policy_set,
+    WorkloadSubmitted: _workload_submitted,
+    WorkloadCancelled: _workload_cancelled,
+    WorkloadFinished: _workload_finished,
+    ClockTicked: _clock_ticked,
+    WorkloadPlaced: _workload_placed,
+    WorkloadPreempted: _workload_preempted,
+    NodeDrained: _node_drained,
+    InputRejected: _input_rejected,
+}

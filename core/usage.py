@@ -1,0 +1,83 @@
+"""Exact sliding-window usage from a cumulative charge function.
+
+A :class:`ChargeSeries` is the cumulative charge ``C(x)`` of one budget node: the
+GPU-milliseconds charged to its subtree up to time ``x``. ``C`` is piecewise
+linear; between breakpoints it grows at ``rate`` GPUs (the allocated GPUs
+running under the node). Usage over the window ``[t - W, t]`` is
+``C(t) - C(t - W)``: one multiplication for ``C(t)`` and one binary search for
+``C(t - W)``, however long the history. Time only moves forward, so the series
+drops breakpoints older than the longest lookback the policy allows.
+
+Everything is an integer: GPUs, milliseconds, GPU-milliseconds.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+import msgspec
+
+MAX_LOOKBACK_MS = 90 * 24 * 3_600_000
+"""History kept for the usage window; :class:`PolicySet` may not ask for more."""
+
+_PRUNE_MIN = 512
+
+
+class ChargeSeries(msgspec.Struct, array_like=True):
+    """Breakpoints ``(times[i], cums[i], rates[i])``: ``C(times[i]) == cums[i]``
+    and ``C`` grows at ``rates[i]`` GPUs from ``times[i]`` to the next breakpoint.
+    Before the first breakpoint ``C`` is zero. A msgspec Struct, so that it
+    snapshots as it is."""
+
+    times: list[int] = msgspec.field(default_factory=list)
+    cums: list[int] = msgspec.field(default_factory=list)
+    rates: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def rate(self) -> int:
+        """GPUs currently charged to this node."""
+        return self.rates[-1] if self.rates else 0
+
+    def change_rate(self, at_ms: int, delta_gpus: int) -> None:
+        """From ``at_ms`` on (never before the last breakpoint) the rate changes by ``delta_gpus``."""
+        times = self.times
+        if times and times[-1] == at_ms:
+            self.rates[-1] += delta_gpus
+            return
+        if times:
+            last = times[-1]
+            cum = self.cums[-1] + self.rates[-1] * (at_ms - last)
+            rate = self.rates[-1] + delta_gpus
+        else:
+            cum = 0
+            rate = delta_gpus
+        times.append(at_ms)
+        self.cums.append(cum)
+        self.rates.append(rate)
+        if len(times) > _PRUNE_MIN and times[len(times) >> 1] < at_ms - MAX_LOOKBACK_MS:
+            self._prune(at_ms - MAX_LOOKBACK_MS)
+
+    def cumulative(self, x: int) -> int:
+        """``C(x)``: GPU-ms charged up to time ``x``."""
+        times = self.times
+        if not times:
+            return 0
+        if x >= times[-1]:
+            return self.cums[-1] + self.rates[-1] * (x - times[-1])
+        i = bisect_right(times, x) - 1
+        if i < 0:
+            # C is flat before the first breakpoint (zero until history is pruned).
+            return self.cums[0]
+        return self.cums[i] + self.rates[i] * (x - times[i])
+
+    def window(self, now_ms: int, lookback_ms: int) -> int:
+        """GPU-ms charged inside ``[now - lookback, now]``."""
+        return self.cumulative(now_ms) - self.cumulative(now_ms - lookback_ms)
+
+    def _prune(self, horizon: int) -> None:
+        """Drop breakpoints no window can reach; the one in force at ``horizon`` stays."""
+        i = bisect_right(self.times, horizon) - 1
+        if i > 0:
+            del self.times[:i]
+            del self.cums[:i]
+            del self.rates[:i]

@@ -24,7 +24,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m apportion.bench
+	$(PY) benchmarks/run.py $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

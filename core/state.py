@@ -105,6 +105,8 @@ class Workload(msgspec.Struct, kw_only=True):
     """Progress: time run in finished earlier runs (preemption keeps it)."""
     preemptions: int = 0
     first_placed_ms: int | None = None
+    legacy_priority: str = "high"
+    legacy_preemptible: bool = False
 
     @property
     def allocated(self) -> bool:
@@ -455,6 +457,8 @@ def _workload_submitted(state: State, e: WorkloadSubmitted) -> None:
         submitted_by=e.submitted_by,
         duration_ms=e.duration_ms,
         queued_ms=state.now_ms,
+        legacy_priority=e.legacy_priority,
+        legacy_preemptible=e.legacy_preemptible,
     )
     state.workloads[w.id] = w
     state.pending[w.id] = w

@@ -116,6 +116,10 @@ class WorkloadSubmitted(Event, frozen=True, kw_only=True, tag="WorkloadSubmitted
     priority: int = 0
     submitted_by: str = ""
     duration_ms: int | None = None
+    legacy_priority: Literal["low", "normal", "high"] = "high"
+    """For the baseline priority policy only (simulation); the budget scheduler ignores it."""
+    legacy_preemptible: bool = False
+    """For the baseline priority policy only (simulation); the budget scheduler ignores it."""
 
 
 class WorkloadCancelled(Event, frozen=True, kw_only=True, tag="WorkloadCancelled"):

@@ -1,0 +1,4 @@
+from apportion.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Builders for core tests: one sample of every event, and a fluent :class:`Scenario`.
+
+A :class:`Scenario` keeps a :class:`State` and the list of events it folded, so
+a test reads as the history it describes::
+
+    s = Scenario().tree("a", "a/x").node("n1", 8).at(HOUR_MS).submit("w1", "a/x", gpus=4)
+    s.place("w1", "n1")
+
+Every event gets a fresh id (``e1``, ``e2``, ...) and the scenario's current
+time; ``at(t)`` moves that time (``after(d)`` moves it by ``d``). Decisions are
+built from the state (``attempt``, ``allocated`` and ``protected_until_ms``
+filled in the way the scheduler would), so tests only say what they mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from apportion.core import State, apply
+from apportion.schemas.events import (
+    HOUR_MS,
+    BudgetRemoved,
+    BudgetSet,
+    ClockTicked,
+    Event,
+    InputRejected,
+    NodeDrained,
+    NodeHealthChanged,
+    NodeRegistered,
+    PolicySet,
+    Slot,
+    WorkloadCancelled,
+    WorkloadFinished,
+    WorkloadPlaced,
+    WorkloadPreempted,
+    WorkloadSubmitted,
+)
+
+ADMIN = "admin"
+"""Owner of the root in every scenario (so it may edit anything)."""
+
+
+class Scenario:
+    """A history under construction, folded as it is written."""
+
+    def __init__(self, *, root_owner: str = ADMIN) -> None:
+        self.t = 0
+        self.n = 0
+        self.events: list[Event] = []
+        self.state = State()
+        if root_owner:
+            self.apply(BudgetSet(id=self._id(), at_ms=0, path="", weight=1, owner=root_owner, actor=""))
+
+    # -- plumbing --------------------------------------------------------
+    def _id(self) -> str:
+        self.n += 1
+        return f"e{self.n}"
+
+    def apply(self, event: Event) -> Scenario:
+        self.events.append(event)
+        apply(self.state, event)
+        return self
+
+    def at(self, t_ms: int) -> Scenario:
+        self.t = t_ms
+        return self
+
+    def after(self, d_ms: int) -> Scenario:
+        self.t += d_ms
+        return self
+
+    @property
+    def last(self) -> Event:
+        return self.events[-1]
+
+    # -- inputs ----------------------------------------------------------
+    def budget(self, path: str, weight: int = 1, owner: str | None = None, actor: str = ADMIN) -> Scenario:
+        owner = owner if owner is not None else f"{path or 'root'}-owner"
+        return self.apply(
+            BudgetSet(id=self._id(), at_ms=self.t, path=path, weight=weight, owner=owner, actor=actor)
+        )
+
+    def tree(self, *specs: str | tuple[str, int]) -> Scenario:
+        """``tree("a", ("a/x", 2))``: create nodes (weight 1 unless given), as ``ADMIN``."""
+        for spec in specs:
+            path, weight = (spec, 1) if isinstance(spec, str) else spec
+            self.budget(path, weight)
+        return self
+
+    def remove(self, path: str, actor: str = ADMIN) -> Scenario:
+        return self.apply(BudgetRemoved(id=self._id(), at_ms=self.t, path=path, actor=actor))
+
+    def policy(self, actor: str = ADMIN, **fields: Any) -> Scenario:
+        return self.apply(PolicySet(id=self._id(), at_ms=self.t, actor=actor, **fields))
+
+    def node(self, name: str, gpus: int = 8, gpu_type: str = "a100") -> Scenario:
+        return self.apply(NodeRegistered(id=self._id(), at_ms=self.t, node=name, gpus=gpus, gpu_type=gpu_type))
+
+    def nodes(self, prefix: str, count: int, gpus: int = 8, gpu_type: str = "a100") -> Scenario:
+        for i in range(count):
+            self.node(f"{prefix}{i}", gpus, gpu_type)
+        return self
+
+    def health(self, name: str, state: str) -> Scenario:
+        return self.apply(NodeHealthChanged(id=self._id(), at_ms=self.t, node=name, state=state))  # type: ignore[arg-type]
+
+    def submit(
+        self, wid: str, owner: str, gpus: int = 1, min_runtime_ms: int = HOUR_MS, **fields: Any
+    ) -> Scenario:
+        return self.apply(
+            WorkloadSubmitted(
+                id=self._id(),
+                at_ms=self.t,
+                workload=wid,
+                owner=owner,
+                gpus=gpus,
+                min_runtime_ms=min_runtime_ms,
+                **fields,
+            )
+        )
+
+    def cancel(self, wid: str) -> Scenario:
+        return self.apply(WorkloadCancelled(id=self._id(), at_ms=self.t, workload=wid))
+
+    def finish(self, wid: str, outcome: str = "succeeded", attempt: int | None = None) -> Scenario:
+        return self.apply(
+            WorkloadFinished(id=self._id(), at_ms=self.t, workload=wid, outcome=outcome, attempt=attempt)  # type: ignore[arg-type]
+        )
+
+    def tick(self, t_ms: int | None = None) -> Scenario:
+        if t_ms is not None:
+            self.t = t_ms
+        return self.apply(ClockTicked(id=self._id(), at_ms=self.t))
+
+    # -- decisions (stamped at the state's time, like the scheduler's) ----
+    def place(self, wid: str, *nodes: str | tuple[str, int]) -> Scenario:
+        """Place ``wid`` on ``nodes`` (a name takes all its GPUs, or ``(name, gpus)``);
+        with one bare node name, the workload's whole gang goes there."""
+        w = self.state.pending[wid]
+        if len(nodes) == 1 and isinstance(nodes[0], str):
+            slots = (Slot(nodes[0], w.gpus),)
+        else:
+            slots = tuple(
+                Slot(n, self.state.nodes[n].gpus) if isinstance(n, str) else Slot(*n) for n in nodes
+            )
+        now = self.state.now_ms
+        return self.apply(
+            WorkloadPlaced(
+                id=self._id(),
+                at_ms=now,
+                workload=wid,
+                placement=slots,
+                allocated=w.min_runtime_ms > 0,
+                protected_until_ms=now + w.min_runtime_ms,
+                attempt=w.attempt + 1,
+            )
+        )
+
+    def preempt(self, wid: str, requeued: bool = True, reason: str = "fairshare") -> Scenario:
+        return self.apply(
+            WorkloadPreempted(
+                id=self._id(),
+                at_ms=self.state.now_ms,
+                workload=wid,
+                reason=reason,  # type: ignore[arg-type]
+                requeued=requeued,
+            )
+        )
+
+    def drained(self, name: str) -> Scenario:
+        return self.apply(NodeDrained(id=self._id(), at_ms=self.state.now_ms, node=name))
+
+    def announce(self, ref: str) -> Scenario:
+        return self.apply(InputRejected(id=self._id(), at_ms=self.state.now_ms, ref=ref, reason="x"))
+
+
+def sample_events() -> list[Event]:
+    """One event of every kind, every optional field set to a non-default value somewhere."""
+    return [
+        NodeRegistered(id="i1", at_ms=1, node="n1", gpus=8, gpu_type="h100"),
+        NodeHealthChanged(id="i2", at_ms=2, node="n1", state="draining"),
+        BudgetSet(id="i3", at_ms=3, path="llm/pretrain", weight=3, owner="bob", actor="alice"),
+        BudgetRemoved(id="i4", at_ms=4, path="llm/old", actor="alice"),
+        PolicySet(
+            id="i5",
+            at_ms=5,
+            lookback_ms=3 * HOUR_MS,
+            max_min_runtime_ms=HOUR_MS,
+            preemption_margin_ppm=10,
+            actor="alice",
+            reservations=False,
+        ),
+        WorkloadSubmitted(
+            id="i6",
+            at_ms=6,
+            workload="w1",
+            owner="llm/pretrain",
+            gpus=16,
+            min_runtime_ms=HOUR_MS,
+            gpu_type="h100",
+            resumable=False,
+            priority=-3,
+            submitted_by="carol",
+            duration_ms=5 * HOUR_MS,
+            legacy_priority="low",
+            legacy_preemptible=True,
+        ),
+        WorkloadCancelled(id="i7", at_ms=7, workload="w1", actor="carol"),
+        WorkloadFinished(id="i8", at_ms=8, workload="w1", outcome="failed", attempt=2),
+        ClockTicked(id="i9", at_ms=9),
+        WorkloadPlaced(
+            id="d1",
+            at_ms=10,
+            workload="w1",
+            placement=(Slot("n1", 8), Slot("n2", 8)),
+            allocated=True,
+            protected_until_ms=10 + HOUR_MS,
+            attempt=1,
+        ),
+        WorkloadPreempted(
+            id="d2", at_ms=11, workload="w1", reason="node_down", requeued=True, for_workload="w9"
+        ),
+        NodeDrained(id="d3", at_ms=12, node="n1"),
+        InputRejected(id="d4", at_ms=13, ref="i4", reason="unknown budget node 'llm/old'"),
+    ]

@@ -1,15 +1,74 @@
-"""The scheduling cycle: ``decide(state) -> CycleResult`` (pure, deterministic).
+"""The scheduling cycle: ``decide(state) -> CycleResult``, pure and deterministic.
 
-(Being written; the interface below is fixed.)
+At time ``t = state.now_ms`` (the time of the last event folded), the cycle runs
+these steps over a scratch copy of the free GPUs and never changes ``state``:
+
+0. **Rejections**: every input the fold recorded as rejected becomes an
+   ``InputRejected`` decision.
+1. **Down nodes**: every workload on a ``down`` node is lost at once
+   (``node_down``; resumable ones requeue).
+2. **Draining nodes**: unallocated work is preempted at once, allocated work as
+   each reaches ``protected_until`` (``drain``); an empty draining node gets one
+   ``NodeDrained``.
+3. **Allocated work in fair-share order** (:mod:`apportion.core.ordering`), the
+   order recomputed as the cycle goes: each placement adds its projected charge
+   ``gpus * min_runtime`` to its path before the next workload is ranked. For
+   each workload:
+
+   a. place it if it fits (:meth:`_Cycle.fit`: gang placement, best fit);
+   b. otherwise try to preempt (:meth:`_Cycle.preemption`): the cheapest victim
+      set that makes it fit, among victims it may preempt;
+   c. otherwise, if it is the first allocated workload that could not be placed,
+      reserve for it the nodes that become free or preemptible earliest
+      (:meth:`_Cycle.reserve`); later (lower-ranked) work may use a reserved node
+      only if it will be preemptible before the reservation starts.
+
+4. **Unallocated work** (``min_runtime == 0``) by submit time, then id: placed if
+   it fits; it never preempts.
+
+Requeued work from steps 1-2 joins the walk of step 3/4 in the same cycle; a
+victim of a fair-share preemption waits for the next cycle (so one cycle never
+moves the same workload twice).
+
+Every choice ends in a unique tie-break (node id, workload id), no ``set`` is
+iterated, and ratios compare exactly, so the same state gives the same
+decisions on any machine.
 """
 
 from __future__ import annotations
 
+import heapq
+from bisect import insort
+from fractions import Fraction
+
 import msgspec
 
-from apportion.schemas.events import Decision
+from apportion.schemas.events import (
+    ANY_GPU_TYPE,
+    Decision,
+    InputRejected,
+    NodeDrained,
+    Slot,
+    WorkloadPlaced,
+    WorkloadPreempted,
+)
 
-from .state import State, apply
+from .budget import ROOT, ancestors_of
+from .ordering import FairShareView
+from .ratio import clearly_below, ratio
+from .state import ClusterNode, State, Workload, apply
+
+_NEVER = 1 << 62
+"""A release time that is not known (work that only ends when it finishes)."""
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """Nodes held for ``workload`` from ``start_ms``: until then only work that
+    will be preemptible before ``start_ms`` may run on them."""
+
+    workload: str
+    nodes: tuple[str, ...]
+    start_ms: int
 
 
 class CycleResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -20,11 +79,12 @@ class CycleResult(msgspec.Struct, frozen=True, kw_only=True):
     next_wakeup_ms: int | None
     """Earliest future time at which a decision could change with no new input
     (a protection expiry or a reservation start); ``None`` if none."""
+    reservation: Reservation | None = None
 
 
 def decide(state: State) -> CycleResult:
     """One scheduling cycle at ``state.now_ms``; does not change ``state``."""
-    raise NotImplementedError
+    return _Cycle(state).run()
 
 
 def step(state: State) -> CycleResult:
@@ -33,3 +93,473 @@ def step(state: State) -> CycleResult:
     for decision in result.decisions:
         apply(state, decision)
     return result
+
+
+class _Cycle:
+    """Scratch state of one cycle. Reads ``state``, writes only its own fields."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.t = state.now_ms
+        self.margin = state.policy.preemption_margin_ppm
+        self.decisions: list[Decision] = []
+        self.view = FairShareView(state)
+        self.usage = dict(self.view.usage)  # working usage, with projected charges
+        self.weight = self.view.weight
+        self.node_ids = sorted(state.nodes)
+        self.free = {name: state.nodes[name].free for name in self.node_ids}
+        self.gone: dict[str, str] = {}  # workload -> why it left a node this cycle
+        self.added: dict[str, list[tuple[Workload, int]]] = {}  # node -> placed this cycle
+        self.requeued: list[Workload] = []  # by steps 1-2, placed again this cycle
+        self.reservation: Reservation | None = None
+        self.reserved: dict[str, int] = {}  # node -> reservation start
+        self.epoch = 0  # bumps on every placement or preemption
+        self.failed: dict[tuple, tuple[int, int]] = {}  # shape -> (epoch, smallest gpus failed)
+        self._leaf_pos: dict[str, int] | None = None
+        # free-GPU buckets: (gpu_type, node size) -> free -> node ids, sorted
+        self.buckets: dict[tuple[str, int], dict[int, list[str]]] = {}
+        for name in self.node_ids:
+            node = state.nodes[name]
+            if node.schedulable:
+                pool = self.buckets.setdefault((node.gpu_type, node.gpus), {})
+                pool.setdefault(self.free[name], []).append(name)
+
+    # ------------------------------------------------------------------
+    def run(self) -> CycleResult:
+        state = self.state
+        for ref, reason in state.rejections:
+            self._emit(InputRejected, ref=ref, reason=reason)
+        self._lose_down_nodes()
+        self._drain()
+        self._schedule_allocated()
+        self._schedule_unallocated()
+        return CycleResult(
+            decisions=tuple(self.decisions),
+            next_wakeup_ms=self._next_wakeup(),
+            reservation=self.reservation,
+        )
+
+    def _emit(self, kind: type, **fields: object) -> None:
+        n = self.state.decisions_folded + len(self.decisions) + 1
+        self.decisions.append(kind(id=f"d{n}", at_ms=self.t, **fields))
+
+    # -- steps 1 and 2 ---------------------------------------------------
+    def _lose_down_nodes(self) -> None:
+        state = self.state
+        for name in self.node_ids:
+            node = state.nodes[name]
+            if node.health == "down":
+                for wid in list(node.workloads):
+                    if wid not in self.gone:
+                        self._preempt(state.running[wid], "node_down", None, requeue_now=True)
+
+    def _drain(self) -> None:
+        state = self.state
+        for name in self.node_ids:
+            node = state.nodes[name]
+            if node.health != "draining":
+                continue
+            for wid in list(node.workloads):
+                w = state.running[wid]
+                if wid not in self.gone and (w.min_runtime_ms == 0 or self.t >= w.protected_until_ms):
+                    self._preempt(w, "drain", None, requeue_now=True)
+            if not node.drained and all(wid in self.gone for wid in node.workloads):
+                self._emit(NodeDrained, node=name)
+
+    # -- scratch bookkeeping ----------------------------------------------
+    def _set_free(self, name: str, free: int) -> None:
+        node = self.state.nodes[name]
+        old = self.free[name]
+        self.free[name] = free
+        if not node.schedulable:
+            return
+        pool = self.buckets[(node.gpu_type, node.gpus)]
+        pool[old].remove(name)
+        insort(pool.setdefault(free, []), name)
+
+    def _preempt(self, w: Workload, reason: str, for_workload: str | None, requeue_now: bool = False) -> None:
+        self.gone[w.id] = reason
+        for slot in w.placement:
+            self._set_free(slot.node, self.free[slot.node] + slot.gpus)
+        self._emit(
+            WorkloadPreempted,
+            workload=w.id,
+            reason=reason,
+            requeued=w.resumable,
+            for_workload=for_workload,
+        )
+        if requeue_now and w.resumable:
+            self.requeued.append(w)
+        self.epoch += 1
+
+    def _place(self, w: Workload, slots: list[tuple[str, int]]) -> None:
+        for name, gpus in slots:
+            self._set_free(name, self.free[name] - gpus)
+            self.added.setdefault(name, []).append((w, gpus))
+        self._emit(
+            WorkloadPlaced,
+            workload=w.id,
+            placement=tuple(Slot(name, gpus) for name, gpus in slots),
+            allocated=w.min_runtime_ms > 0,
+            protected_until_ms=self.t + w.min_runtime_ms,
+            attempt=w.attempt + 1,
+        )
+        self.epoch += 1
+
+    def _may_use(self, w: Workload, name: str) -> bool:
+        """Reservation gate: a reserved node takes only work preemptible before it starts."""
+        start = self.reserved.get(name)
+        return start is None or self.t + w.min_runtime_ms <= start
+
+    def _pools_for(self, w: Workload) -> list[tuple[str, int]]:
+        return [
+            key
+            for key in sorted(self.buckets)
+            if w.gpu_type == ANY_GPU_TYPE or key[0] == w.gpu_type
+        ]
+
+    # -- a. fit --------------------------------------------------------------
+    def fit(self, w: Workload) -> list[tuple[str, int]] | None:
+        """Where ``w`` fits now: one node by best fit (fewest free GPUs that still
+        fit, ties by node id) if it asks for at most a node's GPUs; otherwise
+        ``gpus / node size`` whole free nodes of one pool, lowest ids first."""
+        g = w.gpus
+        best: tuple[int, str] | None = None
+        for key in self._pools_for(w):
+            size = key[1]
+            pool = self.buckets[key]
+            if g <= size:
+                for free in sorted(f for f in pool if f >= g and pool[f]):
+                    if best is not None and free > best[0]:
+                        break
+                    for name in pool[free]:
+                        if self._may_use(w, name):
+                            if best is None or (free, name) < best:
+                                best = (free, name)
+                            break
+            elif g % size == 0:
+                whole = [n for n in pool.get(size, ()) if self._may_use(w, n)]
+                if len(whole) >= g // size:
+                    return [(n, size) for n in whole[: g // size]]
+        if best is not None:
+            return [(best[1], g)]
+        return None
+
+    # -- b. preemption -------------------------------------------------------
+    def _leaf_position(self, leaf: str) -> int:
+        """Position of ``leaf`` in fair-share order at the cycle start: higher = more over-served."""
+        if self._leaf_pos is None:
+            leaves = sorted(self.state.budget.leaves(), key=self.view.ranks_of)
+            self._leaf_pos = {leaf: i for i, leaf in enumerate(leaves)}
+        return self._leaf_pos.get(leaf, -1)
+
+    def _ratio(self, path: str) -> Fraction:
+        return ratio(self.usage[path], self.weight[path])
+
+    def outranks(self, c: Workload, v: Workload) -> bool:
+        """``c`` outranks ``v`` clearly: at the first level where their paths part,
+        ``ratio(c side) < (1 - margin) * ratio(v side)``; inside one leaf, only a
+        strictly higher priority outranks."""
+        if c.owner == v.owner:
+            return c.priority > v.priority
+        cp = [*ancestors_of(c.owner)[1:], c.owner]
+        vp = [*ancestors_of(v.owner)[1:], v.owner]
+        for a, b in zip(cp, vp, strict=False):
+            if a != b:
+                return clearly_below(self._ratio(a), self._ratio(b), self.margin)
+        return False  # unreachable for two different leaves
+
+    def _victims_on(self, c: Workload, name: str, memo: dict[str, bool]) -> list[Workload]:
+        """Running workloads on ``name`` that ``c`` may preempt now."""
+        out = []
+        for wid in self.state.nodes[name].workloads:
+            if wid in self.gone:
+                continue
+            v = self.state.running[wid]
+            if v.min_runtime_ms == 0:
+                out.append(v)
+            elif self.t >= v.protected_until_ms:
+                ok = memo.get(v.owner) if v.owner != c.owner else None
+                if ok is None:
+                    ok = self.outranks(c, v)
+                    if v.owner != c.owner:
+                        memo[v.owner] = ok
+                if ok:
+                    out.append(v)
+        return out
+
+    def _victim_order(self, v: Workload) -> tuple:
+        """Unallocated first, then the most over-served owners, then lower priority, then id."""
+        if v.min_runtime_ms == 0:
+            return (0, 0, 0, v.id)
+        return (1, -self._leaf_position(v.owner), v.priority, v.id)
+
+    def _set_cost(self, victims: list[Workload], excess: int, name: str) -> tuple:
+        allocated = [v for v in victims if v.min_runtime_ms > 0]
+        least = min((self._leaf_position(v.owner) for v in allocated), default=0)
+        return (len(allocated), -least, excess, tuple(sorted(v.id for v in victims)), name)
+
+    def preemption(self, c: Workload) -> tuple[list[Workload], list[tuple[str, int]]] | None:
+        """The cheapest victim set that makes ``c`` fit, and where ``c`` then goes.
+
+        Cost, compared in order: fewest allocated victims (unallocated ones
+        first), the most over-served owners (the least over-served victim as
+        over-served as possible), fewest GPUs freed beyond need, victim ids,
+        node ids."""
+        g = c.gpus
+        memo: dict[str, bool] = {}
+        best: tuple[tuple, list[Workload], list[tuple[str, int]]] | None = None
+        for key in self._pools_for(c):
+            gpu_type, size = key
+            if g <= size:
+                for name in self.node_ids:
+                    node = self.state.nodes[name]
+                    if not node.schedulable or (node.gpu_type, node.gpus) != key:
+                        continue
+                    if not self._may_use(c, name):
+                        continue
+                    free = self.free[name]
+                    victims = self._victims_on(c, name, memo)
+                    if free + sum(node.workloads[v.id] for v in victims) < g:
+                        continue
+                    chosen = self._cheapest_on_node(victims, node, free, g)
+                    freed = sum(node.workloads[v.id] for v in chosen)
+                    elsewhere = sum(v.gpus for v in chosen) - freed
+                    cost = self._set_cost(chosen, free + freed - g + elsewhere, name)
+                    if best is None or cost < best[0]:
+                        best = (cost, chosen, [(name, g)])
+            elif g % size == 0:
+                need = g // size
+                options: list[tuple[tuple, str, list[Workload]]] = []
+                for name in self.node_ids:
+                    node = self.state.nodes[name]
+                    if not node.schedulable or (node.gpu_type, node.gpus) != key:
+                        continue
+                    if not self._may_use(c, name):
+                        continue
+                    victims = self._victims_on(c, name, memo)
+                    if self.free[name] + sum(node.workloads[v.id] for v in victims) < size:
+                        continue
+                    if self.added.get(name):
+                        continue  # holds work placed this cycle, which is protected
+                    options.append((self._set_cost(victims, 0, name), name, victims))
+                if len(options) < need:
+                    continue
+                options.sort(key=lambda o: o[0])
+                picked = options[:need]
+                seen: dict[str, Workload] = {}
+                for _, _, victims in picked:
+                    for v in victims:
+                        seen[v.id] = v
+                chosen = sorted(seen.values(), key=lambda v: v.id)
+                excess = sum(v.gpus for v in chosen) + sum(self.free[n] for _, n, _ in picked) - g
+                cost = self._set_cost(chosen, excess, picked[0][1])
+                if best is None or cost < best[0]:
+                    best = (cost, chosen, [(n, size) for _, n, _ in sorted(picked, key=lambda o: o[1])])
+        if best is None or not best[1]:
+            return None
+        return best[1], best[2]
+
+    def _cheapest_on_node(
+        self, victims: list[Workload], node: ClusterNode, free: int, g: int
+    ) -> list[Workload]:
+        """Victims in cost order until ``g`` GPUs are free, then drop any not needed."""
+        chosen: list[Workload] = []
+        have = free
+        for v in sorted(victims, key=self._victim_order):
+            if have >= g:
+                break
+            chosen.append(v)
+            have += node.workloads[v.id]
+        for v in reversed(list(chosen)):
+            if have - node.workloads[v.id] >= g:
+                chosen.remove(v)
+                have -= node.workloads[v.id]
+        return chosen
+
+    # -- c. reservation ------------------------------------------------------
+    def _release_times(self, c: Workload, name: str) -> list[int]:
+        """For each GPU of ``name``: when it becomes free or preemptible for ``c``."""
+        node = self.state.nodes[name]
+        times = [self.t] * self.free[name]
+        for wid, gpus in node.workloads.items():
+            if wid in self.gone:
+                continue
+            v = self.state.running[wid]
+            if v.min_runtime_ms == 0:
+                at = self.t
+            elif self.outranks(c, v):
+                at = max(self.t, v.protected_until_ms)
+            else:
+                at = _NEVER
+            times.extend([at] * gpus)
+        for v, gpus in self.added.get(name, ()):
+            at = self.t + v.min_runtime_ms if v.min_runtime_ms == 0 or self.outranks(c, v) else _NEVER
+            times.extend([at] * gpus)
+        times.sort()
+        return times
+
+    def reserve(self, c: Workload) -> None:
+        """Hold for ``c`` the nodes that become free or preemptible for it earliest."""
+        g = c.gpus
+        best: tuple[int, tuple[str, ...]] | None = None
+        for key in self._pools_for(c):
+            size = key[1]
+            names = [
+                n
+                for n in self.node_ids
+                if self.state.nodes[n].schedulable
+                and (self.state.nodes[n].gpu_type, self.state.nodes[n].gpus) == key
+            ]
+            if g <= size:
+                ready = sorted((self._release_times(c, n)[g - 1], n) for n in names)
+                option = (ready[0][0], (ready[0][1],)) if ready else None
+            elif g % size == 0 and len(names) >= g // size:
+                ready = sorted((self._release_times(c, n)[-1], n) for n in names)[: g // size]
+                option = (ready[-1][0], tuple(sorted(n for _, n in ready)))
+            else:
+                option = None
+            if option is not None and option[0] < _NEVER and (best is None or option < best):
+                best = option
+        if best is None or best[0] <= self.t:
+            return
+        start, nodes = best
+        self.reservation = Reservation(workload=c.id, nodes=nodes, start_ms=start)
+        for n in nodes:
+            self.reserved[n] = start
+
+    # -- steps 3 and 4 --------------------------------------------------------
+    def _try(self, w: Workload) -> bool:
+        """Place ``w`` (allocated ones may preempt); False if it stays pending."""
+        shape = (w.owner, w.priority, w.gpu_type, w.min_runtime_ms)
+        failed = self.failed.get(shape)
+        if failed is not None and failed[0] == self.epoch and w.gpus >= failed[1]:
+            return False
+        slots = self.fit(w)
+        if slots is None and w.min_runtime_ms > 0:
+            found = self.preemption(w)
+            if found is not None:
+                victims, slots = found
+                for v in victims:
+                    self._preempt(v, "unallocated" if v.min_runtime_ms == 0 else "fairshare", w.id)
+        if slots is None:
+            self.failed[shape] = (self.epoch, w.gpus)
+            return False
+        self._place(w, slots)
+        return True
+
+    def _schedule_allocated(self) -> None:
+        walk = _FairShareWalk(self)
+        blocked_first = True
+        while True:
+            w = walk.next()
+            if w is None:
+                return
+            if self._try(w):
+                walk.charge(w)
+            elif blocked_first:
+                blocked_first = False
+                if self.state.policy.reservations:
+                    self.reserve(w)
+
+    def _schedule_unallocated(self) -> None:
+        waiting = [w for w in self.state.pending.values() if w.min_runtime_ms == 0]
+        waiting += [w for w in self.requeued if w.min_runtime_ms == 0]
+        for w in sorted(waiting, key=lambda w: (w.submitted_ms, w.id)):
+            self._try(w)
+
+    # -- next wake-up -----------------------------------------------------------
+    def _next_wakeup(self) -> int | None:
+        """The earliest future protection expiry that could change a decision (on a
+        draining node, or anywhere while allocated work waits), or the reservation start."""
+        t = self.t
+        placed = {d.workload for d in self.decisions if isinstance(d, WorkloadPlaced)}
+        waiting = any(
+            w.min_runtime_ms > 0 and w.id not in placed
+            for w in [*self.state.pending.values(), *self.requeued]
+        ) or any(r == "fairshare" and self.state.running[w].min_runtime_ms > 0 for w, r in self.gone.items())
+        out = self.reservation.start_ms if self.reservation else None
+        for w in self.state.running.values():
+            if w.id in self.gone or w.protected_until_ms <= t:
+                continue
+            if waiting or any(self.state.nodes[s.node].health == "draining" for s in w.placement):
+                if out is None or w.protected_until_ms < out:
+                    out = w.protected_until_ms
+        if waiting:
+            for entries in self.added.values():
+                for v, _ in entries:
+                    end = t + v.min_runtime_ms
+                    if end > t and (out is None or end < out):
+                        out = end
+        return out
+
+
+class _FairShareWalk:
+    """Pending allocated workloads in fair-share order, re-ranked after each charge.
+
+    Each internal budget node keeps a heap of its children keyed by (working
+    ratio, -weight, path); a charge pushes fresh keys for the charged path and
+    stale heap entries are skipped by version. Each leaf keeps its workloads
+    sorted by (-priority, submit time, id).
+    """
+
+    def __init__(self, cycle: _Cycle) -> None:
+        self.cycle = cycle
+        tree = cycle.state.budget
+        self.queues: dict[str, list[Workload]] = {}
+        for w in [*cycle.state.pending.values(), *cycle.requeued]:
+            if w.min_runtime_ms > 0:
+                self.queues.setdefault(w.owner, []).append(w)
+        for q in self.queues.values():
+            q.sort(key=lambda w: (-w.priority, w.submitted_ms, w.id), reverse=True)  # pop() from the end
+        self.version: dict[str, int] = {}
+        self.heaps: dict[str, list[tuple[Fraction, int, str, int]]] = {}
+        live: dict[str, bool] = {}
+        for leaf in sorted(self.queues):
+            for p in [*ancestors_of(leaf), leaf]:
+                live[p] = True
+        for path in sorted(live):
+            if path == ROOT:
+                continue
+            parent = path[: path.rfind("/")] if "/" in path else ROOT
+            self.version[path] = 0
+            self.heaps.setdefault(parent, []).append(self._entry(path))
+        for heap in self.heaps.values():
+            heapq.heapify(heap)
+        self.tree = tree
+
+    def _entry(self, path: str) -> tuple[Fraction, int, str, int]:
+        c = self.cycle
+        return (c._ratio(path), -c.weight[path], path, self.version[path])
+
+    def next(self) -> Workload | None:
+        return self._best(ROOT)
+
+    def _best(self, path: str) -> Workload | None:
+        queue = self.queues.get(path)
+        if queue is not None:
+            return queue.pop() if queue else None
+        heap = self.heaps.get(path)
+        while heap:
+            _, _, child, version = heap[0]
+            if version != self.version[child]:
+                heapq.heappop(heap)
+                continue
+            w = self._best(child)
+            if w is not None:
+                return w
+            heapq.heappop(heap)
+            self.version[child] = -1  # exhausted
+        return None
+
+    def charge(self, w: Workload) -> None:
+        """Add ``w``'s projected charge to its path and re-rank the path."""
+        c = self.cycle
+        charge = w.gpus * w.min_runtime_ms
+        for p in [*ancestors_of(w.owner), w.owner]:
+            c.usage[p] += charge
+            if p == ROOT or self.version.get(p, -1) < 0:
+                continue
+            self.version[p] += 1
+            parent = p[: p.rfind("/")] if "/" in p else ROOT
+            heapq.heappush(self.heaps[parent], self._entry(p))

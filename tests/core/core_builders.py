@@ -48,6 +48,8 @@ class Scenario:
         self.n = 0
         self.events: list[Event] = []
         self.state = State()
+        self._expect: tuple[str, ...] | None = None
+        self.reason = ""
         if root_owner:
             self.apply(BudgetSet(id=self._id(), at_ms=0, path="", weight=1, owner=root_owner, actor=""))
 
@@ -57,8 +59,35 @@ class Scenario:
         return f"e{self.n}"
 
     def apply(self, event: Event) -> Scenario:
+        """Fold ``event``. An input the fold rejects fails the test unless
+        :meth:`rejects` announced it; then the rejection is checked to have
+        changed nothing: the state must equal a twin that folded a
+        ``ClockTicked`` with the same id and time instead, plus the rejection
+        record."""
+        expect, self._expect = self._expect, None
+        before = len(self.state.rejections)
+        twin = self.state.copy() if expect is not None else None
         self.events.append(event)
         apply(self.state, event)
+        rejected = len(self.state.rejections) > before
+        if expect is None:
+            assert not rejected, f"unexpected rejection: {self.state.rejections[-1]}"
+            return self
+        assert rejected, f"{type(event).__name__} {event.id} was accepted; expected a rejection"
+        ref, reason = self.state.rejections[-1]
+        assert ref == event.id
+        for word in expect:
+            assert word in reason, f"{word!r} not in {reason!r}"
+        assert twin is not None
+        apply(twin, ClockTicked(id=event.id, at_ms=event.at_ms))
+        twin.rejections.append((ref, reason))
+        assert twin.digest() == self.state.digest(), "a rejected input changed the state"
+        self.reason = reason
+        return self
+
+    def rejects(self, *words: str) -> Scenario:
+        """The next input must be rejected, change nothing, and give a reason containing ``words``."""
+        self._expect = words
         return self
 
     def at(self, t_ms: int) -> Scenario:

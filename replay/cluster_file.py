@@ -1,0 +1,272 @@
+"""The cluster file (TOML, DESIGN "Interfaces") as a list of input events.
+
+::
+
+    [cluster]
+    name = "ai2"
+
+    [[cluster.pool]]
+    prefix = "h100-"          # nodes are named f"{prefix}{i:03d}", i = 0 .. count-1
+    count = 128
+    gpus_per_node = 8
+    gpu_type = "h100"
+
+    [policy]                   # optional; defaults 7d, 8h, 0.05
+    lookback = "7d"
+    max_min_runtime = "8h"
+    preemption_margin = 0.05   # exact: converted to parts per million through Fraction
+
+    [budget]                   # the root
+    owner = "ops"
+    [budget.llm]               # child "llm"
+    weight = 40
+    owner = "alice"
+    [budget.llm.pretrain]      # child "llm/pretrain"
+    weight = 3
+    owner = "bob"
+
+Budget children are created in file order (TOML tables keep their order).
+Every :class:`BudgetSet` and the :class:`PolicySet` are issued by the root's
+owner, who owns every ancestor. Errors raise :class:`InputFileError` naming the
+file, the key and the reason.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from apportion.schemas.events import (
+    PPM,
+    BudgetSet,
+    Event,
+    NodeRegistered,
+    PolicySet,
+)
+
+from .errors import InputFileError
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d|w)\s*$")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "min": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
+
+
+class ClusterSpec(msgspec.Struct, kw_only=True):
+    name: str
+    events: list[Event]
+    """NodeRegistered per node, BudgetSet root first then children, PolicySet last."""
+    nodes: list[tuple[str, int, str]]
+    """``(node, gpus, gpu_type)`` in registration order."""
+    budget: list[tuple[str, int, str]]
+    """``(path, weight, owner)`` parents before children."""
+    root_owner: str
+
+
+def parse_duration_ms(text: Any) -> int:
+    """``"7d"``, ``"8h"``, ``"15m"``, ``"30s"``, ``"250ms"``, ``"1.5h"`` -> exact milliseconds.
+
+    Raises ``ValueError`` with a reason for anything else (a fractional millisecond too).
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"expected a duration such as \"7d\", \"8h\" or \"15m\", got {text!r}")
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"expected a duration such as \"7d\", \"8h\" or \"15m\", got {text!r}")
+    ms = Fraction(m.group(1)) * _UNIT_MS[m.group(2)]
+    if ms.denominator != 1:
+        raise ValueError(f"duration {text!r} is not a whole number of milliseconds")
+    return int(ms)
+
+
+def format_duration(ms: int) -> str:
+    for unit in ("w", "d", "h", "m", "s"):
+        if ms and ms % _UNIT_MS[unit] == 0:
+            return f"{ms // _UNIT_MS[unit]}{unit}"
+    return f"{ms}ms"
+
+
+def margin_ppm(value: Any) -> int:
+    """``0.05`` -> ``50000`` exactly (through the decimal text, never float arithmetic)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"expected a number in [0, 1), got {value!r}")
+    try:
+        frac = Fraction(str(value))
+    except ValueError:
+        raise ValueError(f"expected a number in [0, 1), got {value!r}") from None
+    if not 0 <= frac < 1:
+        raise ValueError(f"must be in [0, 1), got {value}")
+    ppm = frac * PPM
+    if ppm.denominator != 1:
+        raise ValueError(f"{value} is finer than one part per million")
+    return int(ppm)
+
+
+def load_cluster(path: str | Path, at_ms: int = 0) -> ClusterSpec:
+    """Read a cluster TOML file; raise :class:`InputFileError` on any problem."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputFileError(str(path), None, f"cannot read: {exc.strerror}") from None
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise InputFileError(str(path), None, "not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InputFileError(str(path), None, f"TOML syntax: {exc}") from None
+    return cluster_from_dict(doc, str(path), at_ms)
+
+
+def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int = 0) -> ClusterSpec:
+    def fail(key: str, reason: str) -> InputFileError:
+        return InputFileError(file, key, reason)
+
+    unknown = sorted(set(doc) - {"cluster", "policy", "budget"})
+    if unknown:
+        raise fail(unknown[0], "unknown table (expected [cluster], [policy], [budget])")
+    cluster = doc.get("cluster")
+    if not isinstance(cluster, dict):
+        raise fail("cluster", "missing [cluster] table")
+    name = cluster.get("name", "cluster")
+    if not isinstance(name, str) or not name:
+        raise fail("cluster.name", "must be a non-empty string")
+    pools = cluster.get("pool")
+    if not isinstance(pools, list) or not pools:
+        raise fail("cluster.pool", "need at least one [[cluster.pool]] with prefix, count, gpus_per_node, gpu_type")
+    events: list[Event] = []
+    nodes: list[tuple[str, int, str]] = []
+    seen: set[str] = set()
+    for i, pool in enumerate(pools):
+        key = f"cluster.pool[{i}]"
+        if not isinstance(pool, dict):
+            raise fail(key, "must be a table")
+        extra = sorted(set(pool) - {"prefix", "count", "gpus_per_node", "gpu_type", "start"})
+        if extra:
+            raise fail(f"{key}.{extra[0]}", "unknown key")
+        prefix = pool.get("prefix")
+        if not isinstance(prefix, str) or not prefix:
+            raise fail(f"{key}.prefix", "must be a non-empty string")
+        for field in ("count", "gpus_per_node"):
+            v = pool.get(field)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise fail(f"{key}.{field}", f"must be a positive integer, got {v!r}")
+        gpu_type = pool.get("gpu_type")
+        if not isinstance(gpu_type, str) or not gpu_type or gpu_type == "any":
+            raise fail(f"{key}.gpu_type", f"must name a GPU type, got {gpu_type!r}")
+        start = pool.get("start", 0)
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise fail(f"{key}.start", f"must be a non-negative integer, got {start!r}")
+        for n in range(start, start + pool["count"]):
+            node = f"{prefix}{n:03d}"
+            if node in seen:
+                raise fail(f"{key}.prefix", f"node name {node!r} repeats an earlier pool's")
+            seen.add(node)
+            nodes.append((node, pool["gpus_per_node"], gpu_type))
+            events.append(
+                NodeRegistered(
+                    id=f"cluster/node/{node}", at_ms=at_ms, node=node, gpus=pool["gpus_per_node"], gpu_type=gpu_type
+                )
+            )
+
+    budget_doc = doc.get("budget", {})
+    if not isinstance(budget_doc, dict):
+        raise fail("budget", "must be a table")
+    root_owner = budget_doc.get("owner", "root")
+    if not isinstance(root_owner, str) or not root_owner:
+        raise fail("budget.owner", "must be a non-empty string")
+    root_weight = budget_doc.get("weight", 1)
+    if isinstance(root_weight, bool) or not isinstance(root_weight, int) or root_weight <= 0:
+        raise fail("budget.weight", f"must be a positive integer, got {root_weight!r}")
+    budget: list[tuple[str, int, str]] = [("", root_weight, root_owner)]
+
+    def walk(table: dict[str, Any], path: str, key: str) -> None:
+        for child, value in table.items():
+            if child in ("weight", "owner"):
+                continue
+            ckey = f"{key}.{child}"
+            if not isinstance(value, dict):
+                raise fail(ckey, "unknown key (a budget table holds weight, owner and child tables)")
+            cpath = f"{path}/{child}" if path else child
+            weight = value.get("weight")
+            if isinstance(weight, bool) or not isinstance(weight, int) or weight <= 0:
+                raise fail(f"{ckey}.weight", f"must be a positive integer, got {weight!r}")
+            owner = value.get("owner")
+            if not isinstance(owner, str) or not owner:
+                raise fail(f"{ckey}.owner", f"must be a non-empty string, got {owner!r}")
+            budget.append((cpath, weight, owner))
+            walk(value, cpath, ckey)
+
+    walk(budget_doc, "", "budget")
+    if len(budget) == 1:
+        raise fail("budget", "the budget tree has no children; add [budget.NAME] tables with weight and owner")
+    for path_, weight, owner in budget:
+        events.append(
+            BudgetSet(id=f"cluster/budget/{path_}", at_ms=at_ms, path=path_, weight=weight, owner=owner, actor=root_owner)
+        )
+
+    policy = doc.get("policy", {})
+    if not isinstance(policy, dict):
+        raise fail("policy", "must be a table")
+    extra = sorted(set(policy) - {"lookback", "max_min_runtime", "preemption_margin", "reservations"})
+    if extra:
+        raise fail(f"policy.{extra[0]}", "unknown key")
+    kwargs: dict[str, Any] = {}
+    try:
+        if "lookback" in policy:
+            kwargs["lookback_ms"] = parse_duration_ms(policy["lookback"])
+    except ValueError as exc:
+        raise fail("policy.lookback", str(exc)) from None
+    try:
+        if "max_min_runtime" in policy:
+            kwargs["max_min_runtime_ms"] = parse_duration_ms(policy["max_min_runtime"])
+    except ValueError as exc:
+        raise fail("policy.max_min_runtime", str(exc)) from None
+    try:
+        if "preemption_margin" in policy:
+            kwargs["preemption_margin_ppm"] = margin_ppm(policy["preemption_margin"])
+    except ValueError as exc:
+        raise fail("policy.preemption_margin", str(exc)) from None
+    if "reservations" in policy:
+        if not isinstance(policy["reservations"], bool):
+            raise fail("policy.reservations", "must be true or false")
+        kwargs["reservations"] = policy["reservations"]
+    events.append(PolicySet(id="cluster/policy", at_ms=at_ms, actor=root_owner, **kwargs))
+    return ClusterSpec(name=name, events=events, nodes=nodes, budget=budget, root_owner=root_owner)
+
+
+def _toml_key(segment: str) -> str:
+    return segment if re.fullmatch(r"[A-Za-z0-9_-]+", segment) else '"' + segment.replace('"', '\\"') + '"'
+
+
+def write_cluster(
+    path: str | Path,
+    *,
+    name: str,
+    pools: list[tuple[str, int, int, str]],
+    budget: list[tuple[str, int, str]],
+    policy: dict[str, Any] | None = None,
+    comment: str = "",
+) -> None:
+    """Write a cluster TOML: ``pools`` of ``(prefix, count, gpus_per_node, gpu_type)``,
+    ``budget`` of ``(path, weight, owner)`` with the root ``""`` first, parents before children."""
+    lines: list[str] = []
+    for c in comment.splitlines():
+        lines.append(f"# {c}".rstrip())
+    lines += ["[cluster]", f'name = "{name}"', ""]
+    for prefix, count, gpn, gtype in pools:
+        lines += ["[[cluster.pool]]", f'prefix = "{prefix}"', f"count = {count}", f"gpus_per_node = {gpn}", f'gpu_type = "{gtype}"', ""]
+    lines.append("[policy]")
+    for k, v in (policy or {"lookback": "7d", "max_min_runtime": "8h", "preemption_margin": 0.05}).items():
+        lines.append(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {str(v).lower() if isinstance(v, bool) else v}")
+    lines.append("")
+    for p, weight, owner in budget:
+        if p == "":
+            lines += ["[budget]", f'owner = "{owner}"', ""]
+        else:
+            key = ".".join(_toml_key(s) for s in p.split("/"))
+            lines += [f"[budget.{key}]", f"weight = {weight}", f'owner = "{owner}"', ""]
+    Path(path).write_text("\n".join(lines))

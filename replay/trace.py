@@ -1,0 +1,230 @@
+"""Trace and health CSVs (DESIGN "Interfaces").
+
+**Trace CSV**, one workload a row: ``id, submit, owner, gpus, duration,
+min_runtime`` and optionally ``resumable`` (default true), ``priority``
+(default 0), ``gpu_type`` (default ``any``), ``legacy_priority``
+(``low``/``normal``/``high``, default ``high``), ``legacy_preemptible``
+(default false). Times are seconds (fractional allowed) from the start of the
+simulation, rounded to the nearest millisecond.
+
+**Health CSV**: ``at`` (seconds), ``node``, ``state`` (healthy/draining/down).
+
+A malformed row is reported as :class:`InputFileError` (file, line, reason) and
+skipped; the valid rows still run. A missing file or a missing required column
+stops the read.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterable
+from fractions import Fraction
+from pathlib import Path
+
+import msgspec
+
+from .errors import InputFileError
+
+TRACE_COLUMNS = ("id", "submit", "owner", "gpus", "duration", "min_runtime")
+TRACE_OPTIONAL = ("resumable", "priority", "gpu_type", "legacy_priority", "legacy_preemptible")
+HEALTH_COLUMNS = ("at", "node", "state")
+_TRUE = {"true", "1", "yes", "y", "t"}
+_FALSE = {"false", "0", "no", "n", "f", ""}
+LEGACY_PRIORITIES = ("low", "normal", "high")
+HEALTH_STATES = ("healthy", "draining", "down")
+
+
+class TraceRow(msgspec.Struct, kw_only=True):
+    id: str
+    submit_ms: int
+    owner: str
+    gpus: int
+    duration_ms: int
+    min_runtime_ms: int
+    resumable: bool = True
+    priority: int = 0
+    gpu_type: str = "any"
+    legacy_priority: str = "high"
+    legacy_preemptible: bool = False
+    line: int = 0
+    """Line in the file it came from (0 when generated in memory)."""
+
+
+class HealthRow(msgspec.Struct, kw_only=True):
+    at_ms: int
+    node: str
+    state: str
+    line: int = 0
+
+
+def seconds_to_ms(text: str) -> int:
+    """``"12.5"`` -> ``12500``: exact decimal, rounded to the nearest ms (half to even)."""
+    text = text.strip()
+    try:
+        value = Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"not a number of seconds: {text!r}") from None
+    if value < 0:
+        raise ValueError(f"negative time {text}")
+    return round(value * 1000)
+
+
+def ms_to_seconds(ms: int) -> str:
+    """``12500`` -> ``"12.5"``; ``12000`` -> ``"12"``."""
+    if ms % 1000 == 0:
+        return str(ms // 1000)
+    sign = "-" if ms < 0 else ""
+    ms = abs(ms)
+    return f"{sign}{ms // 1000}.{ms % 1000:03d}".rstrip("0")
+
+
+def _bool(text: str, column: str) -> bool:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError(f"{column} must be true or false, got {text!r}")
+
+
+def _int(text: str, column: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"{column} must be an integer, got {text!r}") from None
+
+
+def _open_csv(path: str | Path, required: tuple[str, ...]) -> tuple[list[str], csv.DictReader, object]:
+    try:
+        fh = open(path, newline="", encoding="utf-8")  # noqa: SIM115 - closed by the caller
+    except OSError as exc:
+        raise InputFileError(str(path), None, f"cannot read: {exc.strerror}") from None
+    reader = csv.DictReader(fh)
+    header = [h.strip() for h in (reader.fieldnames or [])]
+    reader.fieldnames = header
+    missing = [c for c in required if c not in header]
+    if missing:
+        fh.close()
+        raise InputFileError(str(path), 1, f"missing column(s) {', '.join(missing)}; need {', '.join(required)}")
+    return header, reader, fh
+
+
+def read_trace(path: str | Path) -> tuple[list[TraceRow], list[InputFileError]]:
+    """Rows sorted by (submit, line), and one error per rejected row."""
+    header, reader, fh = _open_csv(path, TRACE_COLUMNS)
+    rows: list[TraceRow] = []
+    errors: list[InputFileError] = []
+    seen: dict[str, int] = {}
+    try:
+        for rec in reader:
+            line = reader.line_num
+            try:
+                if None in rec:
+                    raise ValueError("more fields than the header has")
+                if any(rec.get(c) is None for c in TRACE_COLUMNS):
+                    raise ValueError("fewer fields than the header has")
+                wid = rec["id"].strip()
+                if not wid:
+                    raise ValueError("id is empty")
+                if wid in seen:
+                    raise ValueError(f"id {wid!r} repeats line {seen[wid]}")
+                owner = rec["owner"].strip()
+                if not owner:
+                    raise ValueError("owner is empty")
+                gpus = _int(rec["gpus"], "gpus")
+                if gpus <= 0:
+                    raise ValueError(f"gpus must be positive, got {gpus}")
+                submit = seconds_to_ms(rec["submit"])
+                duration = seconds_to_ms(rec["duration"])
+                min_rt = seconds_to_ms(rec["min_runtime"])
+                kw: dict[str, object] = {}
+                if (v := rec.get("resumable")) not in (None, ""):
+                    kw["resumable"] = _bool(v, "resumable")
+                if (v := rec.get("priority")) not in (None, ""):
+                    kw["priority"] = _int(v, "priority")
+                if (v := rec.get("gpu_type")) not in (None, ""):
+                    kw["gpu_type"] = v.strip()
+                if (v := rec.get("legacy_priority")) not in (None, ""):
+                    lp = v.strip().lower()
+                    if lp not in LEGACY_PRIORITIES:
+                        raise ValueError(f"legacy_priority must be low, normal or high, got {v!r}")
+                    kw["legacy_priority"] = lp
+                if (v := rec.get("legacy_preemptible")) not in (None, ""):
+                    kw["legacy_preemptible"] = _bool(v, "legacy_preemptible")
+            except ValueError as exc:
+                errors.append(InputFileError(str(path), line, str(exc)))
+                continue
+            seen[wid] = line
+            rows.append(
+                TraceRow(
+                    id=wid, submit_ms=submit, owner=owner, gpus=gpus, duration_ms=duration,
+                    min_runtime_ms=min_rt, line=line, **kw,  # type: ignore[arg-type]
+                )
+            )
+    except csv.Error as exc:
+        errors.append(InputFileError(str(path), reader.line_num, f"CSV: {exc}"))
+    except UnicodeDecodeError:
+        errors.append(InputFileError(str(path), reader.line_num + 1, "not UTF-8 text; reading stopped here"))
+    finally:
+        fh.close()  # type: ignore[attr-defined]
+    rows.sort(key=lambda r: (r.submit_ms, r.line))
+    return rows, errors
+
+
+def read_health(path: str | Path) -> tuple[list[HealthRow], list[InputFileError]]:
+    header, reader, fh = _open_csv(path, HEALTH_COLUMNS)
+    rows: list[HealthRow] = []
+    errors: list[InputFileError] = []
+    try:
+        for rec in reader:
+            line = reader.line_num
+            try:
+                if None in rec or any(rec.get(c) is None for c in HEALTH_COLUMNS):
+                    raise ValueError("wrong number of fields")
+                at = seconds_to_ms(rec["at"])
+                node = rec["node"].strip()
+                if not node:
+                    raise ValueError("node is empty")
+                state = rec["state"].strip().lower()
+                if state not in HEALTH_STATES:
+                    raise ValueError(f"state must be healthy, draining or down, got {rec['state']!r}")
+            except ValueError as exc:
+                errors.append(InputFileError(str(path), line, str(exc)))
+                continue
+            rows.append(HealthRow(at_ms=at, node=node, state=state, line=line))
+    except csv.Error as exc:
+        errors.append(InputFileError(str(path), reader.line_num, f"CSV: {exc}"))
+    except UnicodeDecodeError:
+        errors.append(InputFileError(str(path), reader.line_num + 1, "not UTF-8 text; reading stopped here"))
+    finally:
+        fh.close()  # type: ignore[attr-defined]
+    rows.sort(key=lambda r: (r.at_ms, r.line))
+    return rows, errors
+
+
+def write_trace(path: str | Path, rows: Iterable[TraceRow]) -> int:
+    n = 0
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(TRACE_COLUMNS + TRACE_OPTIONAL)
+        for r in rows:
+            w.writerow(
+                (
+                    r.id, ms_to_seconds(r.submit_ms), r.owner, r.gpus, ms_to_seconds(r.duration_ms),
+                    ms_to_seconds(r.min_runtime_ms), str(r.resumable).lower(), r.priority, r.gpu_type,
+                    r.legacy_priority, str(r.legacy_preemptible).lower(),
+                )
+            )
+            n += 1
+    return n
+
+
+def write_health(path: str | Path, rows: Iterable[HealthRow]) -> int:
+    n = 0
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(HEALTH_COLUMNS)
+        for r in rows:
+            w.writerow((ms_to_seconds(r.at_ms), r.node, r.state))
+            n += 1
+    return n

@@ -557,6 +557,10 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
         raise CorruptHistory(f"placed {e.workload!r} with allocated={e.allocated} against its contract")
     if sum(s.gpus for s in e.placement) != w.gpus:
         raise CorruptHistory(f"placed {e.workload!r} on {e.placement} for {w.gpus} GPUs")
+    if len({s.node for s in e.placement}) != len(e.placement):
+        # each node once: a repeated node would be checked against its free GPUs
+        # slot by slot (overcommitting it) and could not be freed again later
+        raise CorruptHistory(f"placed {e.workload!r} on {e.placement}, which names a node twice")
     now = state.now_ms
     nodes = state.nodes
     for slot in e.placement:

@@ -173,8 +173,8 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
 
     def fit_with_preemption(w: Workload, rank: int) -> tuple[tuple[Slot, ...], list[Workload]] | None:
         def eligible(wid: str) -> Workload | None:
-            v = running[wid]
-            if v.legacy_preemptible and LEGACY_RANK.get(v.legacy_priority, 2) < rank:
+            v = running.get(wid)
+            if v is not None and v.legacy_preemptible and LEGACY_RANK.get(v.legacy_priority, 2) < rank:
                 return v
             return None
 
@@ -259,6 +259,7 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
                                   attempt=w.attempt + 1))
         for slot in placement:
             free[slot.node] -= slot.gpus
+            on_node[slot.node][w.id] = slot.gpus
         if not w.legacy_preemptible:
             np_used[team] = np_used.get(team, 0) + w.gpus
     # A placed workload is not a victim in the same cycle: it is not in state.running.

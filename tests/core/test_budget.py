@@ -5,10 +5,9 @@ from __future__ import annotations
 from fractions import Fraction as F
 
 import pytest
-from core_builders import ADMIN, Scenario
-
 from apportion.core import ROOT, ancestors_of, parent_of
 from apportion.core.budget import path_error
+from core_builders import ADMIN, Scenario
 
 
 def org() -> Scenario:
@@ -44,7 +43,13 @@ def test_tree_structure() -> None:
     assert tree.leaves() == ["vision", "llm/finetune", "llm/pretrain/alice", "llm/pretrain/bob"]
     assert tree.is_leaf("vision") and not tree.is_leaf("llm") and not tree.is_leaf(ROOT)
     assert tree.depth_first() == [
-        "", "llm", "llm/pretrain", "llm/pretrain/alice", "llm/pretrain/bob", "llm/finetune", "vision",
+        "",
+        "llm",
+        "llm/pretrain",
+        "llm/pretrain/alice",
+        "llm/pretrain/bob",
+        "llm/finetune",
+        "vision",
     ]
 
 
@@ -121,7 +126,9 @@ AUTHORITY = [
 ]
 
 
-@pytest.mark.parametrize(("actor", "path", "allowed"), [c[1:] for c in AUTHORITY], ids=[c[0] for c in AUTHORITY])
+@pytest.mark.parametrize(
+    ("actor", "path", "allowed"), [c[1:] for c in AUTHORITY], ids=[c[0] for c in AUTHORITY]
+)
 def test_authority_for_set(actor, path, allowed) -> None:
     s = org()
     if allowed:
@@ -203,9 +210,21 @@ def test_valid_path_characters() -> None:
         (lambda s: s, "a//b", ["unknown budget node"]),
         (lambda s: s.submit("w1", "vision"), "vision", ["1 pending or running"]),
         (lambda s: s.submit("w1", "vision").place("w1", "n0"), "vision", ["1 pending or running"]),
-        (lambda s: s.submit("w1", "vision", min_runtime_ms=0).submit("w2", "vision"), "vision", ["2 pending or running"]),
+        (
+            lambda s: s.submit("w1", "vision", min_runtime_ms=0).submit("w2", "vision"),
+            "vision",
+            ["2 pending or running"],
+        ),
     ],
-    ids=["children", "root", "unknown", "bad-path", "pending-work", "running-work", "two-workloads"],
+    ids=[
+        "children",
+        "root",
+        "unknown",
+        "bad-path",
+        "pending-work",
+        "running-work",
+        "two-workloads",
+    ],
 )
 def test_invalid_remove_rejected(setup, path, words) -> None:
     s = setup(org().node("n0"))

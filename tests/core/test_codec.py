@@ -7,9 +7,6 @@ import json
 
 import msgspec
 import pytest
-from click.testing import CliRunner
-
-from apportion.cli import main
 from apportion.schemas import (
     EventDecodeError,
     decode_batch,
@@ -29,8 +26,10 @@ from apportion.schemas.events import (
     kind_of,
 )
 from apportion.schemas.jsonschema import json_schemas
-
+from click.testing import CliRunner
 from core_builders import sample_events
+
+from apportion.cli import main
 
 FORMATS = ["json", "msgpack"]
 SAMPLES = sample_events()
@@ -61,10 +60,20 @@ def test_batch_round_trips(fmt) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_defaults_fill_in(fmt) -> None:
     """A publisher may leave out every field that has a default (``v`` included)."""
-    raw = {"kind": "WorkloadSubmitted", "id": "s", "at_ms": 5, "workload": "w", "owner": "a/x", "gpus": 2, "min_runtime_ms": 0}
+    raw = {
+        "kind": "WorkloadSubmitted",
+        "id": "s",
+        "at_ms": 5,
+        "workload": "w",
+        "owner": "a/x",
+        "gpus": 2,
+        "min_runtime_ms": 0,
+    }
     data = json.dumps(raw).encode() if fmt == "json" else msgspec.msgpack.encode(raw)
     event = decode_input(data, fmt)
-    assert event == WorkloadSubmitted(id="s", at_ms=5, workload="w", owner="a/x", gpus=2, min_runtime_ms=0)
+    assert event == WorkloadSubmitted(
+        id="s", at_ms=5, workload="w", owner="a/x", gpus=2, min_runtime_ms=0
+    )
     assert (event.v, event.gpu_type, event.resumable, event.priority) == (1, "any", True, 0)
 
 
@@ -78,24 +87,87 @@ BAD_INPUTS = [
     # (id, decoder, payload builder, words the message must contain)
     ("garbage-bytes", decode_input, lambda fmt: b"\xc1\xff{not", ["malformed"]),
     ("empty-bytes", decode_input, lambda fmt: b"", ["malformed"]),
-    ("unknown-kind", decode_input, lambda fmt: _raw(fmt, {**TICK, "kind": "WorkloadExploded"}), ["WorkloadExploded"]),
-    ("decision-as-input", decode_input, lambda fmt: encode(NodeDrained(id="d", at_ms=1, node="n"), fmt), ["NodeDrained"]),
-    ("input-as-decision", decode_decision, lambda fmt: encode(ClockTicked(id="c", at_ms=1), fmt), ["ClockTicked"]),
+    (
+        "unknown-kind",
+        decode_input,
+        lambda fmt: _raw(fmt, {**TICK, "kind": "WorkloadExploded"}),
+        ["WorkloadExploded"],
+    ),
+    (
+        "decision-as-input",
+        decode_input,
+        lambda fmt: encode(NodeDrained(id="d", at_ms=1, node="n"), fmt),
+        ["NodeDrained"],
+    ),
+    (
+        "input-as-decision",
+        decode_decision,
+        lambda fmt: encode(ClockTicked(id="c", at_ms=1), fmt),
+        ["ClockTicked"],
+    ),
     ("missing-kind", decode_input, lambda fmt: _raw(fmt, {"id": "t1", "at_ms": 5}), ["kind"]),
-    ("missing-field", decode_input, lambda fmt: _raw(fmt, {"kind": "NodeRegistered", "id": "n", "at_ms": 1, "node": "n1", "gpu_type": "a100"}), ["gpus"]),
-    ("wrong-type", decode_input, lambda fmt: _raw(fmt, {"kind": "NodeRegistered", "id": "n", "at_ms": 1, "node": "n1", "gpus": "eight", "gpu_type": "a100"}), ["gpus", "int"]),
+    (
+        "missing-field",
+        decode_input,
+        lambda fmt: _raw(
+            fmt, {"kind": "NodeRegistered", "id": "n", "at_ms": 1, "node": "n1", "gpu_type": "a100"}
+        ),
+        ["gpus"],
+    ),
+    (
+        "wrong-type",
+        decode_input,
+        lambda fmt: _raw(
+            fmt,
+            {
+                "kind": "NodeRegistered",
+                "id": "n",
+                "at_ms": 1,
+                "node": "n1",
+                "gpus": "eight",
+                "gpu_type": "a100",
+            },
+        ),
+        ["gpus", "int"],
+    ),
     ("float-time", decode_input, lambda fmt: _raw(fmt, {**TICK, "at_ms": 1.5}), ["at_ms", "int"]),
-    ("bad-literal", decode_input, lambda fmt: _raw(fmt, {"kind": "NodeHealthChanged", "id": "h", "at_ms": 1, "node": "n1", "state": "sleepy"}), ["state"]),
+    (
+        "bad-literal",
+        decode_input,
+        lambda fmt: _raw(
+            fmt,
+            {"kind": "NodeHealthChanged", "id": "h", "at_ms": 1, "node": "n1", "state": "sleepy"},
+        ),
+        ["state"],
+    ),
     ("not-an-object", decode_input, lambda fmt: _raw(fmt, [1, 2, 3]), ["object"]),
     ("future-version", decode_input, lambda fmt: _raw(fmt, {**TICK, "v": 2}), ["v=2", "upgrade"]),
     ("version-zero-any", decode_event, lambda fmt: _raw(fmt, {**TICK, "v": 0}), ["v=0"]),
-    ("batch-future-version", decode_batch, lambda fmt: _raw(fmt, {"basis": 3, "decisions": [], "v": 7}), ["v=7", "input 3"]),
-    ("batch-decision-version", decode_batch, lambda fmt: _raw(fmt, {"basis": 3, "decisions": [{"kind": "NodeDrained", "id": "d", "at_ms": 1, "node": "n", "v": 9}]}), ["v=9", "'d'"]),
+    (
+        "batch-future-version",
+        decode_batch,
+        lambda fmt: _raw(fmt, {"basis": 3, "decisions": [], "v": 7}),
+        ["v=7", "input 3"],
+    ),
+    (
+        "batch-decision-version",
+        decode_batch,
+        lambda fmt: _raw(
+            fmt,
+            {
+                "basis": 3,
+                "decisions": [{"kind": "NodeDrained", "id": "d", "at_ms": 1, "node": "n", "v": 9}],
+            },
+        ),
+        ["v=9", "'d'"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("decoder", "payload", "words"), [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+@pytest.mark.parametrize(
+    ("decoder", "payload", "words"), [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS]
+)
 def test_bad_input_raises_event_decode_error(decoder, payload, words, fmt) -> None:
     with pytest.raises(EventDecodeError) as info:
         decoder(payload(fmt), fmt)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from core_builders import Scenario
-
 from apportion.core import CorruptHistory, State, apply, fold
 from apportion.schemas.events import (
     HOUR_MS,
@@ -15,6 +13,7 @@ from apportion.schemas.events import (
     WorkloadPlaced,
     WorkloadPreempted,
 )
+from core_builders import Scenario
 
 H = HOUR_MS
 
@@ -22,7 +21,9 @@ H = HOUR_MS
 def team() -> Scenario:
     """root -> org (weight 1) -> team -> {alice, bob}; plus a top-level leaf ``solo``.
     Nodes n0, n1 (8 x a100)."""
-    return Scenario().tree("org", "org/team", "org/team/alice", "org/team/bob", "solo").nodes("n", 2)
+    return (
+        Scenario().tree("org", "org/team", "org/team/alice", "org/team/bob", "solo").nodes("n", 2)
+    )
 
 
 def usage_of(s: Scenario, *paths: str) -> list[int]:
@@ -35,14 +36,28 @@ CHAIN = ("", "org", "org/team", "org/team/alice")
 
 
 def test_submit_place_finish() -> None:
-    s = team().at(10 * MINUTE_MS).submit("w", "org/team/alice", gpus=4, min_runtime_ms=H, priority=2)
+    s = (
+        team()
+        .at(10 * MINUTE_MS)
+        .submit("w", "org/team/alice", gpus=4, min_runtime_ms=H, priority=2)
+    )
     w = s.state.pending["w"]
-    assert (w.status, w.submitted_ms, w.queued_ms, w.attempt, w.first_placed_ms) == ("pending", 10 * MINUTE_MS, 10 * MINUTE_MS, 0, None)
+    assert (w.status, w.submitted_ms, w.queued_ms, w.attempt, w.first_placed_ms) == (
+        "pending",
+        10 * MINUTE_MS,
+        10 * MINUTE_MS,
+        0,
+        None,
+    )
     assert s.state.status_of("w") == "pending"
     s.at(20 * MINUTE_MS).tick().place("w", "n1")
     w = s.state.running["w"]
     assert (w.status, w.started_ms, w.protected_until_ms, w.attempt, w.first_placed_ms) == (
-        "running", 20 * MINUTE_MS, 20 * MINUTE_MS + H, 1, 20 * MINUTE_MS,
+        "running",
+        20 * MINUTE_MS,
+        20 * MINUTE_MS + H,
+        1,
+        20 * MINUTE_MS,
     )
     assert w.placement == (Slot("n1", 4),)
     assert s.state.nodes["n1"].free == 4 and s.state.nodes["n1"].workloads == {"w": 4}
@@ -86,11 +101,25 @@ def test_preempt_requeue_keeps_submit_time_and_progress() -> None:
     s.at(2 * H).tick().place("w", "n0")
     s.at(3 * H).tick().preempt("w", requeued=True)
     w = s.state.pending["w"]
-    assert (w.status, w.submitted_ms, w.queued_ms, w.run_ms, w.preemptions, w.attempt) == ("pending", H, 3 * H, H, 1, 1)
-    assert w.placement == () and s.state.nodes["n0"].free == 8 and s.state.nodes["n0"].workloads == {}
+    assert (w.status, w.submitted_ms, w.queued_ms, w.run_ms, w.preemptions, w.attempt) == (
+        "pending",
+        H,
+        3 * H,
+        H,
+        1,
+        1,
+    )
+    assert (
+        w.placement == () and s.state.nodes["n0"].free == 8 and s.state.nodes["n0"].workloads == {}
+    )
     s.at(5 * H).tick().place("w", "n1")
     w = s.state.running["w"]
-    assert (w.attempt, w.first_placed_ms, w.started_ms, w.protected_until_ms) == (2, 2 * H, 5 * H, 5 * H + 10 * MINUTE_MS)
+    assert (w.attempt, w.first_placed_ms, w.started_ms, w.protected_until_ms) == (
+        2,
+        2 * H,
+        5 * H,
+        5 * H + 10 * MINUTE_MS,
+    )
     s.at(5 * H + 30 * MINUTE_MS).finish("w", attempt=2)
     assert s.state.ended["w"] == "succeeded"
     assert w.run_ms == H + 30 * MINUTE_MS
@@ -99,7 +128,14 @@ def test_preempt_requeue_keeps_submit_time_and_progress() -> None:
 
 
 def test_preempt_without_requeue_ends_as_preempted() -> None:
-    s = team().submit("w", "solo", resumable=False).place("w", "n0").after(H).tick().preempt("w", requeued=False)
+    s = (
+        team()
+        .submit("w", "solo", resumable=False)
+        .place("w", "n0")
+        .after(H)
+        .tick()
+        .preempt("w", requeued=False)
+    )
     assert s.state.ended == {"w": "preempted"}
     assert s.state.workloads == {} and s.state.running == {} and s.state.pending == {}
     assert s.state.nodes["n0"].free == 8
@@ -112,7 +148,14 @@ def test_preempt_without_requeue_ends_as_preempted() -> None:
     ids=["unallocated", "one-minute", "cap"],
 )
 def test_protected_until_is_placement_plus_min_runtime(min_runtime, protected_from_place) -> None:
-    s = team().at(7 * H).submit("w", "solo", min_runtime_ms=min_runtime).at(9 * H).tick().place("w", "n0")
+    s = (
+        team()
+        .at(7 * H)
+        .submit("w", "solo", min_runtime_ms=min_runtime)
+        .at(9 * H)
+        .tick()
+        .place("w", "n0")
+    )
     assert s.state.running["w"].protected_until_ms == 9 * H + protected_from_place
 
 
@@ -133,7 +176,12 @@ def test_charges_overlap_and_sum_up_the_tree() -> None:
     s.submit("s", "solo", gpus=8).place("a", "n0").place("s", "n1")
     s.at(H).tick().finish("s").place("b", "n1").at(2 * H).finish("a").at(3 * H).finish("b")
     assert usage_of(s, "org/team/alice", "org/team/bob", "org/team", "org", "solo", "") == [
-        8 * H, 4 * H, 12 * H, 12 * H, 8 * H, 20 * H,
+        8 * H,
+        4 * H,
+        12 * H,
+        12 * H,
+        8 * H,
+        20 * H,
     ]
 
 
@@ -149,33 +197,113 @@ def test_three_day_run_slides_out_of_window() -> None:
 
 STALE = [
     # (case, setup, stale input, words in the reason)
-    ("finish-pending", lambda s: s.submit("w", "solo"), lambda s: s.finish("w"), ["is pending, not running", "stale"]),
-    ("finish-requeued", lambda s: s.submit("w", "solo").place("w", "n0").after(1).preempt("w"), lambda s: s.finish("w"), ["pending, not running"]),
-    ("finish-ended", lambda s: s.submit("w", "solo").place("w", "n0").after(1).finish("w"), lambda s: s.finish("w", "failed"), ["already ended as succeeded"]),
-    ("finish-preempted", lambda s: s.submit("w", "solo").place("w", "n0").after(1).preempt("w", requeued=False), lambda s: s.finish("w"), ["already ended as preempted"]),
+    (
+        "finish-pending",
+        lambda s: s.submit("w", "solo"),
+        lambda s: s.finish("w"),
+        ["is pending, not running", "stale"],
+    ),
+    (
+        "finish-requeued",
+        lambda s: s.submit("w", "solo").place("w", "n0").after(1).preempt("w"),
+        lambda s: s.finish("w"),
+        ["pending, not running"],
+    ),
+    (
+        "finish-ended",
+        lambda s: s.submit("w", "solo").place("w", "n0").after(1).finish("w"),
+        lambda s: s.finish("w", "failed"),
+        ["already ended as succeeded"],
+    ),
+    (
+        "finish-preempted",
+        lambda s: s.submit("w", "solo").place("w", "n0").after(1).preempt("w", requeued=False),
+        lambda s: s.finish("w"),
+        ["already ended as preempted"],
+    ),
     ("finish-unknown", lambda s: s, lambda s: s.finish("ghost"), ["unknown workload 'ghost'"]),
-    ("finish-old-attempt", lambda s: s.submit("w", "solo").place("w", "n0").after(1).preempt("w").after(1).tick().place("w", "n1"), lambda s: s.finish("w", attempt=1), ["attempt 1", "on attempt 2"]),
-    ("cancel-ended", lambda s: s.submit("w", "solo").cancel("w"), lambda s: s.cancel("w"), ["already ended as cancelled"]),
-    ("cancel-finished", lambda s: s.submit("w", "solo").place("w", "n0").after(1).finish("w"), lambda s: s.cancel("w"), ["already ended as succeeded"]),
+    (
+        "finish-old-attempt",
+        lambda s: (
+            s.submit("w", "solo")
+            .place("w", "n0")
+            .after(1)
+            .preempt("w")
+            .after(1)
+            .tick()
+            .place("w", "n1")
+        ),
+        lambda s: s.finish("w", attempt=1),
+        ["attempt 1", "on attempt 2"],
+    ),
+    (
+        "cancel-ended",
+        lambda s: s.submit("w", "solo").cancel("w"),
+        lambda s: s.cancel("w"),
+        ["already ended as cancelled"],
+    ),
+    (
+        "cancel-finished",
+        lambda s: s.submit("w", "solo").place("w", "n0").after(1).finish("w"),
+        lambda s: s.cancel("w"),
+        ["already ended as succeeded"],
+    ),
     ("cancel-unknown", lambda s: s, lambda s: s.cancel("ghost"), ["unknown workload"]),
-    ("resubmit-live-id", lambda s: s.submit("w", "solo"), lambda s: s.submit("w", "solo"), ["already exists"]),
-    ("resubmit-ended-id", lambda s: s.submit("w", "solo").cancel("w"), lambda s: s.submit("w", "solo"), ["already exists"]),
+    (
+        "resubmit-live-id",
+        lambda s: s.submit("w", "solo"),
+        lambda s: s.submit("w", "solo"),
+        ["already exists"],
+    ),
+    (
+        "resubmit-ended-id",
+        lambda s: s.submit("w", "solo").cancel("w"),
+        lambda s: s.submit("w", "solo"),
+        ["already exists"],
+    ),
     ("health-same", lambda s: s, lambda s: s.health("n0", "healthy"), ["already healthy"]),
     ("health-unknown-node", lambda s: s, lambda s: s.health("n9", "down"), ["unknown node 'n9'"]),
     ("register-again", lambda s: s, lambda s: s.node("n0", 8), ["already registered"]),
-    ("register-resize-busy", lambda s: s.submit("w", "solo").place("w", "n0"), lambda s: s.node("n0", 4), ["running work"]),
+    (
+        "register-resize-busy",
+        lambda s: s.submit("w", "solo").place("w", "n0"),
+        lambda s: s.node("n0", 4),
+        ["running work"],
+    ),
     ("register-zero-gpus", lambda s: s, lambda s: s.node("n5", 0), ["gpus must be positive"]),
     ("register-any-type", lambda s: s, lambda s: s.node("n5", 8, "any"), ["real GPU type"]),
     ("register-empty-name", lambda s: s, lambda s: s.node("", 8), ["empty"]),
-    ("policy-not-root-owner", lambda s: s, lambda s: s.policy(actor="org-owner"), ["does not own the root"]),
+    (
+        "policy-not-root-owner",
+        lambda s: s,
+        lambda s: s.policy(actor="org-owner"),
+        ["does not own the root"],
+    ),
     ("policy-zero-lookback", lambda s: s, lambda s: s.policy(lookback_ms=0), ["lookback"]),
-    ("policy-lookback-over-90d", lambda s: s, lambda s: s.policy(lookback_ms=91 * 24 * H), ["lookback"]),
-    ("policy-cap-over-lookback", lambda s: s, lambda s: s.policy(lookback_ms=H, max_min_runtime_ms=2 * H), ["max_min_runtime"]),
-    ("policy-margin-one", lambda s: s, lambda s: s.policy(preemption_margin_ppm=1_000_000), ["margin"]),
+    (
+        "policy-lookback-over-90d",
+        lambda s: s,
+        lambda s: s.policy(lookback_ms=91 * 24 * H),
+        ["lookback"],
+    ),
+    (
+        "policy-cap-over-lookback",
+        lambda s: s,
+        lambda s: s.policy(lookback_ms=H, max_min_runtime_ms=2 * H),
+        ["max_min_runtime"],
+    ),
+    (
+        "policy-margin-one",
+        lambda s: s,
+        lambda s: s.policy(preemption_margin_ppm=1_000_000),
+        ["margin"],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("setup", "stale", "words"), [c[1:] for c in STALE], ids=[c[0] for c in STALE])
+@pytest.mark.parametrize(
+    ("setup", "stale", "words"), [c[1:] for c in STALE], ids=[c[0] for c in STALE]
+)
 def test_stale_or_bad_input_changes_nothing(setup, stale, words) -> None:
     s = setup(team()).after(MINUTE_MS)
     stale(s.rejects(*words))
@@ -183,8 +311,16 @@ def test_stale_or_bad_input_changes_nothing(setup, stale, words) -> None:
 
 
 def test_resize_idle_node_and_accepted_policy() -> None:
-    s = team().node("n0", 4, "h100").policy(lookback_ms=H, max_min_runtime_ms=H, preemption_margin_ppm=0)
-    assert (s.state.nodes["n0"].gpus, s.state.nodes["n0"].free, s.state.nodes["n0"].gpu_type) == (4, 4, "h100")
+    s = (
+        team()
+        .node("n0", 4, "h100")
+        .policy(lookback_ms=H, max_min_runtime_ms=H, preemption_margin_ppm=0)
+    )
+    assert (s.state.nodes["n0"].gpus, s.state.nodes["n0"].free, s.state.nodes["n0"].gpu_type) == (
+        4,
+        4,
+        "h100",
+    )
     assert s.state.pools == {("a100", 8): 1, ("h100", 4): 1}
     assert (s.state.policy.lookback_ms, s.state.policy.preemption_margin_ppm) == (H, 0)
     s.rejects("min_runtime must be between 0 and 60 min").submit("w", "solo", min_runtime_ms=H + 1)
@@ -221,10 +357,24 @@ SUBMISSIONS = [
     ("non-leaf-owner", "org/team", 1, H, {}, ["not a leaf"]),
     ("zero-gpus", "solo", 0, H, {}, ["gpus must be positive, got 0"]),
     ("negative-gpus", "solo", -4, H, {}, ["gpus must be positive"]),
-    ("not-a-multiple", "solo", 12, H, {"gpu_type": "a100"}, ["12 GPUs is not a valid gang", "4 x 8 a100"]),
+    (
+        "not-a-multiple",
+        "solo",
+        12,
+        H,
+        {"gpu_type": "a100"},
+        ["12 GPUs is not a valid gang", "4 x 8 a100"],
+    ),
     ("larger-than-pool", "solo", 40, H, {}, ["40 GPUs is not a valid gang"]),
     ("h100-larger-than-pool", "solo", 12, H, {"gpu_type": "h100"}, ["2 x 4 h100"]),
-    ("unknown-gpu-type", "solo", 1, H, {"gpu_type": "tpu"}, ["no nodes of gpu_type 'tpu'", "a100, h100"]),
+    (
+        "unknown-gpu-type",
+        "solo",
+        1,
+        H,
+        {"gpu_type": "tpu"},
+        ["no nodes of gpu_type 'tpu'", "a100, h100"],
+    ),
     ("negative-min-runtime", "solo", 1, -1, {}, ["min_runtime must be between 0 and 480 min"]),
     ("over-cap", "solo", 1, 8 * H + 1, {}, ["min_runtime", "480 min"]),
     ("negative-duration", "solo", 1, H, {"duration_ms": -5}, ["duration"]),
@@ -232,7 +382,9 @@ SUBMISSIONS = [
 
 
 @pytest.mark.parametrize(
-    ("owner", "gpus", "min_runtime", "extra", "words"), [c[1:] for c in SUBMISSIONS], ids=[c[0] for c in SUBMISSIONS]
+    ("owner", "gpus", "min_runtime", "extra", "words"),
+    [c[1:] for c in SUBMISSIONS],
+    ids=[c[0] for c in SUBMISSIONS],
 )
 def test_submission_validation(owner, gpus, min_runtime, extra, words) -> None:
     s = cluster()
@@ -273,7 +425,17 @@ def test_time_never_goes_backwards() -> None:
 
 def test_decision_stamped_earlier_folds_at_now() -> None:
     s = team().at(5 * H).submit("w", "solo", gpus=1)
-    s.apply(WorkloadPlaced(id="p", at_ms=H, workload="w", placement=(Slot("n0", 1),), allocated=True, protected_until_ms=2 * H, attempt=1))
+    s.apply(
+        WorkloadPlaced(
+            id="p",
+            at_ms=H,
+            workload="w",
+            placement=(Slot("n0", 1),),
+            allocated=True,
+            protected_until_ms=2 * H,
+            attempt=1,
+        )
+    )
     assert s.state.running["w"].started_ms == 5 * H
     assert s.state.running["w"].protected_until_ms == 6 * H  # from the fold's time, not the event's
 
@@ -282,11 +444,24 @@ def test_decision_stamped_earlier_folds_at_now() -> None:
 
 
 def placed(w: str, *slots: tuple[str, int], allocated: bool = True, at: int = 0) -> WorkloadPlaced:
-    return WorkloadPlaced(id="bad", at_ms=at, workload=w, placement=tuple(Slot(*x) for x in slots), allocated=allocated, protected_until_ms=0, attempt=1)
+    return WorkloadPlaced(
+        id="bad",
+        at_ms=at,
+        workload=w,
+        placement=tuple(Slot(*x) for x in slots),
+        allocated=allocated,
+        protected_until_ms=0,
+        attempt=1,
+    )
 
 
 def base() -> Scenario:
-    s = team().node("h0", 4, "h100").submit("w", "solo", gpus=8, gpu_type="a100").submit("u", "solo", gpus=2, min_runtime_ms=0)
+    s = (
+        team()
+        .node("h0", 4, "h100")
+        .submit("w", "solo", gpus=8, gpu_type="a100")
+        .submit("u", "solo", gpus=2, min_runtime_ms=0)
+    )
     return s.submit("r", "solo", gpus=4).place("r", "n1")
 
 
@@ -303,11 +478,31 @@ CORRUPT = [
     ("place-same-node-twice", placed("w", ("n0", 4), ("n0", 4)), "names a node twice"),
     ("place-wrong-type", placed("u", ("h0", 2), allocated=False), None),
     ("place-later-than-input", placed("w", ("n0", 8), at=10**12), "later than the input"),
-    ("preempt-pending", WorkloadPreempted(id="bad", at_ms=0, workload="w", reason="fairshare", requeued=True), "not running"),
-    ("preempt-unknown", WorkloadPreempted(id="bad", at_ms=0, workload="ghost", reason="fairshare", requeued=True), "not running"),
-    ("drained-healthy-node", NodeDrained(id="bad", at_ms=0, node="n0"), "not an empty draining node"),
-    ("drained-unknown-node", NodeDrained(id="bad", at_ms=0, node="n9"), "not an empty draining node"),
-    ("rejected-unknown-ref", InputRejected(id="bad", at_ms=0, ref="e2", reason="?"), "was not rejected"),
+    (
+        "preempt-pending",
+        WorkloadPreempted(id="bad", at_ms=0, workload="w", reason="fairshare", requeued=True),
+        "not running",
+    ),
+    (
+        "preempt-unknown",
+        WorkloadPreempted(id="bad", at_ms=0, workload="ghost", reason="fairshare", requeued=True),
+        "not running",
+    ),
+    (
+        "drained-healthy-node",
+        NodeDrained(id="bad", at_ms=0, node="n0"),
+        "not an empty draining node",
+    ),
+    (
+        "drained-unknown-node",
+        NodeDrained(id="bad", at_ms=0, node="n9"),
+        "not an empty draining node",
+    ),
+    (
+        "rejected-unknown-ref",
+        InputRejected(id="bad", at_ms=0, ref="e2", reason="?"),
+        "was not rejected",
+    ),
 ]
 
 
@@ -353,3 +548,21 @@ def test_fold_equals_apply_one_by_one() -> None:
 def test_apply_refuses_non_events() -> None:
     with pytest.raises(TypeError, match="not an apportion event"):
         apply(State(), Slot("n0", 1))  # type: ignore[arg-type]
+
+
+# -- parents keep history their children no longer show ------------------------------
+
+
+def test_removed_child_history_stays_with_its_parent() -> None:
+    s = team().submit("w", "org/team/bob", gpus=2).place("w", "n0").at(H).finish("w")
+    s.remove("org/team/bob")
+    assert usage_of(s, "org/team", "org/team/alice") == [2 * H, 0]  # parent > sum of children
+    s.budget("org/team/bob")  # a new bob starts with no history
+    assert usage_of(s, "org/team/bob", "org/team", "") == [0, 2 * H, 2 * H]
+
+
+def test_leaf_with_history_that_gets_children_keeps_it() -> None:
+    s = team().submit("w", "solo", gpus=3).place("w", "n0").at(H).finish("w").budget("solo/kid")
+    assert usage_of(s, "solo", "solo/kid") == [3 * H, 0]
+    s.submit("k", "solo/kid", gpus=1).place("k", "n0").at(2 * H).finish("k")
+    assert usage_of(s, "solo", "solo/kid", "") == [4 * H, H, 4 * H]

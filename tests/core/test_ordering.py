@@ -5,11 +5,10 @@ from __future__ import annotations
 from fractions import Fraction as F
 
 import pytest
-from core_builders import Scenario
-
 from apportion.core import FairShareView, State, queue_order
 from apportion.core.budget import ancestors_of
 from apportion.core.ratio import clearly_below, ratio
+from core_builders import Scenario
 
 H = 3_600_000
 DAY = 24 * H
@@ -39,7 +38,9 @@ def reference_order(state: State) -> list[str]:
 def research() -> Scenario:
     """root -> research (1) -> nlp (1) -> ann; research -> cv (1) -> ben; root -> ops (1) -> oz.
     8 nodes of 8 GPUs."""
-    s = Scenario().tree("research", "research/nlp", "research/nlp/ann", "research/cv", "research/cv/ben")
+    s = Scenario().tree(
+        "research", "research/nlp", "research/nlp/ann", "research/cv", "research/cv/ben"
+    )
     return s.tree("ops", "ops/oz").nodes("n", 8)
 
 
@@ -91,7 +92,15 @@ def test_top_level_decides_before_lower_levels() -> None:
         (1, 1, 2, 3, ["a", "b"]),  # 1/1 < 3/2
         (2, 1, 1, 1, ["a", "b"]),  # 1/2 < 1/1
     ],
-    ids=["2w-2u-ties", "2w-2u-ties-mirrored", "equal-by-path", "equal-heavier", "idle-ties", "usage-decides", "weight-decides"],
+    ids=[
+        "2w-2u-ties",
+        "2w-2u-ties-mirrored",
+        "equal-by-path",
+        "equal-heavier",
+        "idle-ties",
+        "usage-decides",
+        "weight-decides",
+    ],
 )
 def test_sibling_ties(wa, ua, wb, ub, expected) -> None:
     """Usage in GPU-hours: each team runs ``u`` GPUs for one hour."""
@@ -109,8 +118,18 @@ def test_sibling_ties(wa, ua, wb, ub, expected) -> None:
 
 
 def test_priority_only_sorts_inside_a_leaf() -> None:
-    s = Scenario().tree("x", "y").nodes("n", 1).submit("yrun", "y", gpus=4).place("yrun", "n0").at(H).finish("yrun")
-    s.submit("y-low", "y", priority=0).submit("x-low", "x", priority=-5).submit("y-high", "y", priority=100)
+    s = (
+        Scenario()
+        .tree("x", "y")
+        .nodes("n", 1)
+        .submit("yrun", "y", gpus=4)
+        .place("yrun", "n0")
+        .at(H)
+        .finish("yrun")
+    )
+    s.submit("y-low", "y", priority=0).submit("x-low", "x", priority=-5).submit(
+        "y-high", "y", priority=100
+    )
     s.after(1).submit("x-high", "x", priority=1)
     # x is under-served: all of x first, whatever y's priorities; inside each leaf priority first
     assert order(s) == ["x-high", "x-low", "y-high", "y-low"]
@@ -143,7 +162,9 @@ def test_unallocated_by_submit_time_then_id_ignoring_team_and_priority() -> None
 def test_requeued_work_keeps_its_original_submit_time(min_runtime) -> None:
     s = Scenario().tree("t").nodes("n", 1)
     s.at(0).submit("old", "t", gpus=8, min_runtime_ms=min_runtime).place("old", "n0")
-    s.at(5).submit("new", "t", min_runtime_ms=min_runtime).at(10).tick().preempt("old", requeued=True)
+    s.at(5).submit("new", "t", min_runtime_ms=min_runtime).at(10).tick().preempt(
+        "old", requeued=True
+    )
     assert s.state.pending["old"].queued_ms == 10 and s.state.pending["old"].submitted_ms == 0
     assert order(s) == ["old", "new"]
 
@@ -151,7 +172,16 @@ def test_requeued_work_keeps_its_original_submit_time(min_runtime) -> None:
 def test_ranks_and_keys() -> None:
     s = research().submit("r", "research/cv/ben", gpus=2).place("r", "n0").at(H).tick()
     view = FairShareView(s.state)
-    assert view.rank == {"": 0, "research": 1, "ops": 0, "research/nlp": 0, "research/cv": 1, "research/nlp/ann": 0, "research/cv/ben": 0, "ops/oz": 0}
+    assert view.rank == {
+        "": 0,
+        "research": 1,
+        "ops": 0,
+        "research/nlp": 0,
+        "research/cv": 1,
+        "research/nlp/ann": 0,
+        "research/cv/ben": 0,
+        "ops/oz": 0,
+    }
     assert view.ranks_of("research/cv/ben") == (1, 1, 0)
     s.submit("w", "research/cv/ben", priority=3)
     assert view.sort_key(s.state.pending["w"]) == (0, (1, 1, 0), -3, H, "w")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from apportion.core import ChargeSeries
 from apportion.core.usage import MAX_LOOKBACK_MS
 
@@ -46,7 +45,11 @@ WINDOWS = [
 ]
 
 
-@pytest.mark.parametrize(("changes", "now", "lookback", "expected"), [c[1:] for c in WINDOWS], ids=[c[0] for c in WINDOWS])
+@pytest.mark.parametrize(
+    ("changes", "now", "lookback", "expected"),
+    [c[1:] for c in WINDOWS],
+    ids=[c[0] for c in WINDOWS],
+)
 def test_window(changes, now, lookback, expected) -> None:
     assert series(*changes).window(now, lookback) == expected
 
@@ -96,12 +99,17 @@ def test_pruning_keeps_every_reachable_window_exact() -> None:
         now = at
         for lookback in (1, DAY, 7 * DAY, MAX_LOOKBACK_MS):
             if n % 97 == 0 or n == len(changes):
-                assert s.window(now, lookback) == naive_window(changes[:n], now, lookback), (n, lookback)
+                assert s.window(now, lookback) == naive_window(changes[:n], now, lookback), (
+                    n,
+                    lookback,
+                )
     assert pruned
     # a prune halves the list once its older half is out of reach: at most twice the
     # breakpoints of the longest lookback (90 days = 900 here) are kept
     assert len(s.times) <= 2 * (MAX_LOOKBACK_MS // step) + 2
-    assert s.times[0] <= changes[-1][0] - MAX_LOOKBACK_MS  # the breakpoint in force at the horizon stays
+    assert (
+        s.times[0] <= changes[-1][0] - MAX_LOOKBACK_MS
+    )  # the breakpoint in force at the horizon stays
     # the cumulative total survives pruning
     assert s.cumulative(changes[-1][0]) == naive_window(changes, changes[-1][0], 10**15)
     # and reading later, with the rate still running
@@ -112,7 +120,16 @@ def test_pruning_keeps_every_reachable_window_exact() -> None:
 def test_fold_usage_follows_policy_lookback(scenario) -> None:
     """A 2-GPU allocated run from 1 h to 3 h; read at 4 h with a 2 h and a 7 d window."""
     h = 3_600_000
-    s = scenario.tree("t").node("n0").at(h).submit("w", "t", gpus=2).place("w", "n0").at(3 * h).finish("w").tick(4 * h)
+    s = (
+        scenario.tree("t")
+        .node("n0")
+        .at(h)
+        .submit("w", "t", gpus=2)
+        .place("w", "n0")
+        .at(3 * h)
+        .finish("w")
+        .tick(4 * h)
+    )
     assert s.state.usage("t") == 2 * 2 * h
     s.policy(lookback_ms=2 * h, max_min_runtime_ms=h)
     assert s.state.usage("t") == 2 * h  # [2 h, 4 h] holds 1 h of the run

@@ -1,0 +1,485 @@
+"""A hypothesis state machine over random histories, checked against an independent model.
+
+Inputs are random (valid and invalid budget edits incl. removals, node
+registrations and health changes, submissions, cancels, finishes, clock ticks,
+some stamped in the past); decisions are built by the test the way a scheduler
+may make them (place a pending workload on free GPUs of healthy nodes; preempt a
+running one, requeued iff resumable; announce rejections; announce drained
+nodes), because ``decide()`` is not this test's subject.
+
+The model keeps its own record of allocated runs (which budget nodes each one
+charges, from when to when) and computes every node's window usage from those
+runs alone, so the fold's charge series are checked against a plain integral.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction as F
+
+from apportion.core import State, apply, fold, queue_order
+from apportion.core.budget import ancestors_of
+from apportion.schemas.events import (
+    DAY_MS,
+    HOUR_MS,
+    MINUTE_MS,
+    BudgetRemoved,
+    BudgetSet,
+    ClockTicked,
+    Event,
+    InputRejected,
+    NodeDrained,
+    NodeHealthChanged,
+    NodeRegistered,
+    PolicySet,
+    Slot,
+    WorkloadCancelled,
+    WorkloadFinished,
+    WorkloadPlaced,
+    WorkloadPreempted,
+    WorkloadSubmitted,
+)
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+ADMIN = "admin"
+PATHS = ["a", "b", "a/x", "a/y", "b/z", "a/x/deep", "c"]
+ACTORS = [ADMIN, ADMIN, "a-o", "b-o", "a/x-o", "mallory"]
+NODES = ["n0", "n1", "n2", "n3"]
+
+
+class Run:
+    __slots__ = ("chain", "gpus", "start", "end")
+
+    def __init__(self, chain: tuple[tuple[str, int], ...], gpus: int, start: int) -> None:
+        self.chain, self.gpus, self.start, self.end = chain, gpus, start, None
+
+    def overlap(self, lo: int, hi: int) -> int:
+        end = hi if self.end is None else self.end
+        return self.gpus * max(0, min(end, hi) - max(self.start, lo))
+
+
+class FoldMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = State()
+        self.events: list[Event] = []
+        self.n = 0
+        self.t = 0
+        # the model
+        self.now = 0
+        self.lookback = 7 * DAY_MS
+        self.incarnation: dict[str, int] = {"": 0}
+        self.next_inc = 1
+        self.dirty: set[str] = set()
+        """Parents whose usage may exceed their children's (kept history of a removed
+        child, or charged while they were a leaf)."""
+        self.runs: list[Run] = []
+        self.current: dict[str, Run] = {}
+        self.specs: dict[str, WorkloadSubmitted] = {}
+        self.model_status: dict[str, str] = {}
+        self.ids: list[str] = []
+        self.submitted: dict[str, int] = {}
+
+    # -- plumbing -------------------------------------------------------------
+    def _id(self) -> str:
+        self.n += 1
+        return f"e{self.n}"
+
+    def feed(self, event: Event) -> bool:
+        """Fold ``event``; return whether it was accepted (inputs) ."""
+        before = len(self.state.rejections)
+        self.events.append(event)
+        apply(self.state, event)
+        self.now = max(self.now, event.at_ms)
+        return len(self.state.rejections) == before
+
+    def stamp(self, back: bool = False) -> int:
+        return self.t - 1_000 if back and self.t >= 1_000 else self.t
+
+    def charged_ever(self, path: str) -> int:
+        key = (path, self.incarnation[path])
+        return sum(r.overlap(0, self.now) for r in self.runs if key in r.chain)
+
+    def sync_tree(self) -> None:
+        """Follow creations and removals in the model (the fold decides validity)."""
+        nodes = self.state.budget.nodes
+        for path in list(self.incarnation):
+            if path not in nodes:
+                if self.charged_ever(path):
+                    self.dirty.add(path.rpartition("/")[0])
+                del self.incarnation[path]
+                self.dirty.discard(path)
+        for path in nodes:
+            if path not in self.incarnation:
+                parent = path.rpartition("/")[0]
+                if self.charged_ever(parent) and parent:
+                    self.dirty.add(parent)  # a leaf with history becomes a parent
+                self.incarnation[path] = self.next_inc
+                self.next_inc += 1
+
+    @initialize()
+    def setup(self) -> None:
+        self.feed(BudgetSet(id=self._id(), at_ms=0, path="", weight=1, owner=ADMIN, actor=""))
+        for path, weight in (("a", 1), ("a/x", 2), ("a/y", 1), ("b", 3)):
+            self.feed(
+                BudgetSet(
+                    id=self._id(), at_ms=0, path=path, weight=weight, owner=f"{path}-o", actor=ADMIN
+                )
+            )
+        for node, gpus, kind in (("n0", 8, "a100"), ("n1", 8, "a100"), ("n2", 4, "h100")):
+            self.feed(NodeRegistered(id=self._id(), at_ms=0, node=node, gpus=gpus, gpu_type=kind))
+        self.sync_tree()
+        # some work running from the start, so that every example has charges to check
+        for owner, gpus, min_runtime in (
+            ("a/x", 4, HOUR_MS),
+            ("a/y", 2, 0),
+            ("b", 8, 8 * HOUR_MS),
+            ("a/y", 1, MINUTE_MS),
+        ):
+            e = WorkloadSubmitted(
+                id=self._id(),
+                at_ms=0,
+                workload=f"w{len(self.ids)}",
+                owner=owner,
+                gpus=gpus,
+                min_runtime_ms=min_runtime,
+            )
+            assert self.feed(e)
+            self.ids.append(e.workload)
+            self.specs[e.workload] = e
+            self.model_status[e.workload] = "pending"
+            self.submitted[e.workload] = 0
+        self.schedule()
+        assert len(self.runs) == 3
+        self.t = HOUR_MS
+
+    # -- inputs -------------------------------------------------------------------
+    @rule(
+        remove=st.sampled_from([False, False, True]),
+        path=st.sampled_from(PATHS),
+        weight=st.integers(-1, 4),
+        actor=st.sampled_from(ACTORS),
+        back=st.booleans(),
+    )
+    def budget_edit(self, remove: bool, path: str, weight: int, actor: str, back: bool) -> None:
+        """Create, edit or remove a budget node (one rule, so removals stay a minority)."""
+        if remove:
+            self.feed(BudgetRemoved(id=self._id(), at_ms=self.stamp(back), path=path, actor=actor))
+        else:
+            self.feed(
+                BudgetSet(
+                    id=self._id(),
+                    at_ms=self.stamp(back),
+                    path=path,
+                    weight=weight,
+                    owner=f"{path}-o",
+                    actor=actor,
+                )
+            )
+        self.sync_tree()
+
+    @rule(
+        lookback=st.sampled_from([HOUR_MS, DAY_MS, 7 * DAY_MS, 0]),
+        actor=st.sampled_from([ADMIN, "mallory"]),
+    )
+    def policy(self, lookback: int, actor: str) -> None:
+        if self.feed(
+            PolicySet(
+                id=self._id(),
+                at_ms=self.stamp(),
+                lookback_ms=lookback,
+                max_min_runtime_ms=min(lookback, 8 * HOUR_MS),
+                actor=actor,
+            )
+        ):
+            self.lookback = lookback
+
+    @rule(
+        register=st.booleans(),
+        node=st.sampled_from(NODES),
+        gpus=st.sampled_from([0, 4, 8, 8]),
+        kind=st.sampled_from(["a100", "a100", "h100", "any"]),
+        health=st.sampled_from(["healthy", "healthy", "draining", "down"]),
+    )
+    def host(self, register: bool, node: str, gpus: int, kind: str, health: str) -> None:
+        """Register (or re-register) a node, or change its health."""
+        if register:
+            self.feed(
+                NodeRegistered(
+                    id=self._id(), at_ms=self.stamp(), node=node, gpus=gpus, gpu_type=kind
+                )
+            )
+        else:
+            self.feed(NodeHealthChanged(id=self._id(), at_ms=self.stamp(), node=node, state=health))  # type: ignore[arg-type]
+
+    @rule(
+        data=st.data(),
+        valid=st.sampled_from([True, True, False]),
+        gpus=st.sampled_from([-1, 0, 1, 2, 4, 8, 12, 16, 32]),
+        min_runtime=st.sampled_from([0, 15 * MINUTE_MS, HOUR_MS, 8 * HOUR_MS, 9 * HOUR_MS, -1]),
+        kind=st.sampled_from(["any", "any", "a100", "h100", "tpu"]),
+        resumable=st.booleans(),
+        priority=st.integers(0, 2),
+        back=st.booleans(),
+    )
+    def submit(self, data, valid, gpus, min_runtime, kind, resumable, priority, back) -> None:
+        """A submission: usually plausible (a current leaf, a gang that fits some node, a
+        contract under the cap), otherwise anything (unknown or inner owners, bad gangs,
+        unknown types, contracts out of range, reused ids)."""
+        leaves = sorted(self.state.budget.leaves())
+        if valid and leaves:
+            owner = data.draw(st.sampled_from(leaves))
+            gpus, kind = max(1, min(gpus, 8)), "any"
+            min_runtime = max(0, min(min_runtime, self.state.policy.max_min_runtime_ms))
+            wid = f"w{len(self.ids)}"
+        else:
+            owner = data.draw(st.sampled_from([*PATHS, "ghost", ""]))
+            reuse = data.draw(st.booleans())
+            wid = self.ids[-1] if reuse and self.ids else f"w{len(self.ids)}"
+        e = WorkloadSubmitted(
+            id=self._id(),
+            at_ms=self.stamp(back),
+            workload=wid,
+            owner=owner,
+            gpus=gpus,
+            min_runtime_ms=min_runtime,
+            gpu_type=kind,
+            resumable=resumable,
+            priority=priority,
+        )
+        accepted = self.feed(e)
+        if wid not in self.ids:
+            self.ids.append(wid)
+        if accepted:
+            assert wid not in self.model_status
+            self.specs[wid] = e
+            self.model_status[wid] = "pending"
+            self.submitted[wid] = self.now
+
+    def _end_run(self, wid: str) -> None:
+        run = self.current.pop(wid, None)
+        if run is not None:
+            run.end = self.now
+
+    @rule(data=st.data())
+    def cancel(self, data) -> None:
+        wid = data.draw(st.sampled_from([*self.ids, "ghost"]))
+        expect = self.model_status.get(wid) in ("pending", "running")
+        accepted = self.feed(WorkloadCancelled(id=self._id(), at_ms=self.stamp(), workload=wid))
+        assert accepted == expect
+        if accepted:
+            self._end_run(wid)
+            self.model_status[wid] = "cancelled"
+
+    @rule(data=st.data(), outcome=st.sampled_from(["succeeded", "failed"]))
+    def finish(self, data, outcome) -> None:
+        running = sorted(self.state.running)
+        wid = data.draw(
+            st.sampled_from(
+                running if running and data.draw(st.booleans()) else [*self.ids, "ghost"]
+            )
+        )
+        w = self.state.workloads.get(wid)
+        attempt = data.draw(
+            st.sampled_from([None, w.attempt if w else 1, (w.attempt if w else 1) - 1])
+        )
+        expect = self.model_status.get(wid) == "running" and (
+            attempt is None or attempt == w.attempt
+        )
+        accepted = self.feed(
+            WorkloadFinished(
+                id=self._id(), at_ms=self.stamp(), workload=wid, outcome=outcome, attempt=attempt
+            )
+        )
+        assert accepted == expect
+        if accepted:
+            self._end_run(wid)
+            self.model_status[wid] = outcome
+
+    @rule(
+        step=st.sampled_from([0, MINUTE_MS, HOUR_MS, 12 * HOUR_MS, 2 * DAY_MS, 5 * DAY_MS]),
+        back=st.booleans(),
+        cycle=st.booleans(),
+    )
+    def tick(self, step: int, back: bool, cycle: bool) -> None:
+        """Time moves (sometimes stamped in the past); then, maybe, a crude cycle places work."""
+        self.t += step
+        self.feed(ClockTicked(id=self._id(), at_ms=self.stamp(back)))
+        if cycle:
+            self.schedule()
+
+    # -- decisions, as a scheduler may make them ------------------------------------
+    def placements(self) -> list[tuple[str, tuple[Slot, ...]]]:
+        out = []
+        healthy = [n for n in self.state.nodes.values() if n.health == "healthy"]
+        for w in self.state.pending.values():
+            fits = [n for n in healthy if w.gpu_type in ("any", n.gpu_type)]
+            single = [n for n in fits if n.free >= w.gpus]
+            if single:
+                out.append((w.id, (Slot(single[0].node, w.gpus),)))
+            for kind in sorted({n.gpu_type for n in fits}):
+                whole = [n for n in fits if n.gpu_type == kind and n.free == n.gpus]
+                size = whole[0].gpus if whole else 0
+                if size and w.gpus > size and w.gpus % size == 0:
+                    same = [n for n in whole if n.gpus == size]
+                    if len(same) >= w.gpus // size:
+                        out.append(
+                            (w.id, tuple(Slot(n.node, size) for n in same[: w.gpus // size]))
+                        )
+        return out
+
+    @precondition(lambda self: self.placements())
+    @rule(data=st.data())
+    def place(self, data) -> None:
+        wid, slots = data.draw(st.sampled_from(self.placements()))
+        self._place(wid, slots)
+
+    def _place(self, wid: str, slots: tuple[Slot, ...]) -> None:
+        w = self.state.pending[wid]
+        self.feed(
+            WorkloadPlaced(
+                id=self._id(),
+                at_ms=self.state.now_ms,
+                workload=wid,
+                placement=slots,
+                allocated=w.min_runtime_ms > 0,
+                protected_until_ms=self.state.now_ms + w.min_runtime_ms,
+                attempt=w.attempt + 1,
+            )
+        )
+        spec = self.specs[wid]
+        assert self.model_status[wid] == "pending"
+        self.model_status[wid] = "running"
+        if spec.min_runtime_ms > 0:
+            chain = tuple((p, self.incarnation[p]) for p in [*ancestors_of(spec.owner), spec.owner])
+            run = Run(chain, spec.gpus, self.now)
+            self.runs.append(run)
+            self.current[wid] = run
+
+    @rule()
+    def schedule(self) -> None:
+        """Place every pending workload that fits, first come first placed (a crude cycle)."""
+        while True:
+            options = self.placements()
+            if not options:
+                return
+            wid, slots = options[0]
+            self._place(wid, slots)
+
+    @precondition(lambda self: self.state.running)
+    @rule(
+        data=st.data(), reason=st.sampled_from(["fairshare", "unallocated", "drain", "node_down"])
+    )
+    def preempt(self, data, reason) -> None:
+        wid = data.draw(st.sampled_from(sorted(self.state.running)))
+        requeued = self.specs[wid].resumable
+        self.feed(
+            WorkloadPreempted(
+                id=self._id(),
+                at_ms=self.state.now_ms,
+                workload=wid,
+                reason=reason,
+                requeued=requeued,
+            )
+        )
+        self._end_run(wid)
+        self.model_status[wid] = "pending" if requeued else "preempted"
+
+    @precondition(lambda self: self.state.rejections)
+    @rule()
+    def announce(self) -> None:
+        ref = self.state.rejections[0][0]
+        self.feed(
+            InputRejected(id=self._id(), at_ms=self.state.now_ms, ref=ref, reason="announced")
+        )
+
+    @precondition(
+        lambda self: any(
+            n.health == "draining" and not n.workloads and not n.drained
+            for n in self.state.nodes.values()
+        )
+    )
+    @rule()
+    def drained(self) -> None:
+        node = next(
+            n
+            for n in self.state.nodes.values()
+            if n.health == "draining" and not n.workloads and not n.drained
+        )
+        self.feed(NodeDrained(id=self._id(), at_ms=self.state.now_ms, node=node.node))
+
+    # -- invariants --------------------------------------------------------------------
+    def model_usage(self, path: str) -> int:
+        key = (path, self.incarnation[path])
+        lo = self.now - self.lookback
+        return sum(r.overlap(lo, self.now) for r in self.runs if key in r.chain)
+
+    @invariant()
+    def clock_matches(self) -> None:
+        assert self.state.now_ms == self.now
+
+    @invariant()
+    def usage_matches_model(self) -> None:
+        nodes = self.state.budget.nodes
+        assert sorted(nodes) == sorted(self.incarnation)
+        for path, node in nodes.items():
+            used = self.state.usage(path)
+            assert used >= 0
+            assert used == self.model_usage(path), path
+            children = sum(self.state.usage(c) for c in node.children)
+            if node.children and path not in self.dirty:
+                assert used == children, path
+            else:
+                assert used >= children, path
+        # unallocated work is never charged: the root's whole history is the allocated runs
+        total = sum(r.overlap(0, self.now) for r in self.runs)
+        assert self.state.budget.root.series.cumulative(self.now) == total
+
+    @invariant()
+    def gpus_add_up(self) -> None:
+        for node in self.state.nodes.values():
+            assert 0 <= node.free <= node.gpus
+            assert node.free + sum(node.workloads.values()) == node.gpus
+        for w in self.state.running.values():
+            assert all(self.state.nodes[s.node].workloads[w.id] == s.gpus for s in w.placement)
+
+    @invariant()
+    def statuses_match_model(self) -> None:
+        for wid, status in self.model_status.items():
+            assert self.state.status_of(wid) == status, wid
+            live = self.state.workloads.get(wid)
+            if live is not None:  # requeues keep the original submit time
+                assert live.submitted_ms == self.submitted[wid], wid
+
+    @invariant()
+    def order_is_the_literal_definition(self) -> None:
+        nodes = self.state.budget.nodes
+
+        def key(w):
+            if w.min_runtime_ms == 0:
+                return (1, [], 0, w.submitted_ms, w.id)
+            levels = [
+                (F(self.state.usage(p), nodes[p].weight), -nodes[p].weight, p)
+                for p in [*ancestors_of(w.owner)[1:], w.owner]
+            ]
+            return (0, levels, -w.priority, w.submitted_ms, w.id)
+
+        assert [w.id for w in queue_order(self.state)] == [
+            w.id for w in sorted(self.state.pending.values(), key=key)
+        ]
+
+    @invariant()
+    def replay_and_snapshot_agree(self) -> None:
+        digest = self.state.digest()
+        assert fold(self.events).digest() == digest
+        assert State.from_bytes(self.state.to_bytes()).digest() == digest
+
+
+FoldMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestFoldMachine = FoldMachine.TestCase

@@ -58,10 +58,16 @@ LIMIT_OVERCOMMIT = Fraction(3, 2)
 LIMIT_FLOOR_GPUS = 64
 
 
+_TEAM_CACHE: dict[str, str] = {}
+
+
 def team_of(leaf: str) -> str:
     """The team of an owner leaf: its parent, or itself directly under the root."""
-    parent = parent_of(leaf)
-    return leaf if parent == ROOT else parent
+    team = _TEAM_CACHE.get(leaf)
+    if team is None:
+        parent = parent_of(leaf)
+        team = _TEAM_CACHE[leaf] = leaf if parent == ROOT else parent
+    return team
 
 
 def default_limits(state: State) -> dict[str, int]:
@@ -80,8 +86,15 @@ def default_limits(state: State) -> dict[str, int]:
     return limits
 
 
+_KEY_CACHE: dict[str, tuple[int, int, str]] = {}
+
+
 def _order_key(w: Workload) -> tuple[int, int, str]:
-    return (-LEGACY_RANK.get(w.legacy_priority, 2), w.submitted_ms, w.id)
+    """Legacy priority high first, then submit time, then id (a workload's key never changes)."""
+    key = _KEY_CACHE.get(w.id)
+    if key is None:
+        key = _KEY_CACHE[w.id] = (-LEGACY_RANK.get(w.legacy_priority, 2), w.submitted_ms, w.id)
+    return key
 
 
 def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> CycleResult:
@@ -229,14 +242,20 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
 
     failed_fit: dict[tuple[int, str], bool] = {}
     failed_preempt: dict[tuple[int, str, int], bool] = {}
+    healthy = [name for key in pool_keys for name in pools[key]]
+    total_free = sum(free[name] for name in healthy)
     for w in sorted(state.pending.values(), key=_order_key):
+        rank = LEGACY_RANK.get(w.legacy_priority, 2)
+        if total_free < w.gpus and not any(victims_below[:rank]):
+            if total_free == 0 and not any(victims_below[:2]):
+                break  # nothing is free and nothing can be preempted: no later workload can start
+            continue
         team = team_of(w.owner)
         if not w.legacy_preemptible and np_used.get(team, 0) + w.gpus > limits.get(team, 0):
             continue
-        rank = LEGACY_RANK.get(w.legacy_priority, 2)
         placement = None
         fkey = (w.gpus, w.gpu_type)
-        if fkey not in failed_fit:
+        if total_free >= w.gpus and fkey not in failed_fit:
             placement = fit(w)
             if placement is None:
                 failed_fit[fkey] = True
@@ -251,6 +270,9 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
             placement, victims = found
             for v in victims:
                 victims_below[LEGACY_RANK.get(v.legacy_priority, 2)] -= 1
+                for slot in v.placement:
+                    if state.nodes[slot.node].health == "healthy":
+                        total_free += slot.gpus
                 preempt(v, "fairshare", w.id)
             failed_fit.clear()
             failed_preempt.clear()
@@ -260,6 +282,7 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
         for slot in placement:
             free[slot.node] -= slot.gpus
             on_node[slot.node][w.id] = slot.gpus
+        total_free -= w.gpus
         if not w.legacy_preemptible:
             np_used[team] = np_used.get(team, 0) + w.gpus
     # A placed workload is not a victim in the same cycle: it is not in state.running.

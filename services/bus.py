@@ -27,6 +27,7 @@ implement it (one contract test suite runs against both).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections import deque
@@ -34,7 +35,6 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
-
 from apportion.schemas.codec import EventDecodeError, decode_batch, decode_input, encode
 from apportion.schemas.events import DecisionBatch, Input, kind_of
 
@@ -47,7 +47,9 @@ class Fenced(Exception):
     """A decision batch was refused: the log's last sequence is not the one expected."""
 
     def __init__(self, expected: int, detail: str = "") -> None:
-        super().__init__(f"DECISIONS moved past sequence {expected} (another scheduler wrote) {detail}".strip())
+        super().__init__(
+            f"DECISIONS moved past sequence {expected} (another scheduler wrote) {detail}".strip()
+        )
         self.expected = expected
 
 
@@ -314,7 +316,14 @@ def parse_ack_reply(reply: str) -> tuple[int, int, int]:
 class _JsTail(Generic[T]):
     """An ordered push consumer starting at ``from_seq``, buffered into a deque."""
 
-    def __init__(self, log: JetStreamLog, subject: str, stream: str, from_seq: int, convert: Callable[[Any], T]) -> None:
+    def __init__(
+        self,
+        log: JetStreamLog,
+        subject: str,
+        stream: str,
+        from_seq: int,
+        convert: Callable[[Any], T],
+    ) -> None:
         self._log = log
         self._subject = subject
         self._stream = stream
@@ -379,10 +388,8 @@ class _JsTail(Generic[T]):
 
     async def close(self) -> None:
         if self._sub is not None:
-            try:
+            with contextlib.suppress(Exception):  # the connection may be gone already
                 await self._sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection may be gone already
-                pass
             self._sub = None
 
 
@@ -447,7 +454,7 @@ class JetStreamLog:
                     except NotFoundError:
                         await self.js.add_stream(config)
                     break
-                except (APIError, ServiceUnavailableError, TimeoutError, asyncio.TimeoutError):
+                except (APIError, ServiceUnavailableError, TimeoutError):
                     if attempt == attempts - 1:
                         raise
                     await asyncio.sleep(0.5)
@@ -455,7 +462,9 @@ class JetStreamLog:
     # -- publishing ---------------------------------------------------
     async def publish_input(self, event: Input) -> PublishResult:
         ack = await self.js.publish(
-            self.subjects.input_subject(kind_of(event)), encode(event), headers={HDR_MSG_ID: event.id}
+            self.subjects.input_subject(kind_of(event)),
+            encode(event),
+            headers={HDR_MSG_ID: event.id},
         )
         return PublishResult(seq=ack.seq, duplicate=bool(ack.duplicate))
 
@@ -513,7 +522,9 @@ class JetStreamLog:
         return await JetStreamSnapshots.open(self.js, self.subjects.snapshot_bucket, self.replicas)
 
     async def lease(self, holder: str, ttl_s: float = 3.0) -> JetStreamLease:
-        return await JetStreamLease.open(self.js, self.subjects.lease_bucket, holder, ttl_s, self.replicas)
+        return await JetStreamLease.open(
+            self.js, self.subjects.lease_bucket, holder, ttl_s, self.replicas
+        )
 
 
 class JetStreamSnapshots:
@@ -531,7 +542,8 @@ class JetStreamSnapshots:
             obs = await js.object_store(bucket)
         except (BucketNotFoundError, NotFoundError):
             obs = await js.create_object_store(
-                bucket, config=api.ObjectStoreConfig(storage=api.StorageType.FILE, replicas=replicas)
+                bucket,
+                config=api.ObjectStoreConfig(storage=api.StorageType.FILE, replicas=replicas),
             )
         return cls(obs)
 
@@ -560,7 +572,9 @@ class JetStreamLease:
         self.revision: int | None = None
 
     @classmethod
-    async def open(cls, js: Any, bucket: str, holder: str, ttl_s: float, replicas: int = 1) -> JetStreamLease:
+    async def open(
+        cls, js: Any, bucket: str, holder: str, ttl_s: float, replicas: int = 1
+    ) -> JetStreamLease:
         from nats.js.errors import BucketNotFoundError, NotFoundError
 
         try:
@@ -597,10 +611,8 @@ class JetStreamLease:
 
         if self.revision is None:
             return
-        try:
+        with contextlib.suppress(KeyWrongLastSequenceError):
             await self.kv.delete(self.key, last=self.revision)
-        except KeyWrongLastSequenceError:
-            pass
         self.revision = None
 
 

@@ -59,32 +59,56 @@ class EventClient:
     ) -> PublishResult:
         return await self.log.publish_input(
             WorkloadSubmitted(
-                id=f"submit-{workload}", at_ms=_now_ms(), workload=workload, owner=owner, gpus=gpus,
-                min_runtime_ms=min_runtime_ms, duration_ms=duration_ms, priority=priority,
-                resumable=resumable, gpu_type=gpu_type, submitted_by=submitted_by,
+                id=f"submit-{workload}",
+                at_ms=_now_ms(),
+                workload=workload,
+                owner=owner,
+                gpus=gpus,
+                min_runtime_ms=min_runtime_ms,
+                duration_ms=duration_ms,
+                priority=priority,
+                resumable=resumable,
+                gpu_type=gpu_type,
+                submitted_by=submitted_by,
             )
         )
 
     async def cancel(self, workload: str, actor: str = "") -> PublishResult:
         return await self.log.publish_input(
-            WorkloadCancelled(id=f"cancel-{workload}", at_ms=_now_ms(), workload=workload, actor=actor)
+            WorkloadCancelled(
+                id=f"cancel-{workload}", at_ms=_now_ms(), workload=workload, actor=actor
+            )
         )
 
-    async def finished(self, workload: str, attempt: int | None, outcome: Outcome = "succeeded") -> PublishResult:
+    async def finished(
+        self, workload: str, attempt: int | None, outcome: Outcome = "succeeded"
+    ) -> PublishResult:
         return await self.log.publish_input(
             WorkloadFinished(
-                id=f"finished-{workload}-{attempt}", at_ms=_now_ms(), workload=workload, attempt=attempt, outcome=outcome
+                id=f"finished-{workload}-{attempt}",
+                at_ms=_now_ms(),
+                workload=workload,
+                attempt=attempt,
+                outcome=outcome,
             )
         )
 
     async def node_registered(self, node: str, gpus: int, gpu_type: str) -> PublishResult:
         return await self.log.publish_input(
-            NodeRegistered(id=f"node-{node}-{uuid.uuid4().hex[:8]}", at_ms=_now_ms(), node=node, gpus=gpus, gpu_type=gpu_type)
+            NodeRegistered(
+                id=f"node-{node}-{uuid.uuid4().hex[:8]}",
+                at_ms=_now_ms(),
+                node=node,
+                gpus=gpus,
+                gpu_type=gpu_type,
+            )
         )
 
     async def node_health(self, node: str, state: HealthState) -> PublishResult:
         return await self.log.publish_input(
-            NodeHealthChanged(id=f"health-{node}-{uuid.uuid4().hex[:8]}", at_ms=_now_ms(), node=node, state=state)
+            NodeHealthChanged(
+                id=f"health-{node}-{uuid.uuid4().hex[:8]}", at_ms=_now_ms(), node=node, state=state
+            )
         )
 
 
@@ -126,7 +150,9 @@ class GatewayClient:
             ) from None
 
     def submit(self, **fields: Any) -> dict[str, Any]:
-        return self._call("POST", "/v1/workloads", {k: v for k, v in fields.items() if v is not None})
+        return self._call(
+            "POST", "/v1/workloads", {k: v for k, v in fields.items() if v is not None}
+        )
 
     def cancel(self, workload: str, actor: str = "") -> dict[str, Any]:
         return self._call("POST", f"/v1/workloads/{workload}/cancel", {"actor": actor})
@@ -146,7 +172,9 @@ class GatewayClient:
     def budget(self) -> dict[str, Any]:
         return self._call("GET", "/v1/budget")
 
-    def budget_apply(self, actor: str, set_: list[dict[str, Any]], remove: list[str]) -> dict[str, Any]:
+    def budget_apply(
+        self, actor: str, set_: list[dict[str, Any]], remove: list[str]
+    ) -> dict[str, Any]:
         return self._call("POST", "/v1/budget", {"actor": actor, "set": set_, "remove": remove})
 
     def status(self) -> dict[str, Any]:

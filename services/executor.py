@@ -30,7 +30,9 @@ def wall_ms() -> int:
 
 
 class Executor:
-    def __init__(self, log: EventLog, clock: Callable[[], int] = wall_ms, speedup: float = 1.0) -> None:
+    def __init__(
+        self, log: EventLog, clock: Callable[[], int] = wall_ms, speedup: float = 1.0
+    ) -> None:
         self.log = log
         self.clock = clock
         self.speedup = speedup
@@ -57,7 +59,9 @@ class Executor:
     def reconcile(self) -> None:
         """One timer per running workload with a duration, for its current attempt."""
         running = self.follower.state.running
-        for wid in [w for w in self.timers if w not in running or running[w].attempt != self.timers[w][0]]:
+        for wid in [
+            w for w in self.timers if w not in running or running[w].attempt != self.timers[w][0]
+        ]:
             _attempt, handle = self.timers.pop(wid)
             handle.cancel()
             self.logger.debug("stopped", workload=wid)
@@ -83,7 +87,10 @@ class Executor:
 
     async def _publish(self, workload: str, attempt: int) -> None:
         event = WorkloadFinished(
-            id=f"finished-{workload}-{attempt}", at_ms=self.clock(), workload=workload, attempt=attempt
+            id=f"finished-{workload}-{attempt}",
+            at_ms=self.clock(),
+            workload=workload,
+            attempt=attempt,
         )
         try:
             await self.log.publish_input(event)

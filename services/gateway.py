@@ -29,7 +29,6 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-
 from apportion.core.state import State, apply, submission_error
 from apportion.schemas.events import (
     ANY_GPU_TYPE,
@@ -83,7 +82,8 @@ async def _body(request: web.Request, type_: Any) -> Any:
         return msgspec.json.decode(data or b"{}", type=type_)
     except msgspec.ValidationError as exc:
         raise web.HTTPBadRequest(
-            text=msgspec.json.encode({"error": f"invalid request: {exc}"}).decode(), content_type="application/json"
+            text=msgspec.json.encode({"error": f"invalid request: {exc}"}).decode(),
+            content_type="application/json",
         ) from None
     except msgspec.DecodeError as exc:
         raise web.HTTPBadRequest(
@@ -164,7 +164,9 @@ class Gateway:
             return _error(409 if "already exists" in problem else 400, problem)
         ack = await self.log.publish_input(event)
         self.logger.info("submitted", workload=workload, seq=ack.seq, duplicate=ack.duplicate)
-        return web.json_response({"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202)
+        return web.json_response(
+            {"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202
+        )
 
     async def cancel(self, request: web.Request) -> web.Response:
         workload = request.match_info["id"]
@@ -175,9 +177,16 @@ class Gateway:
         if workload not in self.state.workloads:
             return _error(409, f"workload {workload!r} already ended as {status}")
         ack = await self.log.publish_input(
-            WorkloadCancelled(id=f"cancel-{workload}", at_ms=self.state.now_ms, workload=workload, actor=body.actor)
+            WorkloadCancelled(
+                id=f"cancel-{workload}",
+                at_ms=self.state.now_ms,
+                workload=workload,
+                actor=body.actor,
+            )
         )
-        return web.json_response({"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202)
+        return web.json_response(
+            {"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202
+        )
 
     async def get_workload(self, request: web.Request) -> web.Response:
         workload = request.match_info["id"]
@@ -214,18 +223,29 @@ class Gateway:
         for n in body.set:
             events.append(
                 BudgetSet(
-                    id=f"budget-{uuid.uuid4().hex}", at_ms=trial.now_ms, path=n.path, weight=n.weight,
-                    owner=n.owner, actor=body.actor,
+                    id=f"budget-{uuid.uuid4().hex}",
+                    at_ms=trial.now_ms,
+                    path=n.path,
+                    weight=n.weight,
+                    owner=n.owner,
+                    actor=body.actor,
                 )
             )
         for path in body.remove:
-            events.append(BudgetRemoved(id=f"budget-{uuid.uuid4().hex}", at_ms=trial.now_ms, path=path, actor=body.actor))
+            events.append(
+                BudgetRemoved(
+                    id=f"budget-{uuid.uuid4().hex}", at_ms=trial.now_ms, path=path, actor=body.actor
+                )
+            )
         if not events:
             return _error(400, "nothing to change: give 'set' and/or 'remove'")
         for e in events:
             apply(trial, e)
             if trial.rejections:
-                return _error(403 if "does not own" in trial.rejections[-1][1] else 400, trial.rejections[-1][1])
+                return _error(
+                    403 if "does not own" in trial.rejections[-1][1] else 400,
+                    trial.rejections[-1][1],
+                )
         acks = await self.log.publish_inputs(events)
         return web.json_response({"published": len(acks), "last_seq": acks[-1].seq}, status=202)
 
@@ -252,10 +272,20 @@ def openapi_document() -> dict[str, Any]:
     (submit, cancel, budget), components = msgspec.json.schema_components(
         [SubmitRequest, CancelRequest, BudgetRequest], ref_template="#/components/schemas/{name}"
     )
-    err = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    components["Error"] = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
+    err = {
+        "description": "error",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+    components["Error"] = {
+        "type": "object",
+        "properties": {"error": {"type": "string"}},
+        "required": ["error"],
+    }
     ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
-    accepted = {"description": "published to INPUTS", "content": {"application/json": {"schema": {"type": "object"}}}}
+    accepted = {
+        "description": "published to INPUTS",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
     wid = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
 
     def body(schema: dict[str, Any]) -> dict[str, Any]:
@@ -266,27 +296,57 @@ def openapi_document() -> dict[str, Any]:
         "info": {"title": "apportion gateway", "version": "1"},
         "paths": {
             "/v1/workloads": {
-                "post": {"summary": "Submit a workload", "requestBody": body(submit),
-                         "responses": {"202": accepted, "400": err, "409": err}}
+                "post": {
+                    "summary": "Submit a workload",
+                    "requestBody": body(submit),
+                    "responses": {"202": accepted, "400": err, "409": err},
+                }
             },
-            "/v1/workloads/{id}": {"get": {"summary": "A workload's status", "parameters": wid,
-                                            "responses": {"200": ok, "404": err}}},
+            "/v1/workloads/{id}": {
+                "get": {
+                    "summary": "A workload's status",
+                    "parameters": wid,
+                    "responses": {"200": ok, "404": err},
+                }
+            },
             "/v1/workloads/{id}/cancel": {
-                "post": {"summary": "Cancel a workload", "parameters": wid, "requestBody": body(cancel),
-                         "responses": {"202": accepted, "404": err, "409": err}}
+                "post": {
+                    "summary": "Cancel a workload",
+                    "parameters": wid,
+                    "requestBody": body(cancel),
+                    "responses": {"202": accepted, "404": err, "409": err},
+                }
             },
-            "/v1/queue": {"get": {"summary": "Pending workloads in order, with sort-key ratios; running ones",
-                                  "responses": {"200": ok}}},
-            "/v1/share": {"get": {"summary": "Budget tree with usage against allocation (like sshare)",
-                                  "responses": {"200": ok}}},
-            "/v1/explain/{id}": {"get": {"summary": "Why a workload is pending, running, preempted or ended",
-                                         "parameters": wid, "responses": {"200": ok, "404": err}}},
+            "/v1/queue": {
+                "get": {
+                    "summary": "Pending workloads in order, with sort-key ratios; running ones",
+                    "responses": {"200": ok},
+                }
+            },
+            "/v1/share": {
+                "get": {
+                    "summary": "Budget tree with usage against allocation (like sshare)",
+                    "responses": {"200": ok},
+                }
+            },
+            "/v1/explain/{id}": {
+                "get": {
+                    "summary": "Why a workload is pending, running, preempted or ended",
+                    "parameters": wid,
+                    "responses": {"200": ok, "404": err},
+                }
+            },
             "/v1/budget": {
                 "get": {"summary": "The budget tree", "responses": {"200": ok}},
-                "post": {"summary": "Set and remove budget nodes", "requestBody": body(budget),
-                         "responses": {"202": accepted, "400": err, "403": err}},
+                "post": {
+                    "summary": "Set and remove budget nodes",
+                    "requestBody": body(budget),
+                    "responses": {"202": accepted, "400": err, "403": err},
+                },
             },
-            "/v1/status": {"get": {"summary": "Positions of the gateway's view", "responses": {"200": ok}}},
+            "/v1/status": {
+                "get": {"summary": "Positions of the gateway's view", "responses": {"200": ok}}
+            },
         },
         "components": {"schemas": components},
     }

@@ -22,7 +22,6 @@ from .canonical import CanonicalReader, fold_input
 
 def open_projection(path: str | Path | None) -> Any:
     import duckdb
-
     from apportion.replay.projection import Projection
 
     con = duckdb.connect(str(path) if path else ":memory:")

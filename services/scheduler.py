@@ -26,18 +26,27 @@ The loop, as numbered steps:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
-
 from apportion.core import cycle
 from apportion.core.state import State
 from apportion.schemas.events import ClockTicked, DecisionBatch
 
 from . import logs
-from .bus import EventLog, Fenced, Lease, MemoryLease, MemorySnapshots, SnapshotStore, StoredInput, Tail
+from .bus import (
+    EventLog,
+    Fenced,
+    Lease,
+    MemoryLease,
+    MemorySnapshots,
+    SnapshotStore,
+    StoredInput,
+    Tail,
+)
 from .canonical import fold_batch, fold_input
 
 SNAPSHOT_NAME = "scheduler"
@@ -116,6 +125,9 @@ class Scheduler:
                 log.info("leading")
                 try:
                     await self._lead(stop)
+                    state = self.state
+                    if stop.is_set() and state is not None and state.input_seq == self.last_basis:
+                        await self.save_snapshot()
                 except Fenced as exc:
                     self.fenced += 1
                     log.warning("fenced", detail=str(exc))
@@ -125,17 +137,15 @@ class Scheduler:
                         await self._tail.close()
                         self._tail = None
         finally:
-            if self.state is not None and self.leading.is_set():
-                await self.save_snapshot()
             await self.lease.release()
             log.info("stopped")
 
-    async def recover(self) -> None:
+    async def recover(self, use_snapshot: bool = True) -> None:
         """Snapshot + canonical tail: the state after the last published batch and
         every input after it that is already in the log."""
         state = State()
         self.batch_seq = self.last_basis = 0
-        raw = await self.snapshots.load(SNAPSHOT_NAME)
+        raw = await self.snapshots.load(SNAPSHOT_NAME) if use_snapshot else None
         if raw is not None:
             snap = _snap_decoder.decode(raw)
             state = State.from_bytes(snap.state)
@@ -149,12 +159,24 @@ class Scheduler:
             while self.batch_seq < end:
                 for sb in await btail.take(1000, 5.0):
                     basis = sb.batch.basis
+                    if basis < state.input_seq:
+                        # The snapshot is past a batch it never folded: not canonical. Start over.
+                        self.logger.warning(
+                            "snapshot ahead of a batch; full fold", basis=basis, batch_seq=sb.seq
+                        )
+                        await itail.close()
+                        await btail.close()
+                        return await self.recover(use_snapshot=False)
                     while state.input_seq < basis:
                         for item in await itail.take(basis - state.input_seq, 5.0):
                             fold_input(state, item)
                     fold_batch(state, sb.batch)
                     refolded += 1
                     self.batch_seq, self.last_basis = sb.seq, basis
+            last_input = await self.log.last_input_seq()
+            while state.input_seq < last_input:
+                for item in await itail.take(last_input - state.input_seq, 5.0):
+                    fold_input(state, item)
         finally:
             await btail.close()
         self.state = state
@@ -198,7 +220,11 @@ class Scheduler:
             elif not items and state.input_seq > self.last_basis:
                 await self.cycle()
             # 6. tick
-            if not items and self.next_wakeup_ms is not None and self.clock() >= self.next_wakeup_ms:
+            if (
+                not items
+                and self.next_wakeup_ms is not None
+                and self.clock() >= self.next_wakeup_ms
+            ):
                 await self._tick()
 
     async def cycle(self) -> DecisionBatch | None:
@@ -216,7 +242,9 @@ class Scheduler:
         self.next_wakeup_ms = result.next_wakeup_ms
         self.cycles += 1
         if result.decisions:
-            self.logger.debug("decided", basis=batch.basis, batch_seq=seq, decisions=len(result.decisions))
+            self.logger.debug(
+                "decided", basis=batch.basis, batch_seq=seq, decisions=len(result.decisions)
+            )
         # 7. snapshot
         if state.input_seq - self._snapshot_at >= self.snapshot_every:
             await self.save_snapshot()
@@ -243,14 +271,14 @@ class Scheduler:
         )
         await self.snapshots.save(SNAPSHOT_NAME, _snap_encoder.encode(snap))
         self._snapshot_at = state.input_seq
-        self.logger.info("snapshot", input_seq=state.input_seq, batch_seq=self.batch_seq, bytes=len(snap.state))
+        self.logger.info(
+            "snapshot", input_seq=state.input_seq, batch_seq=self.batch_seq, bytes=len(snap.state)
+        )
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> None:
-    try:
+    with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
-    except TimeoutError:
-        pass
 
 
 def load_snapshot(raw: bytes) -> tuple[SchedulerSnapshot, State]:

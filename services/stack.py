@@ -111,13 +111,24 @@ class NatsProcess:
                 self.proc.wait()
 
 
-def start_nats_server(data_dir: Path, port: int | None = None, timeout: float = 20.0) -> NatsProcess:
+def start_nats_server(
+    data_dir: Path, port: int | None = None, timeout: float = 20.0
+) -> NatsProcess:
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     log_path = data_dir / "nats-server.log"
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
-            [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(data_dir / "jetstream")],
+            [
+                nats_server_binary(),
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-sd",
+                str(data_dir / "jetstream"),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -131,7 +142,9 @@ def start_nats_server(data_dir: Path, port: int | None = None, timeout: float = 
         except OSError:
             if time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"nats-server did not start on port {port}; see {log_path}") from None
+                raise RuntimeError(
+                    f"nats-server did not start on port {port}; see {log_path}"
+                ) from None
             time.sleep(0.05)
     return NatsProcess(proc, f"nats://127.0.0.1:{port}", log_path)
 
@@ -190,7 +203,9 @@ class Stack:
             ]
             if self.with_projector:
                 self.data_dir.mkdir(parents=True, exist_ok=True)
-                self.projector = Projector(log, open_projection(self.data_dir / f"{self.spec.name}.duckdb"))
+                self.projector = Projector(
+                    log, open_projection(self.data_dir / f"{self.spec.name}.duckdb")
+                )
                 tasks.append(asyncio.create_task(self.projector.run(stop), name="projector"))
             if self.with_executor:
                 self.executor = Executor(log)

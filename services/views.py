@@ -99,7 +99,12 @@ def queue_view(state: State) -> dict[str, Any]:
         row["protected_until_ms"] = w.protected_until_ms
         row["placement"] = [[s.node, s.gpus] for s in w.placement]
         running.append(row)
-    return {"at_ms": state.now_ms, "input_seq": state.input_seq, "pending": pending, "running": running}
+    return {
+        "at_ms": state.now_ms,
+        "input_seq": state.input_seq,
+        "pending": pending,
+        "running": running,
+    }
 
 
 def _capacity_gpus(state: State) -> int:
@@ -166,7 +171,11 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
         pre_txt += ", requeued)" if last_pre.requeued else ", not resumable: ended)"
     if w is None:
         if workload in history.rejected:
-            return {"workload": workload, "status": "rejected", "reasons": [history.rejected[workload]]}
+            return {
+                "workload": workload,
+                "status": "rejected",
+                "reasons": [history.rejected[workload]],
+            }
         status = state.ended.get(workload)
         if status is None:
             return None
@@ -180,11 +189,17 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
         nodes = ", ".join(f"{s.node}:{s.gpus}" for s in w.placement)
         reasons.append(f"running on {nodes} since {w.started_ms} (attempt {w.attempt})")
         if not w.allocated:
-            reasons.append("unallocated (min_runtime 0): free, preemptible by any allocated workload at any moment")
+            reasons.append(
+                "unallocated (min_runtime 0): free, preemptible by any allocated workload at any moment"
+            )
         elif state.now_ms < w.protected_until_ms:
-            reasons.append(f"protected from preemption until {w.protected_until_ms} (its minimum runtime)")
+            reasons.append(
+                f"protected from preemption until {w.protected_until_ms} (its minimum runtime)"
+            )
         else:
-            reasons.append("past its minimum runtime: preemptible by a clearly more under-served team")
+            reasons.append(
+                "past its minimum runtime: preemptible by a clearly more under-served team"
+            )
         if pre_txt:
             reasons.append(f"earlier: {pre_txt}")
         out["reasons"] = reasons
@@ -197,9 +212,14 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
     if pre_txt:
         reasons.append(pre_txt)
     if not w.allocated:
-        reasons.append("unallocated (min_runtime 0): orders after every allocated workload and never preempts")
+        reasons.append(
+            "unallocated (min_runtime 0): orders after every allocated workload and never preempts"
+        )
     else:
-        parts = [f"{p} ratio {float(r):.4g} (usage {u / HOUR_MS:.3g} GPU-h / weight {wt})" for p, u, wt, r in view.path_ratios(w.owner)]
+        parts = [
+            f"{p} ratio {float(r):.4g} (usage {u / HOUR_MS:.3g} GPU-h / weight {wt})"
+            for p, u, wt, r in view.path_ratios(w.owner)
+        ]
         reasons.append("sort key: " + "; ".join(parts))
     fits = [
         n
@@ -217,7 +237,11 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
             f"(largest block {largest}, {whole} whole nodes)"
         )
         blockers = sorted(
-            (r for r in state.running.values() if r.allocated and state.now_ms < r.protected_until_ms),
+            (
+                r
+                for r in state.running.values()
+                if r.allocated and state.now_ms < r.protected_until_ms
+            ),
             key=lambda r: (r.protected_until_ms, r.id),
         )
         if blockers:
@@ -227,7 +251,9 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
                 f"{b.protected_until_ms} ({b.id})"
             )
     if ahead:
-        reasons.append(f"{len(ahead)} workloads rank ahead of it, needing {sum(a.gpus for a in ahead)} GPUs")
+        reasons.append(
+            f"{len(ahead)} workloads rank ahead of it, needing {sum(a.gpus for a in ahead)} GPUs"
+        )
     out["position"] = pos
     out["reasons"] = reasons
     return out

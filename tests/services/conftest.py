@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-
 from apportion.services import logs
 
 pytestmark = pytest.mark.nats
@@ -56,7 +55,13 @@ def _wait_port(port: int, proc: subprocess.Popen | None, timeout: float = 20.0) 
 class NatsServer:
     """A running nats-server (or an external one): ``url``, and ``stop``/``start`` when we own it."""
 
-    def __init__(self, url: str, binary: str | None = None, store: Path | None = None, port: int | None = None):
+    def __init__(
+        self,
+        url: str,
+        binary: str | None = None,
+        store: Path | None = None,
+        port: int | None = None,
+    ):
         self.url = url
         self.binary = binary
         self.store = store
@@ -92,7 +97,9 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
     binary = nats_server_binary()
     if binary:
         port = free_port()
-        server = NatsServer(f"nats://127.0.0.1:{port}", binary, tmp_path_factory.mktemp("nats"), port)
+        server = NatsServer(
+            f"nats://127.0.0.1:{port}", binary, tmp_path_factory.mktemp("nats"), port
+        )
         server.start()
         try:
             yield server

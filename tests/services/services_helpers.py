@@ -16,7 +16,8 @@ from apportion.schemas.events import (
 def small_cluster(nodes: int = 2, gpus: int = 8) -> list[Input]:
     """``nodes`` h100 nodes of ``gpus`` GPUs; budget root(ops) -> llm(alice) -> llm/a, llm/b; vision."""
     events: list[Input] = [
-        NodeRegistered(id=f"node-{i}", at_ms=0, node=f"h{i:03d}", gpus=gpus, gpu_type="h100") for i in range(nodes)
+        NodeRegistered(id=f"node-{i}", at_ms=0, node=f"h{i:03d}", gpus=gpus, gpu_type="h100")
+        for i in range(nodes)
     ]
     events += [
         BudgetSet(id="b-root", at_ms=0, path="", weight=1, owner="ops", actor="ops"),
@@ -28,9 +29,17 @@ def small_cluster(nodes: int = 2, gpus: int = 8) -> list[Input]:
     return events
 
 
-def submit(workload: str, owner: str = "llm/a", gpus: int = 4, min_runtime_ms: int = 60_000, **kw) -> WorkloadSubmitted:
+def submit(
+    workload: str, owner: str = "llm/a", gpus: int = 4, min_runtime_ms: int = 60_000, **kw
+) -> WorkloadSubmitted:
     return WorkloadSubmitted(
-        id=f"submit-{workload}", at_ms=0, workload=workload, owner=owner, gpus=gpus, min_runtime_ms=min_runtime_ms, **kw
+        id=f"submit-{workload}",
+        at_ms=0,
+        workload=workload,
+        owner=owner,
+        gpus=gpus,
+        min_runtime_ms=min_runtime_ms,
+        **kw,
     )
 
 

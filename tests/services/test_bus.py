@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from apportion.schemas.events import ClockTicked, DecisionBatch
 from apportion.services.bus import Fenced, JetStreamLog, MemoryLog
-
 from services_helpers import submit
 
 

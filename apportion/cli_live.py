@@ -1,0 +1,392 @@
+"""Live commands: ``apportion up`` and the client commands that talk to its gateway.
+
+The gateway's URL comes from ``--url``, else ``$APPORTION_URL``, else
+``http://127.0.0.1:8642`` (the port ``up`` listens on by default; ``up`` prints it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import click
+
+from apportion.cli import UserError, main
+
+URL_HELP = "gateway URL (default: $APPORTION_URL, else http://127.0.0.1:8642)"
+
+
+def _duration_ms(text: str | None, what: str) -> int | None:
+    if text is None:
+        return None
+    from apportion.replay.cluster_file import parse_duration_ms
+
+    if text.strip().isdigit():
+        return int(text.strip()) * 1000  # bare number: seconds
+    try:
+        return parse_duration_ms(text)
+    except ValueError as exc:
+        raise UserError(f"--{what}: {exc}") from None
+
+
+def _client(url: str | None) -> Any:
+    from apportion.services.client import GatewayClient
+
+    return GatewayClient(url)
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    from apportion.services.client import GatewayError
+
+    try:
+        return fn(*args, **kwargs)
+    except GatewayError as exc:
+        raise UserError(exc.reason) from None
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+# --------------------------------------------------------------------------
+# up
+# --------------------------------------------------------------------------
+
+
+@main.command()
+@click.option(
+    "--cluster",
+    "cluster_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="cluster TOML (default: the bundled demo)",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".apportion"),
+    show_default=True,
+    help="nats-server store and DuckDB projection",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8642, show_default=True, help="gateway port (0: any free port)")
+@click.option(
+    "--replicas",
+    type=click.IntRange(1, 5),
+    default=1,
+    show_default=True,
+    help="stream replicas (3 on a 3-node cluster)",
+)
+@click.option("--log-level", default="info", show_default=True)
+@click.option("--no-executor", is_flag=True, help="do not run the executor emulator")
+def up(
+    cluster_file: Path | None,
+    data_dir: Path,
+    host: str,
+    port: int,
+    replicas: int,
+    log_level: str,
+    no_executor: bool,
+) -> None:
+    """Start nats-server (unless NATS_URL is set) and every service in one process; Ctrl-C stops."""
+    from apportion.replay.errors import InputFileError
+    from apportion.services import logs
+    from apportion.services.stack import load_cluster_spec, start_nats_server
+
+    try:
+        spec = load_cluster_spec(cluster_file)
+    except InputFileError as exc:
+        raise UserError(str(exc)) from None
+    logs.configure(log_level)
+    url = os.environ.get("NATS_URL")
+    server = None
+    if not url:
+        try:
+            server = start_nats_server(data_dir / "nats")
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise UserError(str(exc)) from None
+        url = server.url
+    try:
+        asyncio.run(_up(url, spec, data_dir, host, port, replicas, not no_executor))
+    except OSError as exc:
+        raise UserError(f"cannot start: {exc}") from None
+    finally:
+        if server is not None:
+            server.stop()
+
+
+async def _up(
+    url: str, spec: Any, data_dir: Path, host: str, port: int, replicas: int, executor: bool
+) -> None:
+    from apportion.services.stack import Stack
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stack = Stack(
+        url, spec, data_dir=data_dir, host=host, port=port, replicas=replicas, executor=executor
+    )
+    runner = asyncio.create_task(stack.run(stop))
+    started = asyncio.create_task(stack.started.wait())
+    await asyncio.wait([runner, started], return_when=asyncio.FIRST_COMPLETED)
+    if stack.started.is_set():
+        gw = stack.gateway.url if stack.gateway else None
+        print(
+            f"apportion up: cluster {spec.name!r} on {url}\n"
+            f"gateway: {gw}\n"
+            f"  export APPORTION_URL={gw}\n"
+            f"  apportion submit --owner {_first_leaf(spec)} --gpus 8 --min-runtime 15m --duration 2m\n"
+            "Ctrl-C stops everything.",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        started.cancel()
+    try:
+        await runner
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _first_leaf(spec: Any) -> str:
+    paths = [p for p, _w, _o in spec.budget if p]
+    leaves = [p for p in paths if not any(q.startswith(p + "/") for q in paths)]
+    return leaves[0] if leaves else "<leaf>"
+
+
+# --------------------------------------------------------------------------
+# client commands
+# --------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--owner", required=True, help="budget leaf path, e.g. llm/pretrain")
+@click.option("--gpus", type=int, required=True)
+@click.option(
+    "--min-runtime",
+    required=True,
+    help='protected minimum runtime ("15m", "2h", "0" for unallocated)',
+)
+@click.option(
+    "--duration", default=None, help="how long it runs (the executor emulator honours it)"
+)
+@click.option(
+    "--priority", type=int, default=0, show_default=True, help="order inside the leaf only"
+)
+@click.option("--no-resume", is_flag=True, help="a preemption ends it instead of requeueing")
+@click.option("--gpu-type", default="any", show_default=True)
+@click.option("--id", "workload_id", default=None, help="workload id (default: generated)")
+@click.option("--as", "submitted_by", default=None, help="who submits (default: $USER)")
+@click.option("--url", default=None, help=URL_HELP)
+@click.option("--json", "as_json", is_flag=True)
+def submit(
+    owner: str,
+    gpus: int,
+    min_runtime: str,
+    duration: str | None,
+    priority: int,
+    no_resume: bool,
+    gpu_type: str,
+    workload_id: str | None,
+    submitted_by: str | None,
+    url: str | None,
+    as_json: bool,
+) -> None:
+    """Submit a workload."""
+    out = _call(
+        _client(url).submit,
+        id=workload_id,
+        owner=owner,
+        gpus=gpus,
+        min_runtime_ms=_duration_ms(min_runtime, "min-runtime"),
+        duration_ms=_duration_ms(duration, "duration"),
+        priority=priority,
+        resumable=not no_resume,
+        gpu_type=gpu_type,
+        submitted_by=submitted_by or os.environ.get("USER", ""),
+    )
+    if as_json:
+        _echo_json(out)
+    else:
+        click.echo(
+            f"submitted {out['workload']} (input {out['seq']}{', duplicate' if out.get('duplicate') else ''})"
+        )
+
+
+@main.command()
+@click.argument("workload")
+@click.option("--url", default=None, help=URL_HELP)
+def cancel(workload: str, url: str | None) -> None:
+    """Cancel a pending or running workload."""
+    out = _call(_client(url).cancel, workload, os.environ.get("USER", ""))
+    click.echo(f"cancel of {out['workload']} published (input {out['seq']})")
+
+
+def _ratios(row: dict[str, Any]) -> str:
+    return (
+        " > ".join(f"{r['path']}:{r['ratio']['value']:.3g}" for r in row.get("ratios", [])) or "-"
+    )
+
+
+@main.command()
+@click.option("--url", default=None, help=URL_HELP)
+@click.option("--json", "as_json", is_flag=True)
+def queue(url: str | None, as_json: bool) -> None:
+    """Pending workloads in scheduling order (with the ratios of their sort keys), then running ones."""
+    data = _call(_client(url).queue)
+    if as_json:
+        _echo_json(data)
+        return
+    click.echo(
+        f"{'POS':>4} {'WORKLOAD':<24} {'OWNER':<22} {'GPUS':>5} {'PRIO':>4} {'WAIT_S':>8}  RATIOS (usage/weight, top down)"
+    )
+    for row in data["pending"]:
+        click.echo(
+            f"{row['position']:>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} {row['priority']:>4} "
+            f"{row['wait_ms'] / 1000:>8.1f}  {_ratios(row) if row['allocated'] else 'unallocated'}"
+        )
+    click.echo(f"running: {len(data['running'])}")
+    for row in data["running"]:
+        where = ",".join(f"{n}:{g}" for n, g in row["placement"])
+        click.echo(f"     {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5}  {where}")
+
+
+@main.command()
+@click.option("--url", default=None, help=URL_HELP)
+@click.option("--json", "as_json", is_flag=True)
+def share(url: str | None, as_json: bool) -> None:
+    """The budget tree with usage against allocation (like sshare)."""
+    data = _call(_client(url).share)
+    if as_json:
+        _echo_json(data)
+        return
+    click.echo(
+        f"{'PATH':<30} {'WEIGHT':>6} {'NORM_SHARE':>10} {'USAGE_GPU_H':>12} {'EFF_USAGE':>9} {'USE/SHARE':>9} {'RUN':>5} {'PEND':>5}"
+    )
+
+    def walk(n: dict[str, Any], depth: int) -> None:
+        name = ("  " * depth + (n["path"].rsplit("/", 1)[-1] or "(root)"))[:30]
+        click.echo(
+            f"{name:<30} {n['weight']:>6} {n['global_share']:>10.4f} {n['usage_gpu_h']:>12.2f} "
+            f"{n['effective_usage']:>9.4f} {n['usage_vs_share']:>9.3f} {n['running_gpus']:>5} {n['pending_gpus']:>5}"
+        )
+        for c in n["children"]:
+            walk(c, depth + 1)
+
+    walk(data, 0)
+
+
+@main.command()
+@click.argument("workload")
+@click.option("--url", default=None, help=URL_HELP)
+@click.option("--json", "as_json", is_flag=True)
+def explain(workload: str, url: str | None, as_json: bool) -> None:
+    """Why a workload is pending, running, preempted or ended."""
+    data = _call(_client(url).explain, workload)
+    if as_json:
+        _echo_json(data)
+        return
+    click.echo(f"{data['workload']}: {data['status']}")
+    for r in data.get("reasons", []):
+        click.echo(f"  - {r}")
+
+
+@main.group()
+def budget() -> None:
+    """Show or edit the budget tree."""
+
+
+def _strip_detail(node: dict[str, Any]) -> dict[str, Any]:
+    keep = ("path", "weight", "owner", "global_share", "usage_gpu_h")
+    return {**{k: node[k] for k in keep}, "children": [_strip_detail(c) for c in node["children"]]}
+
+
+@budget.command("show")
+@click.option("--url", default=None, help=URL_HELP)
+@click.option("--json", "as_json", is_flag=True)
+def budget_show(url: str | None, as_json: bool) -> None:
+    """The tree as nested {path, weight, owner, global_share, usage_gpu_h, children}."""
+    data = _strip_detail(_call(_client(url).budget))
+    if as_json:
+        _echo_json(data)
+        return
+
+    def walk(n: dict[str, Any], depth: int) -> None:
+        name = "  " * depth + (n["path"].rsplit("/", 1)[-1] or "(root)")
+        click.echo(
+            f"{name:<30} weight {n['weight']:>5}  owner {n['owner']:<12} share {n['global_share']:.4f}  usage {n['usage_gpu_h']:.2f} GPU-h"
+        )
+        for c in n["children"]:
+            walk(c, depth + 1)
+
+    walk(data, 0)
+
+
+def budget_from_toml(doc: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """``(root owner, [{"path","weight","owner"}...])`` parents first, from a file's ``[budget]`` table."""
+    table = doc.get("budget")
+    if not isinstance(table, dict):
+        raise UserError("no [budget] table in the file")
+    root_owner = table.get("owner", "")
+    out: list[dict[str, Any]] = []
+    if root_owner:
+        out.append({"path": "", "weight": int(table.get("weight", 1)), "owner": root_owner})
+
+    def walk(t: dict[str, Any], path: str) -> None:
+        for key, value in t.items():
+            if key in ("weight", "owner"):
+                continue
+            if not isinstance(value, dict):
+                raise UserError(
+                    f"budget.{path.replace('/', '.') + '.' if path else ''}{key}: expected a table"
+                )
+            child = f"{path}/{key}" if path else key
+            if "weight" not in value or "owner" not in value:
+                raise UserError(f"budget node {child!r} needs weight and owner")
+            out.append({"path": child, "weight": value["weight"], "owner": value["owner"]})
+            walk(value, child)
+
+    walk(table, "")
+    return root_owner, out
+
+
+@budget.command("apply")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--as", "actor", default=None, help="who edits (default: the file's root owner)")
+@click.option(
+    "--prune", is_flag=True, help="also remove nodes that are not in the file (leaves first)"
+)
+@click.option("--url", default=None, help=URL_HELP)
+def budget_apply(file: Path, actor: str | None, prune: bool, url: str | None) -> None:
+    """Make the tree match FILE's [budget] part (a cluster file or just [budget] tables)."""
+    try:
+        doc = tomllib.loads(file.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read {file}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{file}: TOML syntax: {exc}") from None
+    root_owner, nodes = budget_from_toml(doc)
+    client = _client(url)
+    remove: list[str] = []
+    if prune:
+        current = _call(client.budget)
+        wanted = {n["path"] for n in nodes}
+
+        def walk(n: dict[str, Any]) -> None:
+            for c in n["children"]:
+                walk(c)
+            if n["path"] and n["path"] not in wanted:
+                remove.append(n["path"])
+
+        walk(current)
+    out = _call(client.budget_apply, actor or root_owner, nodes, remove)
+    click.echo(
+        f"budget: {len(nodes)} nodes set, {len(remove)} removed ({out['published']} inputs published)"
+    )

@@ -131,6 +131,7 @@ def start_nats_server(
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C stops the services first; we stop the server after them
         )
     deadline = time.monotonic() + timeout
     while True:
@@ -225,4 +226,7 @@ class Stack:
                         t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
         finally:
-            await nc.drain()
+            try:
+                await asyncio.wait_for(nc.drain(), 5)
+            except (TimeoutError, Exception):  # noqa: BLE001 - a server already gone
+                await nc.close()

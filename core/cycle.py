@@ -55,7 +55,7 @@ from apportion.schemas.events import (
 
 from .budget import ROOT, ancestors_of
 from .ordering import FairShareView
-from .ratio import clearly_below, ratio
+from .ratio import clearly_below_pair, ratio
 from .state import ClusterNode, State, Workload, apply
 
 _NEVER = 1 << 62
@@ -113,16 +113,36 @@ class _Cycle:
         self.requeued: list[Workload] = []  # by steps 1-2, placed again this cycle
         self.reservation: Reservation | None = None
         self.reserved: dict[str, int] = {}  # node -> reservation start
-        self.epoch = 0  # bumps on every placement or preemption
-        self.failed: dict[tuple, tuple[int, int]] = {}  # shape -> (epoch, smallest gpus failed)
+        self.freed = 0  # bumps on every preemption (the only way GPUs come free in a cycle)
+        self.failed: dict[tuple, tuple[int, object, int]] = {}
+        """shape -> (``freed``, victim subtrees, smallest GPUs) of a failure to place."""
         self._leaf_pos: dict[str, int] | None = None
+        self._paths: dict[str, tuple[str, ...]] = {}
+        self.charges = 0  # bumps on every projected charge (ratios changed)
+        self._subtrees: dict[str, tuple[int, dict[str, None]]] = {}
+        # who could be a victim at all, per node (fixed at the cycle start):
+        # unallocated work, and allocated work past its protection
+        self.victimable: dict[str, list[Workload]] = {}
+        self.node_unalloc: dict[str, int] = {}
+        self.node_expired: dict[str, dict[str, int]] = {}  # node -> budget path -> GPUs
+        self.pool_free: dict[tuple[str, int], int] = {}
+        self.pool_unalloc: dict[tuple[str, int], int] = {}
+        self.pool_expired: dict[tuple[str, int], dict[str, int]] = {}
+        for w in state.running.values():
+            if w.min_runtime_ms == 0 or self.t >= w.protected_until_ms:
+                for slot in w.placement:
+                    self.victimable.setdefault(slot.node, []).append(w)
+                self._count_victimable(w, +1)
         # free-GPU buckets: (gpu_type, node size) -> free -> node ids, sorted
         self.buckets: dict[tuple[str, int], dict[int, list[str]]] = {}
+        self.pool_nodes: dict[tuple[str, int], list[str]] = {}
         for name in self.node_ids:
             node = state.nodes[name]
             if node.schedulable:
-                pool = self.buckets.setdefault((node.gpu_type, node.gpus), {})
-                pool.setdefault(self.free[name], []).append(name)
+                key = (node.gpu_type, node.gpus)
+                self.buckets.setdefault(key, {}).setdefault(self.free[name], []).append(name)
+                self.pool_nodes.setdefault(key, []).append(name)
+                self.pool_free[key] = self.pool_free.get(key, 0) + self.free[name]
 
     # ------------------------------------------------------------------
     def run(self) -> CycleResult:
@@ -167,18 +187,40 @@ class _Cycle:
                 self._emit(NodeDrained, node=name)
 
     # -- scratch bookkeeping ----------------------------------------------
+    def _count_victimable(self, w: Workload, sign: int) -> None:
+        """Add (or remove) ``w``'s GPUs to the per-node and per-pool victim totals."""
+        nodes = self.state.nodes
+        for slot in w.placement:
+            node = nodes[slot.node]
+            key = (node.gpu_type, node.gpus)
+            gpus = sign * slot.gpus
+            if w.min_runtime_ms == 0:
+                self.node_unalloc[slot.node] = self.node_unalloc.get(slot.node, 0) + gpus
+                self.pool_unalloc[key] = self.pool_unalloc.get(key, 0) + gpus
+            else:
+                by_node = self.node_expired.setdefault(slot.node, {})
+                by_pool = self.pool_expired.setdefault(key, {})
+                for p in self._path(w.owner):
+                    by_node[p] = by_node.get(p, 0) + gpus
+                    by_pool[p] = by_pool.get(p, 0) + gpus
+
     def _set_free(self, name: str, free: int) -> None:
         node = self.state.nodes[name]
         old = self.free[name]
         self.free[name] = free
         if not node.schedulable:
             return
-        pool = self.buckets[(node.gpu_type, node.gpus)]
+        key = (node.gpu_type, node.gpus)
+        pool = self.buckets[key]
         pool[old].remove(name)
         insort(pool.setdefault(free, []), name)
+        self.pool_free[key] += free - old
 
     def _preempt(self, w: Workload, reason: str, for_workload: str | None, requeue_now: bool = False) -> None:
+        if w.min_runtime_ms == 0 or self.t >= w.protected_until_ms:
+            self._count_victimable(w, -1)
         self.gone[w.id] = reason
+        self.freed += 1
         for slot in w.placement:
             self._set_free(slot.node, self.free[slot.node] + slot.gpus)
         self._emit(
@@ -190,7 +232,6 @@ class _Cycle:
         )
         if requeue_now and w.resumable:
             self.requeued.append(w)
-        self.epoch += 1
 
     def _place(self, w: Workload, slots: list[tuple[str, int]]) -> None:
         for name, gpus in slots:
@@ -204,7 +245,6 @@ class _Cycle:
             protected_until_ms=self.t + w.min_runtime_ms,
             attempt=w.attempt + 1,
         )
-        self.epoch += 1
 
     def _may_use(self, w: Workload, name: str) -> bool:
         """Reservation gate: a reserved node takes only work preemptible before it starts."""
@@ -256,37 +296,71 @@ class _Cycle:
     def _ratio(self, path: str) -> Fraction:
         return ratio(self.usage[path], self.weight[path])
 
+    def _path(self, leaf: str) -> tuple[str, ...]:
+        """``leaf`` and its ancestors below the root, top level first."""
+        path = self._paths.get(leaf)
+        if path is None:
+            path = (*ancestors_of(leaf)[1:], leaf)
+            self._paths[leaf] = path
+        return path
+
+    def victim_subtrees(self, leaf: str) -> dict[str, None]:
+        """Budget nodes whose whole subtree a workload of ``leaf`` outranks clearly:
+        for each ancestor ``a`` of ``leaf`` (and ``leaf``), the siblings ``s`` of
+        ``a`` with ``ratio(a) < (1 - margin) * ratio(s)``. Their subtrees are
+        disjoint. Recomputed after each projected charge."""
+        cached = self._subtrees.get(leaf)
+        if cached is not None and cached[0] == self.charges:
+            return cached[1]
+        usage, weight, margin = self.usage, self.weight, self.margin
+        nodes = self.state.budget.nodes
+        out: dict[str, None] = {}
+        parent = ROOT
+        for a in self._path(leaf):
+            ua, wa = usage[a], weight[a]
+            for sib in nodes[parent].children:
+                if sib != a and clearly_below_pair(ua, wa, usage[sib], weight[sib], margin):
+                    out[sib] = None
+            parent = a
+        if cached is not None and cached[1] == out:
+            out = cached[1]  # same content: keep the object, so failures stay remembered
+        self._subtrees[leaf] = (self.charges, out)
+        return out
+
     def outranks(self, c: Workload, v: Workload) -> bool:
         """``c`` outranks ``v`` clearly: at the first level where their paths part,
         ``ratio(c side) < (1 - margin) * ratio(v side)``; inside one leaf, only a
         strictly higher priority outranks."""
         if c.owner == v.owner:
             return c.priority > v.priority
-        cp = [*ancestors_of(c.owner)[1:], c.owner]
-        vp = [*ancestors_of(v.owner)[1:], v.owner]
-        for a, b in zip(cp, vp, strict=False):
-            if a != b:
-                return clearly_below(self._ratio(a), self._ratio(b), self.margin)
-        return False  # unreachable for two different leaves
+        subtrees = self.victim_subtrees(c.owner)
+        return any(p in subtrees for p in self._path(v.owner))
 
-    def _victims_on(self, c: Workload, name: str, memo: dict[str, bool]) -> list[Workload]:
-        """Running workloads on ``name`` that ``c`` may preempt now."""
-        out = []
-        for wid in self.state.nodes[name].workloads:
-            if wid in self.gone:
-                continue
-            v = self.state.running[wid]
-            if v.min_runtime_ms == 0:
-                out.append(v)
-            elif self.t >= v.protected_until_ms:
-                ok = memo.get(v.owner) if v.owner != c.owner else None
-                if ok is None:
-                    ok = self.outranks(c, v)
-                    if v.owner != c.owner:
-                        memo[v.owner] = ok
-                if ok:
-                    out.append(v)
+    def _may_preempt(self, c: Workload, v: Workload, subtrees: dict[str, None]) -> bool:
+        if v.min_runtime_ms == 0:
+            return True
+        if v.owner == c.owner:
+            return c.priority > v.priority
+        return any(p in subtrees for p in self._path(v.owner))
+
+    def _bound(self, c: Workload, name: str, subtrees: dict[str, None]) -> int:
+        """An upper bound of the GPUs ``c`` could have on ``name`` (free + preemptible)."""
+        expired = self.node_expired.get(name)
+        out = self.free[name] + self.node_unalloc.get(name, 0)
+        if expired:
+            out += expired.get(c.owner, 0)
+            for p in subtrees:
+                out += expired.get(p, 0)
         return out
+
+    def _victims_on(self, c: Workload, name: str, subtrees: dict[str, None]) -> list[Workload]:
+        """Running workloads on ``name`` that ``c`` may preempt now."""
+        gone = self.gone
+        return [
+            v
+            for v in self.victimable.get(name, ())
+            if v.id not in gone and self._may_preempt(c, v, subtrees)
+        ]
 
     def _victim_order(self, v: Workload) -> tuple:
         """Unallocated first, then the most over-served owners, then lower priority, then id."""
@@ -302,24 +376,35 @@ class _Cycle:
     def preemption(self, c: Workload) -> tuple[list[Workload], list[tuple[str, int]]] | None:
         """The cheapest victim set that makes ``c`` fit, and where ``c`` then goes.
 
-        Cost, compared in order: fewest allocated victims (unallocated ones
-        first), the most over-served owners (the least over-served victim as
+        Possible victims: unallocated work, and allocated work past its
+        protection that ``c`` outranks clearly (:meth:`outranks`). Cost,
+        compared in order: fewest allocated victims (unallocated ones first),
+        the most over-served owners (the least over-served victim as
         over-served as possible), fewest GPUs freed beyond need, victim ids,
         node ids."""
         g = c.gpus
-        memo: dict[str, bool] = {}
+        subtrees = self.victim_subtrees(c.owner)
         best: tuple[tuple, list[Workload], list[tuple[str, int]]] | None = None
         for key in self._pools_for(c):
-            gpu_type, size = key
+            size = key[1]
+            if g > size and g % size:
+                continue
+            need = 1 if g <= size else g // size
+            want = g if g <= size else size
+            expired = self.pool_expired.get(key, {})
+            total = self.pool_free.get(key, 0) + self.pool_unalloc.get(key, 0) + expired.get(c.owner, 0)
+            if total + sum(expired.get(p, 0) for p in subtrees) < g:
+                continue  # not enough free and preemptible GPUs in the whole pool
+            names = [
+                n for n in self.pool_nodes[key] if self._may_use(c, n) and self._bound(c, n, subtrees) >= want
+            ]
+            if len(names) < need:
+                continue
             if g <= size:
-                for name in self.node_ids:
+                for name in names:
                     node = self.state.nodes[name]
-                    if not node.schedulable or (node.gpu_type, node.gpus) != key:
-                        continue
-                    if not self._may_use(c, name):
-                        continue
                     free = self.free[name]
-                    victims = self._victims_on(c, name, memo)
+                    victims = self._victims_on(c, name, subtrees)
                     if free + sum(node.workloads[v.id] for v in victims) < g:
                         continue
                     chosen = self._cheapest_on_node(victims, node, free, g)
@@ -328,20 +413,15 @@ class _Cycle:
                     cost = self._set_cost(chosen, free + freed - g + elsewhere, name)
                     if best is None or cost < best[0]:
                         best = (cost, chosen, [(name, g)])
-            elif g % size == 0:
-                need = g // size
+            else:
                 options: list[tuple[tuple, str, list[Workload]]] = []
-                for name in self.node_ids:
-                    node = self.state.nodes[name]
-                    if not node.schedulable or (node.gpu_type, node.gpus) != key:
-                        continue
-                    if not self._may_use(c, name):
-                        continue
-                    victims = self._victims_on(c, name, memo)
-                    if self.free[name] + sum(node.workloads[v.id] for v in victims) < size:
-                        continue
+                for name in names:
                     if self.added.get(name):
                         continue  # holds work placed this cycle, which is protected
+                    node = self.state.nodes[name]
+                    victims = self._victims_on(c, name, subtrees)
+                    if self.free[name] + sum(node.workloads[v.id] for v in victims) < size:
+                        continue
                     options.append((self._set_cost(victims, 0, name), name, victims))
                 if len(options) < need:
                     continue
@@ -430,10 +510,17 @@ class _Cycle:
 
     # -- steps 3 and 4 --------------------------------------------------------
     def _try(self, w: Workload) -> bool:
-        """Place ``w`` (allocated ones may preempt); False if it stays pending."""
+        """Place ``w`` (allocated ones may preempt); False if it stays pending.
+
+        A failure is remembered for the shape (owner, priority, GPU type, min
+        runtime): a later workload of that shape with at least as many GPUs
+        fails too, as long as no preemption freed GPUs and the owner's victim
+        subtrees are the same (placements only take GPUs away; a reservation
+        only restricts), so it is skipped without a search."""
         shape = (w.owner, w.priority, w.gpu_type, w.min_runtime_ms)
+        subtrees = self.victim_subtrees(w.owner) if w.min_runtime_ms > 0 else None
         failed = self.failed.get(shape)
-        if failed is not None and failed[0] == self.epoch and w.gpus >= failed[1]:
+        if failed is not None and failed[0] == self.freed and failed[1] is subtrees and w.gpus >= failed[2]:
             return False
         slots = self.fit(w)
         if slots is None and w.min_runtime_ms > 0:
@@ -443,7 +530,7 @@ class _Cycle:
                 for v in victims:
                     self._preempt(v, "unallocated" if v.min_runtime_ms == 0 else "fairshare", w.id)
         if slots is None:
-            self.failed[shape] = (self.epoch, w.gpus)
+            self.failed[shape] = (self.freed, subtrees, w.gpus)
             return False
         self._place(w, slots)
         return True
@@ -556,6 +643,7 @@ class _FairShareWalk:
         """Add ``w``'s projected charge to its path and re-rank the path."""
         c = self.cycle
         charge = w.gpus * w.min_runtime_ms
+        c.charges += 1
         for p in [*ancestors_of(w.owner), w.owner]:
             c.usage[p] += charge
             if p == ROOT or self.version.get(p, -1) < 0:

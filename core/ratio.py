@@ -1,8 +1,9 @@
 """The one place where fair-share ratios are compared.
 
-``ratio(n) = usage(n) / weight(n)``, always exact: :class:`fractions.Fraction`
-compares by cross-multiplying integers, never through floats. Weights are
-positive (the budget tree rejects anything else), so a ratio always exists.
+``ratio(n) = usage(n) / weight(n)``, always exact: integers are
+cross-multiplied (and :class:`fractions.Fraction` does the same), never
+compared through floats. Weights are positive (the budget tree rejects
+anything else), so a ratio always exists.
 """
 
 from __future__ import annotations
@@ -17,11 +18,21 @@ def ratio(usage_gpu_ms: int, weight: int) -> Fraction:
     return Fraction(usage_gpu_ms, weight)
 
 
-def clearly_below(candidate: Fraction, victim: Fraction, margin_ppm: int) -> bool:
-    """True when ``candidate < (1 - margin) * victim``: the hysteresis test of preemption.
+def clearly_below_pair(
+    cand_usage: int, cand_weight: int, victim_usage: int, victim_weight: int, margin_ppm: int
+) -> bool:
+    """``cand_usage / cand_weight < (1 - margin) * victim_usage / victim_weight``,
+    by cross-multiplication: the hysteresis test of preemption.
 
     Two ratios inside the margin of each other (including two zero ratios) are
     never "clearly" ordered, so near-equal teams do not preempt each other back
     and forth.
     """
-    return candidate * PPM < victim * (PPM - margin_ppm)
+    return cand_usage * victim_weight * PPM < victim_usage * cand_weight * (PPM - margin_ppm)
+
+
+def clearly_below(candidate: Fraction, victim: Fraction, margin_ppm: int) -> bool:
+    """:func:`clearly_below_pair` for two ratios given as fractions."""
+    return clearly_below_pair(
+        candidate.numerator, candidate.denominator, victim.numerator, victim.denominator, margin_ppm
+    )

@@ -149,7 +149,8 @@ def main(quick: bool = False) -> None:
             preempted += isinstance(d, WorkloadPreempted)
     p50, p99 = _percentiles(times)
     print(
-        f"cycle (steady: {len(state.running)} running, {len(state.pending)} pending; "
+        f"cycle (steady: {len(state.running)} running, {len(state.pending)} pending, "
+        f"{sum(n.free for n in state.nodes.values())} GPUs free; "
         f"{placed} placements, {preempted} preemptions in {cycles} cycles): "
         f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"
     )

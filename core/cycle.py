@@ -114,8 +114,8 @@ class _Cycle:
         self.reservation: Reservation | None = None
         self.reserved: dict[str, int] = {}  # node -> reservation start
         self.freed = 0  # bumps on every preemption (the only way GPUs come free in a cycle)
-        self.failed: dict[tuple, tuple[int, object, int]] = {}
-        """shape -> (``freed``, victim subtrees, smallest GPUs) of a failure to place."""
+        self.failed: dict[tuple, tuple[int, object, int, int]] = {}
+        """shape -> (``freed``, victim subtrees, priority, GPUs) of the last failure to place."""
         self._leaf_pos: dict[str, int] | None = None
         self._paths: dict[str, tuple[str, ...]] = {}
         self.charges = 0  # bumps on every projected charge (ratios changed)
@@ -125,6 +125,9 @@ class _Cycle:
         self.victimable: dict[str, list[Workload]] = {}
         self.node_unalloc: dict[str, int] = {}
         self.node_expired: dict[str, dict[str, int]] = {}  # node -> budget path -> GPUs
+        self.path_nodes: dict[str, dict[str, int]] = {}  # budget path -> node -> expired GPUs
+        self.changes = 0  # bumps whenever a node's free or preemptible GPUs change
+        self._roomy: dict[tuple[str, int], tuple[int, list[tuple[int, str]]]] = {}
         self.pool_free: dict[tuple[str, int], int] = {}
         self.pool_unalloc: dict[tuple[str, int], int] = {}
         self.pool_expired: dict[tuple[str, int], dict[str, int]] = {}
@@ -136,12 +139,14 @@ class _Cycle:
         # free-GPU buckets: (gpu_type, node size) -> free -> node ids, sorted
         self.buckets: dict[tuple[str, int], dict[int, list[str]]] = {}
         self.pool_nodes: dict[tuple[str, int], list[str]] = {}
+        self.pool_nodes_set: dict[tuple[str, int], dict[str, None]] = {}
         for name in self.node_ids:
             node = state.nodes[name]
             if node.schedulable:
                 key = (node.gpu_type, node.gpus)
                 self.buckets.setdefault(key, {}).setdefault(self.free[name], []).append(name)
                 self.pool_nodes.setdefault(key, []).append(name)
+                self.pool_nodes_set.setdefault(key, {})[name] = None
                 self.pool_free[key] = self.pool_free.get(key, 0) + self.free[name]
 
     # ------------------------------------------------------------------
@@ -189,6 +194,7 @@ class _Cycle:
     # -- scratch bookkeeping ----------------------------------------------
     def _count_victimable(self, w: Workload, sign: int) -> None:
         """Add (or remove) ``w``'s GPUs to the per-node and per-pool victim totals."""
+        self.changes += 1
         nodes = self.state.nodes
         for slot in w.placement:
             node = nodes[slot.node]
@@ -203,11 +209,18 @@ class _Cycle:
                 for p in self._path(w.owner):
                     by_node[p] = by_node.get(p, 0) + gpus
                     by_pool[p] = by_pool.get(p, 0) + gpus
+                    on = self.path_nodes.setdefault(p, {})
+                    left = on.get(slot.node, 0) + gpus
+                    if left:
+                        on[slot.node] = left
+                    else:
+                        del on[slot.node]
 
     def _set_free(self, name: str, free: int) -> None:
         node = self.state.nodes[name]
         old = self.free[name]
         self.free[name] = free
+        self.changes += 1
         if not node.schedulable:
             return
         key = (node.gpu_type, node.gpus)
@@ -353,6 +366,36 @@ class _Cycle:
                 out += expired.get(p, 0)
         return out
 
+    def _roomy_nodes(self, key: tuple[str, int]) -> list[tuple[int, str]]:
+        """``(free + unallocated GPUs, node)`` of the pool, most first, then by id (cached)."""
+        cached = self._roomy.get(key)
+        if cached is None or cached[0] != self.changes:
+            unalloc = self.node_unalloc
+            ranked = sorted(
+                ((self.free[n] + unalloc.get(n, 0), n) for n in self.pool_nodes[key]),
+                key=lambda r: (-r[0], r[1]),
+            )
+            cached = (self.changes, ranked)
+            self._roomy[key] = cached
+        return cached[1]
+
+    def _candidate_nodes(
+        self, c: Workload, key: tuple[str, int], want: int, subtrees: dict[str, None]
+    ) -> list[str]:
+        """Nodes of pool ``key`` that might offer ``want`` GPUs to ``c``, by id:
+        enough free and unallocated GPUs alone, or some expired work ``c`` may preempt."""
+        found: dict[str, None] = {}
+        for room, n in self._roomy_nodes(key):
+            if room < want:
+                break
+            found[n] = None
+        pool = self.pool_nodes_set[key]
+        for p in (c.owner, *subtrees):
+            for n in self.path_nodes.get(p, ()):
+                if n in pool:
+                    found[n] = None
+        return sorted(found)
+
     def _victims_on(self, c: Workload, name: str, subtrees: dict[str, None]) -> list[Workload]:
         """Running workloads on ``name`` that ``c`` may preempt now."""
         gone = self.gone
@@ -396,7 +439,8 @@ class _Cycle:
             if total + sum(expired.get(p, 0) for p in subtrees) < g:
                 continue  # not enough free and preemptible GPUs in the whole pool
             names = [
-                n for n in self.pool_nodes[key] if self._may_use(c, n) and self._bound(c, n, subtrees) >= want
+                n for n in self._candidate_nodes(c, key, want, subtrees)
+                if self._may_use(c, n) and self._bound(c, n, subtrees) >= want
             ]
             if len(names) < need:
                 continue
@@ -512,15 +556,23 @@ class _Cycle:
     def _try(self, w: Workload) -> bool:
         """Place ``w`` (allocated ones may preempt); False if it stays pending.
 
-        A failure is remembered for the shape (owner, priority, GPU type, min
-        runtime): a later workload of that shape with at least as many GPUs
-        fails too, as long as no preemption freed GPUs and the owner's victim
-        subtrees are the same (placements only take GPUs away; a reservation
-        only restricts), so it is skipped without a search."""
-        shape = (w.owner, w.priority, w.gpu_type, w.min_runtime_ms)
-        subtrees = self.victim_subtrees(w.owner) if w.min_runtime_ms > 0 else None
+        A failure is remembered per owner, GPU type, contract kind and
+        reservation gate: a later workload there with no higher priority and at
+        least as many GPUs fails too, as long as no preemption freed GPUs and
+        the owner's victim subtrees are the same (placements only take GPUs
+        away; a reservation only restricts), so it is skipped without a search."""
+        allocated = w.min_runtime_ms > 0
+        gate = self.reservation is None or self.t + w.min_runtime_ms <= self.reservation.start_ms
+        shape = (w.owner, w.gpu_type, allocated, gate)
+        subtrees = self.victim_subtrees(w.owner) if allocated else None
         failed = self.failed.get(shape)
-        if failed is not None and failed[0] == self.freed and failed[1] is subtrees and w.gpus >= failed[2]:
+        if (
+            failed is not None
+            and failed[0] == self.freed
+            and failed[1] is subtrees
+            and w.priority <= failed[2]
+            and w.gpus >= failed[3]
+        ):
             return False
         slots = self.fit(w)
         if slots is None and w.min_runtime_ms > 0:
@@ -530,7 +582,7 @@ class _Cycle:
                 for v in victims:
                     self._preempt(v, "unallocated" if v.min_runtime_ms == 0 else "fairshare", w.id)
         if slots is None:
-            self.failed[shape] = (self.freed, subtrees, w.gpus)
+            self.failed[shape] = (self.freed, subtrees, w.priority, w.gpus)
             return False
         self._place(w, slots)
         return True
@@ -599,6 +651,7 @@ class _FairShareWalk:
                 self.queues.setdefault(w.owner, []).append(w)
         for q in self.queues.values():
             q.sort(key=lambda w: (-w.priority, w.submitted_ms, w.id), reverse=True)  # pop() from the end
+        self.current: list[Workload] | None = None  # the leaf queue being walked
         self.version: dict[str, int] = {}
         self.heaps: dict[str, list[tuple[Fraction, int, str, int]]] = {}
         live: dict[str, bool] = {}
@@ -620,12 +673,21 @@ class _FairShareWalk:
         return (c._ratio(path), -c.weight[path], path, self.version[path])
 
     def next(self) -> Workload | None:
+        """The next workload in fair-share order. While nothing was charged since
+        the last one, the order has not changed and the next workload is the
+        next one of the same leaf (a leaf's workloads are consecutive)."""
+        queue = self.current
+        if queue:
+            return queue.pop()
         return self._best(ROOT)
 
     def _best(self, path: str) -> Workload | None:
         queue = self.queues.get(path)
         if queue is not None:
-            return queue.pop() if queue else None
+            if not queue:
+                return None
+            self.current = queue
+            return queue.pop()
         heap = self.heaps.get(path)
         while heap:
             _, _, child, version = heap[0]
@@ -644,6 +706,7 @@ class _FairShareWalk:
         c = self.cycle
         charge = w.gpus * w.min_runtime_ms
         c.charges += 1
+        self.current = None
         for p in [*ancestors_of(w.owner), w.owner]:
             c.usage[p] += charge
             if p == ROOT or self.version.get(p, -1) < 0:

@@ -592,6 +592,8 @@ def _workload_preempted(state: State, e: WorkloadPreempted) -> None:
     w = state.running.get(e.workload)
     if w is None:
         raise CorruptHistory(f"preempted {e.workload!r}, which is not running")
+    if e.requeued and not w.resumable:
+        raise CorruptHistory(f"preempted {e.workload!r} with requeue, but it is not resumable")
     _end_run(state, w)
     w.preemptions += 1
     if e.requeued:

@@ -46,7 +46,7 @@ from apportion.schemas.events import (
 )
 
 from .budget import ROOT, BudgetNode, BudgetTree, parent_of, path_error
-from .usage import MAX_LOOKBACK_MS
+from .usage import MAX_LOOKBACK_MS, change_rates
 
 Status = Literal["pending", "running", "succeeded", "failed", "cancelled", "preempted", "rejected"]
 ENDED = ("succeeded", "failed", "cancelled", "preempted")
@@ -154,6 +154,7 @@ class State:
         "ended",
         "rejections",
         "pools",
+        "gang_errors",
         "active_by_owner",
     )
 
@@ -176,6 +177,8 @@ class State:
         # derived, rebuilt on restore:
         self.pools: dict[tuple[str, int], int] = {}
         """``(gpu_type, gpus_per_node) -> number of nodes``."""
+        self.gang_errors: dict[tuple[str, int], str | None] = {}
+        """Cache of :func:`_gang_error` by ``(gpu_type, gpus)``; cleared when pools change."""
         self.active_by_owner: dict[str, int] = {}
         """Live workloads per owner leaf."""
 
@@ -309,11 +312,13 @@ def _node_registered(state: State, e: NodeRegistered) -> None:
 
 
 def _add_pool(state: State, node: ClusterNode) -> None:
+    state.gang_errors.clear()
     key = (node.gpu_type, node.gpus)
     state.pools[key] = state.pools.get(key, 0) + 1
 
 
 def _remove_pool(state: State, node: ClusterNode) -> None:
+    state.gang_errors.clear()
     key = (node.gpu_type, node.gpus)
     state.pools[key] -= 1
     if not state.pools[key]:
@@ -406,7 +411,9 @@ def _policy_set(state: State, e: PolicySet) -> None:
 
 
 def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
-    """Why ``e`` cannot be queued, or ``None``. Pure; used by the fold and the gateway."""
+    """Why ``e`` cannot be queued, or ``None``; used by the fold and the gateway.
+
+    Changes nothing but a cache of gang checks (derived, never snapshotted)."""
     if not e.workload:
         return "workload id is empty"
     if e.workload in state.workloads or e.workload in state.ended:
@@ -422,20 +429,32 @@ def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
         return f"min_runtime must be between 0 and {cap // 60_000} min, got {e.min_runtime_ms} ms"
     if e.duration_ms is not None and e.duration_ms < 0:
         return f"duration must not be negative, got {e.duration_ms} ms"
+    problem = state.gang_errors.get((e.gpu_type, e.gpus), _UNKNOWN)
+    if problem is _UNKNOWN:
+        problem = _gang_error(state, e.gpu_type, e.gpus)
+        state.gang_errors[(e.gpu_type, e.gpus)] = problem
+    return problem  # type: ignore[return-value]
+
+
+_UNKNOWN = object()
+
+
+def _gang_error(state: State, gpu_type: str, gpus: int) -> str | None:
+    """Why ``gpus`` GPUs of ``gpu_type`` is not a valid gang on the registered nodes."""
     pools = [
         (t, gpn, n)
         for (t, gpn), n in state.pools.items()
-        if e.gpu_type == ANY_GPU_TYPE or t == e.gpu_type
+        if gpu_type == ANY_GPU_TYPE or t == gpu_type
     ]
     if not pools:
         known = sorted({t for t, _ in state.pools})
-        return f"no nodes of gpu_type {e.gpu_type!r} (known types: {', '.join(known) or 'none'})"
+        return f"no nodes of gpu_type {gpu_type!r} (known types: {', '.join(known) or 'none'})"
     for _, gpn, count in pools:
-        if e.gpus <= gpn or (e.gpus % gpn == 0 and e.gpus <= gpn * count):
+        if gpus <= gpn or (gpus % gpn == 0 and gpus <= gpn * count):
             return None
     sizes = ", ".join(f"{n} x {gpn} {t}" for t, gpn, n in sorted(pools))
     return (
-        f"{e.gpus} GPUs is not a valid gang: at most one node's GPUs, or a multiple of "
+        f"{gpus} GPUs is not a valid gang: at most one node's GPUs, or a multiple of "
         f"the node size within one pool ({sizes})"
     )
 
@@ -522,8 +541,7 @@ def _end_run(state: State, w: Workload) -> None:
         node.free += slot.gpus
         del node.workloads[w.id]
     if w.min_runtime_ms > 0:
-        for series in state.budget.chain(w.owner):
-            series.change_rate(now, -w.gpus)
+        change_rates(state.budget.chain(w.owner), now, -w.gpus)
     w.run_ms += now - w.started_ms
     w.placement = ()
     del state.running[w.id]
@@ -574,8 +592,7 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
         node.free -= slot.gpus
         node.workloads[w.id] = slot.gpus
     if w.min_runtime_ms > 0:
-        for series in state.budget.chain(w.owner):
-            series.change_rate(now, w.gpus)
+        change_rates(state.budget.chain(w.owner), now, w.gpus)
     del state.pending[w.id]
     state.running[w.id] = w
     w.status = "running"

@@ -40,22 +40,7 @@ class ChargeSeries(msgspec.Struct, array_like=True):
 
     def change_rate(self, at_ms: int, delta_gpus: int) -> None:
         """From ``at_ms`` on (never before the last breakpoint) the rate changes by ``delta_gpus``."""
-        times = self.times
-        if times and times[-1] == at_ms:
-            self.rates[-1] += delta_gpus
-            return
-        if times:
-            last = times[-1]
-            cum = self.cums[-1] + self.rates[-1] * (at_ms - last)
-            rate = self.rates[-1] + delta_gpus
-        else:
-            cum = 0
-            rate = delta_gpus
-        times.append(at_ms)
-        self.cums.append(cum)
-        self.rates.append(rate)
-        if len(times) > _PRUNE_MIN and times[len(times) >> 1] < at_ms - MAX_LOOKBACK_MS:
-            self._prune(at_ms - MAX_LOOKBACK_MS)
+        change_rates((self,), at_ms, delta_gpus)
 
     def cumulative(self, x: int) -> int:
         """``C(x)``: GPU-ms charged up to time ``x``."""
@@ -81,3 +66,26 @@ class ChargeSeries(msgspec.Struct, array_like=True):
             del self.times[:i]
             del self.cums[:i]
             del self.rates[:i]
+
+
+def change_rates(chain: tuple[ChargeSeries, ...], at_ms: int, delta_gpus: int) -> None:
+    """:meth:`ChargeSeries.change_rate` for every series of ``chain`` (a leaf and its
+    ancestors): the fold's hot path, so written as one loop."""
+    for series in chain:
+        times = series.times
+        rates = series.rates
+        if times:
+            last = times[-1]
+            if last == at_ms:
+                rates[-1] += delta_gpus
+                continue
+            rate = rates[-1]
+            series.cums.append(series.cums[-1] + rate * (at_ms - last))
+            rates.append(rate + delta_gpus)
+        else:
+            series.cums.append(0)
+            rates.append(delta_gpus)
+        times.append(at_ms)
+        n = len(times)
+        if n > _PRUNE_MIN and times[n >> 1] < at_ms - MAX_LOOKBACK_MS:
+            series._prune(at_ms - MAX_LOOKBACK_MS)

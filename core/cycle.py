@@ -53,7 +53,7 @@ from apportion.schemas.events import (
     WorkloadPreempted,
 )
 
-from .budget import ROOT, ancestors_of
+from .budget import ROOT, ancestors_of, parent_of
 from .ordering import FairShareView
 from .ratio import clearly_below_pair, ratio
 from .state import ClusterNode, State, Workload, apply
@@ -120,6 +120,8 @@ class _Cycle:
         self._paths: dict[str, tuple[str, ...]] = {}
         self.charges = 0  # bumps on every projected charge (ratios changed)
         self._subtrees: dict[str, tuple[int, dict[str, None]]] = {}
+        self._above: dict[str, tuple[int, tuple[str, ...]]] = {}
+        self.family_charges: dict[str, int] = {}  # parent -> charges to any of its children
         # who could be a victim at all, per node (fixed at the cycle start):
         # unallocated work, and allocated work past its protection
         self.victimable: dict[str, list[Workload]] = {}
@@ -325,20 +327,32 @@ class _Cycle:
         cached = self._subtrees.get(leaf)
         if cached is not None and cached[0] == self.charges:
             return cached[1]
-        usage, weight, margin = self.usage, self.weight, self.margin
-        nodes = self.state.budget.nodes
         out: dict[str, None] = {}
         parent = ROOT
         for a in self._path(leaf):
-            ua, wa = usage[a], weight[a]
-            for sib in nodes[parent].children:
-                if sib != a and clearly_below_pair(ua, wa, usage[sib], weight[sib], margin):
-                    out[sib] = None
+            out.update(dict.fromkeys(self._clearly_above(parent, a)))
             parent = a
         if cached is not None and cached[1] == out:
             out = cached[1]  # same content: keep the object, so failures stay remembered
         self._subtrees[leaf] = (self.charges, out)
         return out
+
+    def _clearly_above(self, parent: str, a: str) -> tuple[str, ...]:
+        """Siblings ``s`` of ``a`` with ``ratio(a) < (1 - margin) * ratio(s)``, cached
+        until a child of ``parent`` is charged."""
+        version = self.family_charges.get(parent, 0)
+        cached = self._above.get(a)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        usage, weight, margin = self.usage, self.weight, self.margin
+        ua, wa = usage[a], weight[a]
+        above = tuple(
+            sib
+            for sib in self.state.budget.nodes[parent].children
+            if sib != a and clearly_below_pair(ua, wa, usage[sib], weight[sib], margin)
+        )
+        self._above[a] = (version, above)
+        return above
 
     def outranks(self, c: Workload, v: Workload) -> bool:
         """``c`` outranks ``v`` clearly: at the first level where their paths part,
@@ -502,23 +516,24 @@ class _Cycle:
         return chosen
 
     # -- c. reservation ------------------------------------------------------
-    def _release_times(self, c: Workload, name: str) -> list[int]:
-        """For each GPU of ``name``: when it becomes free or preemptible for ``c``."""
+    def _release_times(self, c: Workload, name: str, subtrees: dict[str, None]) -> list[int]:
+        """For each GPU of ``name``: when it becomes free or preemptible for ``c``
+        (the protection expiry of work ``c`` outranks; never, as far as the
+        contract tells, for work it does not)."""
         node = self.state.nodes[name]
         times = [self.t] * self.free[name]
+        running = self.state.running
         for wid, gpus in node.workloads.items():
             if wid in self.gone:
                 continue
-            v = self.state.running[wid]
-            if v.min_runtime_ms == 0:
-                at = self.t
-            elif self.outranks(c, v):
+            v = running[wid]
+            if self._may_preempt(c, v, subtrees):
                 at = max(self.t, v.protected_until_ms)
             else:
                 at = _NEVER
             times.extend([at] * gpus)
         for v, gpus in self.added.get(name, ()):
-            at = self.t + v.min_runtime_ms if v.min_runtime_ms == 0 or self.outranks(c, v) else _NEVER
+            at = self.t + v.min_runtime_ms if self._may_preempt(c, v, subtrees) else _NEVER
             times.extend([at] * gpus)
         times.sort()
         return times
@@ -526,20 +541,16 @@ class _Cycle:
     def reserve(self, c: Workload) -> None:
         """Hold for ``c`` the nodes that become free or preemptible for it earliest."""
         g = c.gpus
+        subtrees = self.victim_subtrees(c.owner)
         best: tuple[int, tuple[str, ...]] | None = None
         for key in self._pools_for(c):
             size = key[1]
-            names = [
-                n
-                for n in self.node_ids
-                if self.state.nodes[n].schedulable
-                and (self.state.nodes[n].gpu_type, self.state.nodes[n].gpus) == key
-            ]
+            names = self.pool_nodes[key]
             if g <= size:
-                ready = sorted((self._release_times(c, n)[g - 1], n) for n in names)
+                ready = sorted((self._release_times(c, n, subtrees)[g - 1], n) for n in names)
                 option = (ready[0][0], (ready[0][1],)) if ready else None
             elif g % size == 0 and len(names) >= g // size:
-                ready = sorted((self._release_times(c, n)[-1], n) for n in names)[: g // size]
+                ready = sorted((self._release_times(c, n, subtrees)[-1], n) for n in names)[: g // size]
                 option = (ready[-1][0], tuple(sorted(n for _, n in ready)))
             else:
                 option = None
@@ -556,14 +567,15 @@ class _Cycle:
     def _try(self, w: Workload) -> bool:
         """Place ``w`` (allocated ones may preempt); False if it stays pending.
 
-        A failure is remembered per owner, GPU type, contract kind and
-        reservation gate: a later workload there with no higher priority and at
+        A failure is remembered per owner (allocated work only: unallocated work
+        never preempts, so its owner does not matter), GPU type, contract kind
+        and reservation gate: a later workload there with no higher priority and at
         least as many GPUs fails too, as long as no preemption freed GPUs and
         the owner's victim subtrees are the same (placements only take GPUs
         away; a reservation only restricts), so it is skipped without a search."""
         allocated = w.min_runtime_ms > 0
         gate = self.reservation is None or self.t + w.min_runtime_ms <= self.reservation.start_ms
-        shape = (w.owner, w.gpu_type, allocated, gate)
+        shape = (w.owner if allocated else "", w.gpu_type, allocated, gate)
         subtrees = self.victim_subtrees(w.owner) if allocated else None
         failed = self.failed.get(shape)
         if (
@@ -637,7 +649,7 @@ class _FairShareWalk:
     """Pending allocated workloads in fair-share order, re-ranked after each charge.
 
     Each internal budget node keeps a heap of its children keyed by (working
-    ratio, -weight, path); a charge pushes fresh keys for the charged path and
+    ratio as the exact integer ``usage * scale``, -weight, path); a charge pushes fresh keys for the charged path and
     stale heap entries are skipped by version. Each leaf keeps its workloads
     sorted by (-priority, submit time, id).
     """
@@ -653,7 +665,8 @@ class _FairShareWalk:
             q.sort(key=lambda w: (-w.priority, w.submitted_ms, w.id), reverse=True)  # pop() from the end
         self.current: list[Workload] | None = None  # the leaf queue being walked
         self.version: dict[str, int] = {}
-        self.heaps: dict[str, list[tuple[Fraction, int, str, int]]] = {}
+        self.heaps: dict[str, list[tuple[int, int, str, int]]] = {}
+        self.scale = cycle.view.scale
         live: dict[str, bool] = {}
         for leaf in sorted(self.queues):
             for p in [*ancestors_of(leaf), leaf]:
@@ -661,16 +674,16 @@ class _FairShareWalk:
         for path in sorted(live):
             if path == ROOT:
                 continue
-            parent = path[: path.rfind("/")] if "/" in path else ROOT
+            parent = parent_of(path)
             self.version[path] = 0
             self.heaps.setdefault(parent, []).append(self._entry(path))
         for heap in self.heaps.values():
             heapq.heapify(heap)
         self.tree = tree
 
-    def _entry(self, path: str) -> tuple[Fraction, int, str, int]:
+    def _entry(self, path: str) -> tuple[int, int, str, int]:
         c = self.cycle
-        return (c._ratio(path), -c.weight[path], path, self.version[path])
+        return (c.usage[path] * self.scale[path], -c.weight[path], path, self.version[path])
 
     def next(self) -> Workload | None:
         """The next workload in fair-share order. While nothing was charged since
@@ -709,8 +722,11 @@ class _FairShareWalk:
         self.current = None
         for p in [*ancestors_of(w.owner), w.owner]:
             c.usage[p] += charge
+            if p != ROOT:
+                family = parent_of(p)
+                c.family_charges[family] = c.family_charges.get(family, 0) + 1
             if p == ROOT or self.version.get(p, -1) < 0:
                 continue
             self.version[p] += 1
-            parent = p[: p.rfind("/")] if "/" in p else ROOT
+            parent = parent_of(p)
             heapq.heappush(self.heaps[parent], self._entry(p))

@@ -24,7 +24,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from .budget import ROOT, ancestors_of
-from .ratio import ratio
+from .ratio import ratio, sibling_scales
 from .state import State, Workload
 
 SortKey = tuple[int, tuple[int, ...], int, int, str]
@@ -33,28 +33,40 @@ SortKey = tuple[int, tuple[int, ...], int, int, str]
 class FairShareView:
     """Usage, ratio and sibling rank of every budget node at ``state.now_ms``."""
 
-    __slots__ = ("usage", "weight", "rank", "leaf_ranks")
+    __slots__ = ("tree", "usage", "weight", "scale", "_rank", "leaf_ranks")
 
     def __init__(self, state: State) -> None:
         tree = state.budget
+        self.tree = tree
         now, lookback = state.now_ms, state.policy.lookback_ms
         self.usage: dict[str, int] = {
             path: node.series.window(now, lookback) for path, node in tree.nodes.items()
         }
         self.weight: dict[str, int] = {path: node.weight for path, node in tree.nodes.items()}
-        self.rank: dict[str, int] = {ROOT: 0}
+        self.scale: dict[str, int] = {ROOT: 1}
+        """``usage * scale`` orders siblings exactly by ratio (:func:`sibling_scales`)."""
         for node in tree.nodes.values():
-            ordered = sorted(node.children, key=self.sibling_key)
-            for i, child in enumerate(ordered):
-                self.rank[child] = i
+            if node.children:
+                self.scale.update(sibling_scales({c: self.weight[c] for c in node.children}))
+        self._rank: dict[str, int] | None = None
         self.leaf_ranks: dict[str, tuple[int, ...]] = {}
 
     def ratio(self, path: str) -> Fraction:
         return ratio(self.usage[path], self.weight[path])
 
-    def sibling_key(self, path: str) -> tuple[Fraction, int, str]:
-        """Siblings order by ratio, then larger weight first, then path."""
-        return (self.ratio(path), -self.weight[path], path)
+    def sibling_key(self, path: str) -> tuple[int, int, str]:
+        """Siblings order by ratio (exactly, as ``usage * scale``), then larger weight first, then path."""
+        return (self.usage[path] * self.scale[path], -self.weight[path], path)
+
+    @property
+    def rank(self) -> dict[str, int]:
+        """Each node's rank among its siblings (computed on first use)."""
+        if self._rank is None:
+            self._rank = {ROOT: 0}
+            for node in self.tree.nodes.values():
+                for i, child in enumerate(sorted(node.children, key=self.sibling_key)):
+                    self._rank[child] = i
+        return self._rank
 
     def ranks_of(self, leaf: str) -> tuple[int, ...]:
         """Ranks among siblings of ``leaf``'s ancestors (top level down) and of ``leaf``."""

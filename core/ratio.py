@@ -9,6 +9,7 @@ anything else), so a ratio always exists.
 from __future__ import annotations
 
 from fractions import Fraction
+from math import lcm
 
 from apportion.schemas.events import PPM
 
@@ -36,3 +37,11 @@ def clearly_below(candidate: Fraction, victim: Fraction, margin_ppm: int) -> boo
     return clearly_below_pair(
         candidate.numerator, candidate.denominator, victim.numerator, victim.denominator, margin_ppm
     )
+
+
+def sibling_scales(weights: dict[str, int]) -> dict[str, int]:
+    """For siblings with these weights, ``L // weight`` where ``L`` is the least
+    common multiple of the weights: ``usage * scale`` is then an integer that
+    orders siblings exactly as ``usage / weight`` does (equal ratios, equal keys)."""
+    common = lcm(*weights.values()) if weights else 1
+    return {path: common // weight for path, weight in weights.items()}

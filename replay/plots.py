@@ -92,8 +92,10 @@ def gpu_timeline(sim: Any, path: Path, window_days: float = 3.0, max_nodes: int 
             WHERE r.start_ms < {t1} AND COALESCE(r.end_ms, {sim.end_ms}) > {t0}
             ORDER BY r.node, r.start_ms, r.workload""").fetchall()
     teams = sorted({r[4] for r in runs})
-    cmap = plt.get_cmap("tab20")
-    colour = {t: cmap(i % 20) for i, t in enumerate(teams)}
+    # tab20 and tab20b without reds, so the red preemption edges stand out
+    palette = [plt.get_cmap("tab20")(i) for i in range(20) if i not in (6, 7)]
+    palette += [plt.get_cmap("tab20b")(i) for i in range(20)]
+    colour = {t: palette[i % len(palette)] for i, t in enumerate(teams)}
     base: dict[str, int] = {}
     gpu_free_at: dict[str, list[int]] = {}
     row = 0

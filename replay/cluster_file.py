@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
 from apportion.schemas.events import (
     PPM,
     BudgetSet,

@@ -38,7 +38,6 @@ from fractions import Fraction
 from pathlib import Path
 
 import msgspec
-
 from apportion.schemas.events import HOUR_MS, MINUTE_MS
 
 from .cluster_file import parse_duration_ms, write_cluster

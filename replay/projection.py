@@ -35,7 +35,6 @@ from typing import Any
 
 import duckdb
 import msgspec
-
 from apportion.core.budget import ROOT
 from apportion.core.state import State, apply
 from apportion.schemas.events import (

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from fractions import Fraction
 
 import msgspec
-
 from apportion.schemas.events import DAY_MS, HOUR_MS, MINUTE_MS
 
 from .trace import HealthRow, TraceRow
@@ -102,7 +101,7 @@ def _working_hours_time(rng: random.Random, day: int) -> int:
     return day * DAY_MS + rng.randrange(DAY_MS)
 
 
-def ai2(days: int = 30, seed: int = 1, load: float = 1.2, unallocated_load: float = 0.35) -> Scenario:
+def ai2(days: int = 30, seed: int = 1, load: float = 0.8, unallocated_load: float = 0.35, backlog: float = 1.0) -> Scenario:
     rng = random.Random(seed)
     nodes, gpn = 128, 8
     capacity = nodes * gpn
@@ -172,7 +171,7 @@ def ai2(days: int = 30, seed: int = 1, load: float = 1.2, unallocated_load: floa
     day_capacity = capacity * DAY_MS
     # A backlog at time 0: about one and a half cluster-days of training and mid-size work.
     for team in teams:
-        target = float(shares[team]) * day_capacity * 1.5
+        target = float(shares[team]) * day_capacity * backlog
         done = 0
         while done < target:
             done += large_job(team, rng.randrange(0, HOUR_MS)) if rng.random() < 0.6 else mid_job(team, rng.randrange(0, HOUR_MS))

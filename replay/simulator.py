@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import duckdb
-
 from apportion.core.cycle import CycleResult
 from apportion.core.state import State
 from apportion.schemas.events import (

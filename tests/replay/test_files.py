@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import pytest
-
 from apportion.replay.cluster_file import load_cluster, margin_ppm, parse_duration_ms
 from apportion.replay.errors import InputFileError
-from apportion.replay.trace import HealthRow, TraceRow, read_health, read_trace, write_health, write_trace
+from apportion.replay.trace import (
+    HealthRow,
+    TraceRow,
+    read_health,
+    read_trace,
+    write_health,
+    write_trace,
+)
 from apportion.schemas.events import BudgetSet, NodeRegistered, PolicySet
 
 CLUSTER = """

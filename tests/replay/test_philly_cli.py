@@ -5,14 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 
-from click.testing import CliRunner
-
-from apportion.cli import main
 from apportion.replay.cluster_file import load_cluster
 from apportion.replay.importers import import_philly
 from apportion.replay.kpi import compute_kpis
 from apportion.replay.simulator import simulate
 from apportion.replay.trace import read_trace
+from click.testing import CliRunner
+
+from apportion.cli import main
 
 
 def test_philly_files_are_untouched(philly_dir):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import duckdb
 import pytest
-
 from apportion.replay.cluster_file import cluster_from_dict
 from apportion.replay.kpi import KPI_KEYS, compute_kpis
 from apportion.replay.projection import Projection, ProjectionOrderError

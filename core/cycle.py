@@ -119,7 +119,8 @@ class _Cycle:
         self._leaf_pos: dict[str, int] | None = None
         self._paths: dict[str, tuple[str, ...]] = {}
         self.charges = 0  # bumps on every projected charge (ratios changed)
-        self._subtrees: dict[str, tuple[int, dict[str, None]]] = {}
+        self._subtrees: dict[str, tuple[int, tuple[int, ...], dict[str, None]]] = {}
+        """leaf -> (``charges``, its families' charge counts, victim subtrees)"""
         self._above: dict[str, tuple[int, tuple[str, ...]]] = {}
         self.family_charges: dict[str, int] = {}  # parent -> charges to any of its children
         # who could be a victim at all, per node (fixed at the cycle start):
@@ -323,18 +324,24 @@ class _Cycle:
         """Budget nodes whose whole subtree a workload of ``leaf`` outranks clearly:
         for each ancestor ``a`` of ``leaf`` (and ``leaf``), the siblings ``s`` of
         ``a`` with ``ratio(a) < (1 - margin) * ratio(s)``. Their subtrees are
-        disjoint. Recomputed after each projected charge."""
+        disjoint. Recomputed when a projected charge changes a ratio on the way."""
         cached = self._subtrees.get(leaf)
         if cached is not None and cached[0] == self.charges:
-            return cached[1]
+            return cached[2]
+        path = self._path(leaf)
+        families = self.family_charges
+        key = tuple(families.get(parent_of(a), 0) for a in path)
+        if cached is not None and cached[1] == key:
+            self._subtrees[leaf] = (self.charges, key, cached[2])
+            return cached[2]
         out: dict[str, None] = {}
         parent = ROOT
-        for a in self._path(leaf):
+        for a in path:
             out.update(dict.fromkeys(self._clearly_above(parent, a)))
             parent = a
-        if cached is not None and cached[1] == out:
-            out = cached[1]  # same content: keep the object, so failures stay remembered
-        self._subtrees[leaf] = (self.charges, out)
+        if cached is not None and cached[2] == out:
+            out = cached[2]  # same content: keep the object, so failures stay remembered
+        self._subtrees[leaf] = (self.charges, key, out)
         return out
 
     def _clearly_above(self, parent: str, a: str) -> tuple[str, ...]:
@@ -516,7 +523,9 @@ class _Cycle:
         return chosen
 
     # -- c. reservation ------------------------------------------------------
-    def _release_times(self, c: Workload, name: str, subtrees: dict[str, None]) -> list[int]:
+    def _release_times(
+        self, c: Workload, name: str, subtrees: dict[str, None], memo: dict[tuple[str, int], bool]
+    ) -> list[int]:
         """For each GPU of ``name``: when it becomes free or preemptible for ``c``
         (the protection expiry of work ``c`` outranks; never, as far as the
         contract tells, for work it does not)."""
@@ -527,7 +536,11 @@ class _Cycle:
             if wid in self.gone:
                 continue
             v = running[wid]
-            if self._may_preempt(c, v, subtrees):
+            who = (v.owner, v.priority if v.min_runtime_ms else -1)
+            ok = memo.get(who)
+            if ok is None:
+                ok = memo[who] = self._may_preempt(c, v, subtrees)
+            if ok:
                 at = max(self.t, v.protected_until_ms)
             else:
                 at = _NEVER
@@ -542,15 +555,16 @@ class _Cycle:
         """Hold for ``c`` the nodes that become free or preemptible for it earliest."""
         g = c.gpus
         subtrees = self.victim_subtrees(c.owner)
+        memo: dict[tuple[str, int], bool] = {}
         best: tuple[int, tuple[str, ...]] | None = None
         for key in self._pools_for(c):
             size = key[1]
             names = self.pool_nodes[key]
             if g <= size:
-                ready = sorted((self._release_times(c, n, subtrees)[g - 1], n) for n in names)
+                ready = sorted((self._release_times(c, n, subtrees, memo)[g - 1], n) for n in names)
                 option = (ready[0][0], (ready[0][1],)) if ready else None
             elif g % size == 0 and len(names) >= g // size:
-                ready = sorted((self._release_times(c, n, subtrees)[-1], n) for n in names)[: g // size]
+                ready = sorted((self._release_times(c, n, subtrees, memo)[-1], n) for n in names)[: g // size]
                 option = (ready[-1][0], tuple(sorted(n for _, n in ready)))
             else:
                 option = None
@@ -614,10 +628,15 @@ class _Cycle:
                     self.reserve(w)
 
     def _schedule_unallocated(self) -> None:
+        """Unallocated work by submit time, then id, while any GPU is free (it never preempts)."""
+        if not any(self.pool_free.values()):
+            return
         waiting = [w for w in self.state.pending.values() if w.min_runtime_ms == 0]
         waiting += [w for w in self.requeued if w.min_runtime_ms == 0]
         for w in sorted(waiting, key=lambda w: (w.submitted_ms, w.id)):
             self._try(w)
+            if not any(self.pool_free.values()):
+                return
 
     # -- next wake-up -----------------------------------------------------------
     def _next_wakeup(self) -> int | None:

@@ -29,14 +29,23 @@ if __package__ in (None, ""):
 
 NODES = 128
 GPUS_PER_NODE = 8
-TEAMS = [("llm/pretrain", 4), ("llm/finetune", 2), ("vision/det", 2), ("vision/seg", 1), ("rl/agents", 3), ("infra/ci", 1)]
+TEAMS = [
+    ("llm/pretrain", 4),
+    ("llm/finetune", 2),
+    ("vision/det", 2),
+    ("vision/seg", 1),
+    ("rl/agents", 3),
+    ("infra/ci", 1),
+]
 
 
 def cluster_events() -> list:
     from apportion.schemas.events import BudgetSet, NodeRegistered
 
     events: list = [
-        NodeRegistered(id=f"node-{i}", at_ms=0, node=f"n{i:04d}", gpus=GPUS_PER_NODE, gpu_type="h100")
+        NodeRegistered(
+            id=f"node-{i}", at_ms=0, node=f"n{i:04d}", gpus=GPUS_PER_NODE, gpu_type="h100"
+        )
         for i in range(NODES)
     ]
     events.append(BudgetSet(id="b-root", at_ms=0, path="", weight=1, owner="ops", actor="ops"))
@@ -48,7 +57,9 @@ def cluster_events() -> list:
     return events
 
 
-def _service_main(kind: str, url: str, cluster: str, db: str, position: object, ready: object) -> None:
+def _service_main(
+    kind: str, url: str, cluster: str, db: str, position: object, ready: object
+) -> None:
     """Child process: run one service until terminated."""
     import signal
 
@@ -74,7 +85,7 @@ def _service_main(kind: str, url: str, cluster: str, db: str, position: object, 
 
             async def report() -> None:
                 while not stop.is_set():
-                    position.value = service.projection.pending_position[0]  # type: ignore[attr-defined]
+                    position.value = service.projection.position[0]  # committed  # type: ignore[attr-defined]
                     await asyncio.sleep(0.01)
 
             asyncio.ensure_future(report())
@@ -99,7 +110,10 @@ async def _throughput(url: str, n_inputs: int, tmp: Path) -> tuple[float, int]:
     procs = []
     for kind in ("scheduler", "projector"):
         ready = ctx.Event()
-        p = ctx.Process(target=_service_main, args=(kind, url, cluster, str(tmp / f"{cluster}.duckdb"), position, ready))
+        p = ctx.Process(
+            target=_service_main,
+            args=(kind, url, cluster, str(tmp / f"{cluster}.duckdb"), position, ready),
+        )
         p.start()
         procs.append(p)
         ready.wait(60)
@@ -113,7 +127,12 @@ async def _throughput(url: str, n_inputs: int, tmp: Path) -> tuple[float, int]:
             team = TEAMS[i % len(TEAMS)][0]
             events.append(
                 WorkloadSubmitted(
-                    id=f"s{i}", at_ms=0, workload=f"w{i}", owner=team, gpus=1 << (i % 4), min_runtime_ms=900_000
+                    id=f"s{i}",
+                    at_ms=0,
+                    workload=f"w{i}",
+                    owner=team,
+                    gpus=1 << (i % 4),
+                    min_runtime_ms=900_000,
                 )
             )
             if i >= keep:
@@ -159,12 +178,22 @@ async def _latency(url: str, samples: int) -> list[float]:
         for i in range(samples + 5):
             t0 = time.perf_counter()
             await log.publish_input(
-                WorkloadSubmitted(id=f"s{i}", at_ms=0, workload=f"w{i}", owner="llm/pretrain", gpus=8, min_runtime_ms=900_000)
+                WorkloadSubmitted(
+                    id=f"s{i}",
+                    at_ms=0,
+                    workload=f"w{i}",
+                    owner="llm/pretrain",
+                    gpus=8,
+                    min_runtime_ms=900_000,
+                )
             )
             placed = False
             while not placed:
                 for sb in await tail.take(100, 10.0):
-                    placed = placed or any(isinstance(d, WorkloadPlaced) and d.workload == f"w{i}" for d in sb.batch.decisions)
+                    placed = placed or any(
+                        isinstance(d, WorkloadPlaced) and d.workload == f"w{i}"
+                        for d in sb.batch.decisions
+                    )
             if i >= 5:  # the first few warm the connections
                 out.append((time.perf_counter() - t0) * 1000)
             await log.publish_input(WorkloadCancelled(id=f"c{i}", at_ms=0, workload=f"w{i}"))
@@ -194,7 +223,9 @@ def main(quick: bool = False) -> None:
         url = url or server.url  # type: ignore[union-attr]
         try:
             rate, n = asyncio.run(_throughput(url, n_inputs, tmp))
-            print(f"live sustained: {rate:,.0f} inputs/s ({n:,} inputs, {NODES * GPUS_PER_NODE} GPUs, publish -> scheduler -> decisions -> projector)")
+            print(
+                f"live sustained: {rate:,.0f} inputs/s ({n:,} inputs, {NODES * GPUS_PER_NODE} GPUs, publish -> scheduler -> decisions -> projector)"
+            )
             lat = asyncio.run(_latency(url, samples))
             print(
                 f"live submit-to-placement (idle {NODES * GPUS_PER_NODE} GPUs): p50 {statistics.median(lat):.1f} ms, "

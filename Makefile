@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m apportion demo
+	$(PY) -m apportion simulate --compare
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q

@@ -212,8 +212,11 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 def main(quick: bool = False) -> None:
+    import signal
+
     from apportion.services.stack import start_nats_server
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still stop our nats-server
     n_inputs = 4_000 if quick else 40_000
     samples = 30 if quick else 300
     with tempfile.TemporaryDirectory() as tmpdir:

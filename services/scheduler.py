@@ -207,18 +207,23 @@ class Scheduler:
                 renew_at = time.monotonic() + renew_every
             # 3. fold what has arrived
             timeout = min(renew_every, 0.25)
-            if self.next_wakeup_ms is not None and since_cycle == 0:
+            if (
+                self.next_wakeup_ms is not None
+                and since_cycle == 0
+                and self._ticked_basis != self.last_basis
+            ):
                 timeout = max(0.0, min(timeout, (self.next_wakeup_ms - self.clock()) / 1000))
             items = await tail.take(self.max_inputs_per_cycle - since_cycle, timeout)
             for item in items:
                 fold_input(state, item)
             since_cycle += len(items)
             # 4. + 5. decide and publish once caught up
-            if since_cycle and (tail.caught_up or since_cycle >= self.max_inputs_per_cycle):
+            caught_up = tail.caught_up or not items
+            if state.input_seq > self.last_basis and (
+                caught_up or since_cycle >= self.max_inputs_per_cycle
+            ):
                 await self.cycle()
                 since_cycle = 0
-            elif not items and state.input_seq > self.last_basis:
-                await self.cycle()
             # 6. tick
             if (
                 not items
@@ -239,7 +244,9 @@ class Scheduler:
         seq = await self.log.publish_batch(batch, self.batch_seq)  # raises Fenced
         fold_batch(state, batch)
         self.batch_seq, self.last_basis = seq, batch.basis
-        self.next_wakeup_ms = result.next_wakeup_ms
+        wake = result.next_wakeup_ms
+        # A wake-up at or before the state's time cannot move it: ignore it rather than tick forever.
+        self.next_wakeup_ms = wake if wake is not None and wake > state.now_ms else None
         self.cycles += 1
         if result.decisions:
             self.logger.debug(

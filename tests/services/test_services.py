@@ -344,3 +344,20 @@ async def test_gateway_answers_4xx_with_a_json_reason(jlog: JetStreamLog) -> Non
         assert status == 200 and {c["path"] for c in tree["children"]} == {"llm", "vision"}
         status, ex = await call("GET", "/v1/explain/ok1")
         assert status == 200 and ex["status"] == "running"
+
+
+async def test_clock_ticks_at_the_protection_expiry(jlog: JetStreamLog) -> None:
+    """Nothing arrives after the second submit; only the scheduler's ClockTicked lets
+    v1 preempt a1 once a1's minimum runtime has passed."""
+    await jlog.publish_inputs(small_cluster(nodes=1))
+    scheduler, gateway = Scheduler(jlog), Gateway(jlog)
+    async with running(scheduler, gateway):
+        await jlog.publish_input(submit("a1", owner="llm/a", gpus=8, min_runtime_ms=400))
+        await eventually(lambda: "a1" in gateway.state.running, what="a1 running")
+        await jlog.publish_input(submit("v1", owner="vision", gpus=8, min_runtime_ms=60_000))
+        await eventually(
+            lambda: "v1" in gateway.state.running, what="v1 placed after a1's protection"
+        )
+    inputs, _batches = await read_all(jlog)
+    assert any(i.event is not None and i.event.id.startswith("tick-") for i in inputs)
+    assert gateway.history.preempted["a1"].for_workload == "v1"

@@ -617,11 +617,14 @@ class JetStreamLease:
 
 
 async def connect(url: str, name: str = "apportion") -> Any:
-    """A nats-py connection that keeps retrying (servers may restart under it)."""
+    """A nats-py connection that keeps retrying (servers may restart under it).
+
+    ``url`` may list several servers separated by commas (a cluster)."""
     import nats
 
+    servers = [u.strip() for u in url.split(",") if u.strip()]  # NATS_URL may list a cluster's nodes
     return await nats.connect(
-        url,
+        servers,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,

@@ -390,3 +390,43 @@ def budget_apply(file: Path, actor: str | None, prune: bool, url: str | None) ->
     click.echo(
         f"budget: {len(nodes)} nodes set, {len(remove)} removed ({out['published']} inputs published)"
     )
+
+
+@main.command()
+@click.argument("kind", type=click.Choice(["scheduler", "projector", "gateway", "executor"]))
+@click.option("--cluster-name", default="demo", show_default=True, help="which cluster's streams")
+@click.option(
+    "--db",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="projector: DuckDB file",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="gateway: listen address")
+@click.option("--port", default=8642, show_default=True, help="gateway: port")
+@click.option("--replicas", type=click.IntRange(1, 5), default=1, show_default=True)
+@click.option("--log-level", default="info", show_default=True)
+def serve(
+    kind: str,
+    cluster_name: str,
+    db: Path | None,
+    host: str,
+    port: int,
+    replicas: int,
+    log_level: str,
+) -> None:
+    """Run one service in this process against $NATS_URL (production shape: one process per service)."""
+    from apportion.services import logs
+    from apportion.services.runner import serve as run_service
+
+    url = os.environ.get("NATS_URL")
+    if not url:
+        raise UserError("set NATS_URL to the NATS server or cluster (apportion up starts its own)")
+    if kind == "projector" and db is None:
+        raise UserError("projector needs --db FILE")
+    logs.configure(log_level)
+    try:
+        asyncio.run(
+            run_service(kind, url, cluster_name, db=db, host=host, port=port, replicas=replicas)
+        )
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{kind}: {exc}") from None

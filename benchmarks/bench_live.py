@@ -27,6 +27,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from apportion.services.runner import serve_process  # noqa: E402 - importable target for spawn
+
 NODES = 128
 GPUS_PER_NODE = 8
 TEAMS = [
@@ -57,45 +59,6 @@ def cluster_events() -> list:
     return events
 
 
-def _service_main(
-    kind: str, url: str, cluster: str, db: str, position: object, ready: object
-) -> None:
-    """Child process: run one service until terminated."""
-    import signal
-
-    from apportion.services import logs
-
-    logs.configure("warning")
-
-    async def main() -> None:
-        from apportion.services.bus import JetStreamLog, connect
-
-        nc = await connect(url, name=f"bench-{kind}")
-        log = JetStreamLog(nc.jetstream(), cluster)
-        stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        if kind == "scheduler":
-            from apportion.services.scheduler import Scheduler
-
-            service = Scheduler(log, snapshot_every=50_000, max_inputs_per_cycle=2000)
-        else:
-            from apportion.services.projector import Projector, open_projection
-
-            service = Projector(log, open_projection(db), commit_every_s=0.2)
-
-            async def report() -> None:
-                while not stop.is_set():
-                    position.value = service.projection.position[0]  # committed  # type: ignore[attr-defined]
-                    await asyncio.sleep(0.01)
-
-            asyncio.ensure_future(report())
-        ready.set()  # type: ignore[attr-defined]
-        await service.run(stop)
-        await nc.close()
-
-    asyncio.run(main())
-
-
 async def _throughput(url: str, n_inputs: int, tmp: Path) -> tuple[float, int]:
     from apportion.schemas.events import WorkloadCancelled, WorkloadSubmitted
     from apportion.services.bus import JetStreamLog, connect
@@ -111,7 +74,7 @@ async def _throughput(url: str, n_inputs: int, tmp: Path) -> tuple[float, int]:
     for kind in ("scheduler", "projector"):
         ready = ctx.Event()
         p = ctx.Process(
-            target=_service_main,
+            target=serve_process,
             args=(kind, url, cluster, str(tmp / f"{cluster}.duckdb"), position, ready),
         )
         p.start()
@@ -166,7 +129,9 @@ async def _latency(url: str, samples: int) -> list[float]:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     position = ctx.Value("q", 0)
-    proc = ctx.Process(target=_service_main, args=("scheduler", url, cluster, "", position, ready))
+    proc = ctx.Process(
+        target=serve_process, args=("scheduler", url, cluster, None, position, ready)
+    )
     proc.start()
     ready.wait(60)
     tail = log.tail_batches(1)

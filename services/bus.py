@@ -622,7 +622,9 @@ async def connect(url: str, name: str = "apportion") -> Any:
     ``url`` may list several servers separated by commas (a cluster)."""
     import nats
 
-    servers = [u.strip() for u in url.split(",") if u.strip()]  # NATS_URL may list a cluster's nodes
+    servers = [
+        u.strip() for u in url.split(",") if u.strip()
+    ]  # NATS_URL may list a cluster's nodes
     return await nats.connect(
         servers,
         name=name,

@@ -21,8 +21,13 @@ def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 
 @pytest.fixture
-def stack(nats_server, tmp_path: Path):
-    """`apportion up` on the test server (NATS_URL), gateway on a free port; yields the env for clients."""
+def stack(nats_server, tmp_path: Path, cluster: str):
+    """`apportion up` on the test server (NATS_URL) with the demo cluster under a fresh
+    name, gateway on a free port; yields the env for clients."""
+    from apportion.services.stack import DEMO_CLUSTER_TOML
+
+    cluster_file = tmp_path / "cluster.toml"
+    cluster_file.write_text(DEMO_CLUSTER_TOML.replace('name = "demo"', f'name = "{cluster}"'))
     env = {**os.environ, "NATS_URL": nats_server.url}
     env.pop("APPORTION_URL", None)
     err = open(tmp_path / "up.err", "w+")  # noqa: SIM115 - read while the process runs

@@ -82,14 +82,20 @@ class CycleResult(msgspec.Struct, frozen=True, kw_only=True):
     reservation: Reservation | None = None
 
 
-def decide(state: State) -> CycleResult:
-    """One scheduling cycle at ``state.now_ms``; does not change ``state``."""
-    return _Cycle(state).run()
+def decide(state: State, *, report_reservation: bool = False) -> CycleResult:
+    """One scheduling cycle at ``state.now_ms``; does not change ``state``.
+
+    The reservation is computed only when it changes a decision (a later
+    workload would otherwise use a node it holds); ``report_reservation=True``
+    also computes it when it did not, so that :attr:`CycleResult.reservation`
+    always tells (for ``explain`` and tests). The decisions are the same either way.
+    """
+    return _Cycle(state).run(report_reservation)
 
 
-def step(state: State) -> CycleResult:
+def step(state: State, *, report_reservation: bool = False) -> CycleResult:
     """``decide`` and fold the decisions back into ``state``."""
-    result = decide(state)
+    result = decide(state, report_reservation=report_reservation)
     for decision in result.decisions:
         apply(state, decision)
     return result
@@ -112,6 +118,8 @@ class _Cycle:
         self.added: dict[str, list[tuple[Workload, int]]] = {}  # node -> placed this cycle
         self.requeued: list[Workload] = []  # by steps 1-2, placed again this cycle
         self.reservation: Reservation | None = None
+        self.to_reserve: Workload | None = None  # blocked, reservation not computed yet
+        self.blocked = False  # an allocated workload could not be placed
         self.reserved: dict[str, int] = {}  # node -> reservation start
         self.freed = 0  # bumps on every preemption (the only way GPUs come free in a cycle)
         self.failed: dict[tuple, tuple[int, object, int, int]] = {}
@@ -153,7 +161,7 @@ class _Cycle:
                 self.pool_free[key] = self.pool_free.get(key, 0) + self.free[name]
 
     # ------------------------------------------------------------------
-    def run(self) -> CycleResult:
+    def run(self, report_reservation: bool = False) -> CycleResult:
         state = self.state
         for ref, reason in state.rejections:
             self._emit(InputRejected, ref=ref, reason=reason)
@@ -161,6 +169,8 @@ class _Cycle:
         self._drain()
         self._schedule_allocated()
         self._schedule_unallocated()
+        if report_reservation:
+            self._settle_reservation()
         return CycleResult(
             decisions=tuple(self.decisions),
             next_wakeup_ms=self._next_wakeup(),
@@ -588,10 +598,8 @@ class _Cycle:
         the owner's victim subtrees are the same (placements only take GPUs
         away; a reservation only restricts), so it is skipped without a search."""
         allocated = w.min_runtime_ms > 0
-        gate = self.reservation is None or self.t + w.min_runtime_ms <= self.reservation.start_ms
-        shape = (w.owner if allocated else "", w.gpu_type, allocated, gate)
         subtrees = self.victim_subtrees(w.owner) if allocated else None
-        failed = self.failed.get(shape)
+        failed = self.failed.get(self._shape(w, allocated))
         if (
             failed is not None
             and failed[0] == self.freed
@@ -600,32 +608,59 @@ class _Cycle:
             and w.gpus >= failed[3]
         ):
             return False
-        slots = self.fit(w)
-        if slots is None and w.min_runtime_ms > 0:
-            found = self.preemption(w)
-            if found is not None:
-                victims, slots = found
-                for v in victims:
-                    self._preempt(v, "unallocated" if v.min_runtime_ms == 0 else "fairshare", w.id)
-        if slots is None:
-            self.failed[shape] = (self.freed, subtrees, w.priority, w.gpus)
+        found = self._find(w)
+        if found is not None and self.to_reserve is not None:
+            self._settle_reservation()
+            if any(not self._may_use(w, name) for name, _ in found[1]):
+                found = self._find(w)  # again, now that reserved nodes are gated
+        if found is None:
+            self.failed[self._shape(w, allocated)] = (self.freed, subtrees, w.priority, w.gpus)
             return False
+        victims, slots = found
+        for v in victims:
+            self._preempt(v, "unallocated" if v.min_runtime_ms == 0 else "fairshare", w.id)
         self._place(w, slots)
         return True
 
+    def _shape(self, w: Workload, allocated: bool) -> tuple[str, str, bool, bool]:
+        """What a failure to place depends on besides GPUs and priority: the owner
+        (allocated work only), the GPU type, the contract kind, and whether the
+        reservation gate lets ``w`` on reserved nodes (no reservation: it does)."""
+        gate = self.reservation is None or self.t + w.min_runtime_ms <= self.reservation.start_ms
+        return (w.owner if allocated else "", w.gpu_type, allocated, gate)
+
+    def _find(self, w: Workload) -> tuple[list[Workload], list[tuple[str, int]]] | None:
+        """Where ``w`` goes and whom it preempts for that: a fit, else (allocated work
+        only) the cheapest victim set; ``None`` if neither."""
+        slots = self.fit(w)
+        if slots is not None:
+            return [], slots
+        if w.min_runtime_ms > 0:
+            return self.preemption(w)
+        return None
+
     def _schedule_allocated(self) -> None:
         walk = _FairShareWalk(self)
-        blocked_first = True
         while True:
             w = walk.next()
             if w is None:
                 return
             if self._try(w):
                 walk.charge(w)
-            elif blocked_first:
-                blocked_first = False
+            elif not self.blocked:
+                self.blocked = True
                 if self.state.policy.reservations:
-                    self.reserve(w)
+                    self.to_reserve = w
+
+    def _settle_reservation(self) -> None:
+        """Compute the reservation owed to the first blocked workload, if not yet done.
+
+        Called before the first placement after the block (and at the end of
+        the cycle when asked): until then only failures happened, which change
+        nothing, so the result is what it would have been at the block."""
+        if self.to_reserve is not None:
+            w, self.to_reserve = self.to_reserve, None
+            self.reserve(w)
 
     def _schedule_unallocated(self) -> None:
         """Unallocated work by submit time, then id, while any GPU is free (it never preempts)."""
@@ -643,11 +678,9 @@ class _Cycle:
         """The earliest future protection expiry that could change a decision (on a
         draining node, or anywhere while allocated work waits), or the reservation start."""
         t = self.t
-        placed = {d.workload for d in self.decisions if isinstance(d, WorkloadPlaced)}
-        waiting = any(
-            w.min_runtime_ms > 0 and w.id not in placed
-            for w in [*self.state.pending.values(), *self.requeued]
-        ) or any(r == "fairshare" and self.state.running[w].min_runtime_ms > 0 for w, r in self.gone.items())
+        waiting = self.blocked or any(
+            r == "fairshare" and self.state.running[w].min_runtime_ms > 0 for w, r in self.gone.items()
+        )
         out = self.reservation.start_ms if self.reservation else None
         for w in self.state.running.values():
             if w.id in self.gone or w.protected_until_ms <= t:

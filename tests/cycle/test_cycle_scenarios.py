@@ -315,7 +315,7 @@ def test_reservation_holds_the_nodes_that_free_up_earliest():
     step(s)
     tick(s, 10 * MIN)  # a now has usage, b none: b outranks a clearly
     submit(s, "big", "b", 16, HOUR)
-    r = step(s)
+    r = step(s, report_reservation=True)
     assert r.reservation is not None
     assert r.reservation.workload == "big" and r.reservation.nodes == ("n001", "n002")
     assert r.reservation.start_ms == 5 * HOUR

@@ -27,6 +27,17 @@ Tables (DESIGN "Interfaces"; columns after the DESIGN ones are additions):
   accepted health changes plus a ``drained`` row at each ``NodeDrained``;
   ``budget(path, weight, owner, global_share)`` (the current tree, root ``""``).
 - ``projection_position(input_seq, batches, pos, state)``.
+
+Additions that make the history exactly recoverable from the file (the
+``apportion replay|audit|whatif`` log sources, :mod:`apportion.replay.eventlog`):
+
+- ``batches(batch, basis, pos, decisions, next_wakeup_ms, v)``: one row per
+  decision batch, empty ones included; its decisions are the ``events`` rows
+  ``pos + 1 .. pos + decisions``;
+- ``malformed_inputs(seq, at_ms, ref, reason)``: inputs whose bytes did not
+  decode (no ``events`` row; their ``InputRejected`` decision has one);
+- ``log_meta(key, value)``: e.g. ``policy`` (``budget`` or ``priority``) when
+  the simulator wrote the file.
 """
 
 from __future__ import annotations
@@ -67,6 +78,10 @@ CREATE TABLE IF NOT EXISTS nodes(node VARCHAR, gpus INTEGER, gpu_type VARCHAR);
 CREATE TABLE IF NOT EXISTS health(node VARCHAR, at_ms BIGINT, state VARCHAR);
 CREATE TABLE IF NOT EXISTS budget(path VARCHAR, weight BIGINT, owner VARCHAR, global_share DOUBLE);
 CREATE TABLE IF NOT EXISTS projection_position(input_seq BIGINT, batches BIGINT, pos BIGINT, state BLOB);
+CREATE TABLE IF NOT EXISTS batches(batch BIGINT, basis BIGINT, pos BIGINT, decisions INTEGER, next_wakeup_ms BIGINT,
+    v INTEGER);
+CREATE TABLE IF NOT EXISTS malformed_inputs(seq BIGINT, at_ms BIGINT, ref VARCHAR, reason VARCHAR);
+CREATE TABLE IF NOT EXISTS log_meta(key VARCHAR, value VARCHAR);
 """
 
 _TYPES = {
@@ -78,6 +93,8 @@ _TYPES = {
     "nodes": ("VARCHAR", "INTEGER", "VARCHAR"),
     "health": ("VARCHAR", "BIGINT", "VARCHAR"),
     "budget": ("VARCHAR", "BIGINT", "VARCHAR", "DOUBLE"),
+    "batches": ("BIGINT", "BIGINT", "BIGINT", "INTEGER", "BIGINT", "INTEGER"),
+    "malformed_inputs": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR"),
 }
 # workloads row indexes
 W_STATUS, W_FIRST, W_ENDED, W_PRE = 9, 7, 8, 10
@@ -135,6 +152,8 @@ class Projection:
 
     def _reset_buffers(self) -> None:
         self._events: list[tuple] = []
+        self._batch_rows: list[tuple] = []
+        self._malformed: list[tuple] = []
         self._dirty_workloads: dict[str, list[Any]] = {}
         self._closed_runs: list[list[Any]] = []
         self._dirty_runs: dict[str, bool] = {}
@@ -203,6 +222,26 @@ class Projection:
         elif t is BudgetSet or t is BudgetRemoved:
             self._budget_dirty = True
 
+    def add_undecodable(self, seq: int, at_ms: int, ref: str, reason: str) -> None:
+        """Input ``seq`` whose bytes did not decode: folded as the scheduler folds it
+        (the clock and the sequence advance, a rejection is queued for the next
+        cycle's ``InputRejected``); recorded in ``malformed_inputs``."""
+        state = self.state
+        if seq <= state.input_seq:
+            return
+        if seq != state.input_seq + 1:
+            raise ProjectionOrderError(f"input {seq} arrived after input {state.input_seq}: a gap in the history")
+        state.input_seq += 1
+        if at_ms > state.now_ms:
+            state.now_ms = at_ms
+        state.rejections.append((ref, reason))
+        self._malformed.append((seq, at_ms, ref, reason))
+
+    def set_meta(self, key: str, value: str) -> None:
+        """Record ``key = value`` in ``log_meta`` (written at once, outside the position)."""
+        self.con.execute("DELETE FROM log_meta WHERE key = ?", [key])
+        self.con.execute("INSERT INTO log_meta VALUES (?, ?)", [key, value])
+
     def _close_runs(self, wid: str, now: int, reason: str) -> None:
         runs = self.open_runs.pop(wid, None)
         if runs:
@@ -236,6 +275,9 @@ class Projection:
                 f"decisions based on input {batch.basis} arrived before inputs {state.input_seq + 1}..{batch.basis}"
             )
         self._batches += 1
+        self._batch_rows.append(
+            (self._batches, batch.basis, self._pos, len(batch.decisions), batch.next_wakeup_ms, batch.v)
+        )
         for d in batch.decisions:
             apply(state, d)
             now = state.now_ms
@@ -288,6 +330,8 @@ class Projection:
         con.execute("BEGIN TRANSACTION")
         try:
             insert_rows(con, "events", self._events)
+            insert_rows(con, "batches", self._batch_rows)
+            insert_rows(con, "malformed_inputs", self._malformed)
             if self._dirty_workloads:
                 ids = list(self._dirty_workloads)
                 con.execute("DELETE FROM workloads WHERE workload IN (SELECT unnest($1::VARCHAR[]))", [ids])

@@ -12,6 +12,15 @@ inputs and the decision batch, in canonical order, to a
 :class:`~apportion.replay.projection.Projection`. The projection's folded state
 is the scheduler's state: everything is folded once.
 
+Other inputs can be given ready-made (``timed_inputs``: any input event at its
+own ``at_ms``, published after the finishes of that millisecond and before the
+trace's submissions, in the order given); ``apportion whatif`` re-simulates a
+log's submissions, health and budget changes that way. A ``sink`` (for example
+:class:`apportion.replay.eventlog.LogWriter`) receives every input and decision
+batch in canonical order, as the projection does. The closing ``ClockTicked``
+at the end of the horizon is folded with no cycle after it, so every batch in
+the history is one the policy computed.
+
 Executor model: a placed workload finishes when its remaining duration has
 run; a preempted resumable workload keeps its progress (``run_ms``) and
 requeues; a non-resumable one ends as ``preempted``.
@@ -22,7 +31,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import duckdb
 from apportion.core.cycle import CycleResult
@@ -42,8 +51,16 @@ from apportion.schemas.events import (
 from .projection import Projection
 from .trace import HealthRow, TraceRow
 
-_FINISH, _HEALTH, _SUBMIT, _TICK = 0, 1, 2, 3
+_FINISH, _HEALTH, _INPUT, _SUBMIT, _TICK = 0, 1, 2, 3, 4
 POLICIES = ("budget", "priority")
+
+
+class HistorySink(Protocol):
+    """Receives the canonical history as the simulator makes it."""
+
+    def add_input(self, seq: int, event: Event) -> None: ...
+
+    def add_batch(self, batch: DecisionBatch) -> None: ...
 
 
 class SimResult:
@@ -109,12 +126,17 @@ def simulate(
     progress: Callable[[int], None] | None = None,
     commit_every_ms: int = 7 * DAY_MS,
     start_ms: int = 0,
+    timed_inputs: Iterable[Event] = (),
+    end_ms: int | None = None,
+    sink: HistorySink | None = None,
 ) -> SimResult:
     """Simulate ``days`` (default: until the last submission or health change, rounded
     up to a whole day) from ``start_ms``; return the projection and counters.
 
     ``decide`` overrides the policy's cycle (tests use it before the real one lands).
     ``progress(ms)`` is called with the simulated time reached, about once a simulated hour.
+    ``timed_inputs`` are input events published at their own (absolute) ``at_ms``;
+    ``end_ms`` (absolute) overrides ``days``; ``sink`` gets every input and batch.
     """
     wall0 = time.perf_counter()
     decide = decide or policy_decider(policy)
@@ -122,6 +144,7 @@ def simulate(
     proj = Projection(con)
     if proj.position != (0, 0):
         raise ValueError("the simulator needs an empty projection database")
+    proj.set_meta("policy", policy)
     state = proj.state
 
     heap: list[tuple[int, int, int, Any]] = []
@@ -134,10 +157,14 @@ def simulate(
         t = start_ms + h.at_ms
         heap.append((t, _HEALTH, h.line or len(heap), h))
         last_ms = max(last_ms, t)
+    for i, ev in enumerate(timed_inputs):
+        heap.append((ev.at_ms, _INPUT, i, ev))
+        last_ms = max(last_ms, ev.at_ms)
     heapq.heapify(heap)
-    if days is None:
-        days = -(-(last_ms - start_ms + 1) // DAY_MS)
-    end_ms = start_ms + int(days * DAY_MS)
+    if end_ms is None:
+        if days is None:
+            days = -(-(last_ms - start_ms + 1) // DAY_MS)
+        end_ms = start_ms + int(days * DAY_MS)
 
     seq = 0
     cycles = 0
@@ -150,7 +177,10 @@ def simulate(
         nonlocal cycles, n_decisions, counter
         result = decide(state)
         cycles += 1
-        proj.add_batch(DecisionBatch(basis=seq, decisions=result.decisions, next_wakeup_ms=result.next_wakeup_ms))
+        batch = DecisionBatch(basis=seq, decisions=result.decisions, next_wakeup_ms=result.next_wakeup_ms)
+        proj.add_batch(batch)
+        if sink is not None:
+            sink.add_batch(batch)
         n_decisions += len(result.decisions)
         running = state.running
         for d in result.decisions:
@@ -173,6 +203,8 @@ def simulate(
     for ev in cluster_events:
         seq += 1
         proj.add_input(seq, ev)
+        if sink is not None:
+            sink.add_input(seq, ev)
     cycle(state.now_ms)
     next_commit = start_ms + commit_every_ms
     next_progress = start_ms
@@ -196,6 +228,8 @@ def simulate(
                     inputs.append(WorkloadFinished(id=f"fin/{wid}/{attempt}", at_ms=t, workload=wid, attempt=attempt))
             elif kind == _SUBMIT:
                 inputs.append(submission(payload, t))
+            elif kind == _INPUT:
+                inputs.append(payload)
             elif kind == _HEALTH:
                 inputs.append(NodeHealthChanged(id=f"health/{payload.line or counter}/{payload.node}", at_ms=t,
                                                 node=payload.node, state=payload.state))
@@ -209,11 +243,15 @@ def simulate(
         for ev in inputs:
             seq += 1
             proj.add_input(seq, ev)
+            if sink is not None:
+                sink.add_input(seq, ev)
         cycle(t)
-    # the clock reaches the end of the horizon
+    # the clock reaches the end of the horizon (no cycle: nothing after it is simulated)
     seq += 1
-    proj.add_input(seq, ClockTicked(id=f"tick/{end_ms}", at_ms=end_ms))
-    proj.add_batch(DecisionBatch(basis=seq, decisions=()))
+    closing = ClockTicked(id=f"tick/{end_ms}", at_ms=end_ms)
+    proj.add_input(seq, closing)
+    if sink is not None:
+        sink.add_input(seq, closing)
     proj.commit()
     if progress is not None:
         progress(end_ms - start_ms)

@@ -1,0 +1,431 @@
+"""The canonical history as a file: JSON lines, read and written with msgspec.
+
+One JSON object a line, in canonical order (input 1, the batch based on 1,
+input 2, ...):
+
+- ``{"header": {"version": 1, "policy": "budget", "source": "simulate", "cluster": "..."}}``
+  first (``policy`` is the one that computed the batches: ``budget`` or ``priority``);
+- ``{"seq": k, "input": <event>}``: input ``k`` of ``INPUTS`` (``at_ms`` is the
+  time the log recorded it);
+- ``{"seq": k, "malformed": {"at_ms": ..., "ref": ..., "reason": ...}}``: an
+  input whose bytes did not decode (the scheduler folds it as a rejection);
+- ``{"batch": <DecisionBatch>}``: right after the input named by its ``basis``;
+- ``{"end": {"inputs": N, "batches": M, "digest": "<sha256>"}}`` last, when the
+  writer knew the final state (``digest`` = :meth:`State.digest` after folding
+  every line).
+
+Sources: such a file; the ``events``/``batches``/``malformed_inputs`` tables of a
+DuckDB projection (``simulate --out``, the live projector, ``replay``); a live
+cluster's JetStream streams (:func:`read_nats`). Every reader yields the same
+items: ``(seq, Input)``, :class:`Malformed` and :class:`DecisionBatch`, and
+checks the canonical order (inputs numbered 1, 2, ... with no gap; a batch's
+basis is the last input before it) as it goes, raising :class:`LogError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+from apportion.schemas.codec import EventDecodeError, decode_batch, decode_input, encode
+from apportion.schemas.events import (
+    INPUT_TYPES,
+    BudgetRemoved,
+    BudgetSet,
+    DecisionBatch,
+    Event,
+    Input,
+    NodeRegistered,
+    PolicySet,
+)
+
+LOG_VERSION = 1
+"""The log format version this code writes and reads."""
+
+CONFIG_TYPES = (NodeRegistered, BudgetSet, BudgetRemoved, PolicySet)
+
+
+class LogError(ValueError):
+    """A log that cannot be read, or is not in canonical order."""
+
+
+class Header(msgspec.Struct, kw_only=True, omit_defaults=True):
+    version: int = LOG_VERSION
+    policy: str = "budget"
+    source: str = ""
+    cluster: str = ""
+
+
+class End(msgspec.Struct, kw_only=True):
+    inputs: int
+    batches: int
+    digest: str | None = None
+
+
+class Malformed(msgspec.Struct, frozen=True, kw_only=True):
+    """Input ``seq`` whose bytes did not decode."""
+
+    seq: int
+    at_ms: int
+    ref: str
+    reason: str
+
+
+class _MalformedBody(msgspec.Struct, kw_only=True):
+    at_ms: int
+    ref: str
+    reason: str
+
+
+class _Line(msgspec.Struct, kw_only=True):
+    header: Header | None = None
+    seq: int | None = None
+    input: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    malformed: _MalformedBody | None = None
+    batch: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    end: End | None = None
+
+
+Item = tuple[int, Input] | Malformed | DecisionBatch
+
+_line_decoder = msgspec.json.Decoder(_Line)
+_enc = msgspec.json.Encoder()
+
+
+# --------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------
+
+
+class LogWriter:
+    """Writes a log file; has the projection's ``add_input``/``add_batch`` so the
+    simulator can feed it as it feeds the projection."""
+
+    def __init__(self, path: str | Path | IO[bytes], header: Header) -> None:
+        if isinstance(path, str | Path):
+            self._f: IO[bytes] = open(path, "wb")  # noqa: SIM115 - closed in close()
+            self._own = True
+        else:
+            self._f, self._own = path, False
+        self.inputs = 0
+        self.batches = 0
+        self._f.write(b'{"header":' + _enc.encode(header) + b"}\n")
+
+    def add_input(self, seq: int, event: Event) -> None:
+        self.inputs = seq
+        self._f.write(b'{"seq":%d,"input":' % seq + encode(event) + b"}\n")
+
+    def add_malformed(self, item: Malformed) -> None:
+        self.inputs = item.seq
+        body = _MalformedBody(at_ms=item.at_ms, ref=item.ref, reason=item.reason)
+        self._f.write(b'{"seq":%d,"malformed":' % item.seq + _enc.encode(body) + b"}\n")
+
+    def add_batch(self, batch: DecisionBatch) -> None:
+        self.batches += 1
+        self._f.write(b'{"batch":' + encode(batch) + b"}\n")
+
+    def add(self, item: Item) -> None:
+        if isinstance(item, DecisionBatch):
+            self.add_batch(item)
+        elif isinstance(item, Malformed):
+            self.add_malformed(item)
+        else:
+            self.add_input(*item)
+
+    def close(self, digest: str | None = None) -> None:
+        end = End(inputs=self.inputs, batches=self.batches, digest=digest)
+        self._f.write(b'{"end":' + _enc.encode(end) + b"}\n")
+        if self._own:
+            self._f.close()
+        else:
+            self._f.flush()
+
+
+def write_log(path: str | Path, header: Header, items: Iterable[Item], digest: str | None = None) -> LogWriter:
+    w = LogWriter(path, header)
+    for item in items:
+        w.add(item)
+    w.close(digest)
+    return w
+
+
+# --------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------
+
+
+class CanonicalLog:
+    """A readable history: ``header``, the items (iterate once), then ``end``
+    (known only after iterating, ``None`` when the source records no end)."""
+
+    def __init__(self, header: Header, items: Iterable[Item], name: str) -> None:
+        self.header = header
+        self.name = name
+        self.end: End | None = None
+        self._items = items
+
+    def __iter__(self) -> Iterator[Item]:
+        return _checked(self)
+
+
+def _checked(log: CanonicalLog) -> Iterator[Item]:
+    """The items, checking canonical order (and the end line's counts)."""
+    name = log.name
+    seq = 0
+    last_basis = 0
+    batches = 0
+    for item in log._items:
+        if isinstance(item, DecisionBatch):
+            if item.basis != seq or (item.basis <= last_basis and last_basis):
+                raise LogError(
+                    f"{name}: decisions based on input {item.basis} follow input {seq} (not canonical order)"
+                )
+            last_basis = item.basis
+            batches += 1
+        else:
+            k = item.seq if isinstance(item, Malformed) else item[0]
+            if k != seq + 1:
+                raise LogError(f"{name}: input {k} follows input {seq} (a gap or a repeat)")
+            seq = k
+        yield item
+    end = log.end
+    if end is not None and (end.inputs, end.batches) != (seq, batches):
+        raise LogError(f"{name}: the log holds {seq} inputs and {batches} batches but its end line says "
+                       f"{end.inputs} and {end.batches} (truncated?)")
+
+
+def open_log(path: str | Path) -> CanonicalLog:
+    """A log file (JSON lines) or a DuckDB projection, told apart by content."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as exc:
+        raise LogError(f"{path}: cannot read: {exc.strerror}") from None
+    if head[8:12] == b"DUCK":
+        return read_duckdb(path)
+    return read_file(path)
+
+
+def read_file(path: str | Path) -> CanonicalLog:
+    path = Path(path)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed by the generator
+    except OSError as exc:
+        raise LogError(f"{path}: cannot read: {exc.strerror}") from None
+    first = f.readline()
+    if not first.strip():
+        f.close()
+        raise LogError(f"{path}:1: empty file (expected a log header line)")
+    try:
+        line = _line_decoder.decode(first)
+    except msgspec.DecodeError as exc:
+        f.close()
+        raise LogError(f"{path}:1: not an apportion log ({_short(exc)})") from None
+    if line.header is None:
+        f.close()
+        raise LogError(f'{path}:1: not an apportion log (the first line must be {{"header": ...}})')
+    if line.header.version != LOG_VERSION:
+        f.close()
+        raise LogError(f"{path}:1: log version {line.header.version}; this apportion reads version {LOG_VERSION}")
+    log = CanonicalLog(line.header, (), str(path))
+    log._items = _file_items(f, path, log)
+    return log
+
+
+def _short(exc: Exception) -> str:
+    return str(exc).splitlines()[0][:200]
+
+
+def _file_items(f: IO[bytes], path: Path, log: CanonicalLog) -> Iterator[Item]:
+    with f:
+        n = 1
+        for raw in f:
+            n += 1
+            if not raw.strip():
+                continue
+            if log.end is not None:
+                raise LogError(f"{path}:{n}: a line after the end line")
+            try:
+                line = _line_decoder.decode(raw)
+                if line.input and line.seq is not None:
+                    yield (line.seq, decode_input(line.input))
+                elif line.malformed is not None and line.seq is not None:
+                    m = line.malformed
+                    yield Malformed(seq=line.seq, at_ms=m.at_ms, ref=m.ref, reason=m.reason)
+                elif line.batch:
+                    yield decode_batch(line.batch)
+                elif line.end is not None:
+                    log.end = line.end
+                else:
+                    raise LogError(f"{path}:{n}: expected an input, malformed, batch or end line")
+            except msgspec.DecodeError as exc:
+                raise LogError(f"{path}:{n}: {_short(exc)}") from None
+            except EventDecodeError as exc:
+                raise LogError(f"{path}:{n}: {_short(exc)}") from None
+
+
+def read_duckdb(path: str | Path) -> CanonicalLog:
+    """The history in a projection database (needs its ``batches`` table)."""
+    import duckdb
+
+    path = Path(path)
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+    except duckdb.Error as exc:
+        raise LogError(f"{path}: cannot open the database: {_short(exc)}") from None
+    try:
+        names = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        if not {"events", "projection_position"} <= names:
+            raise LogError(f"{path}: not an apportion projection (no events table)")
+        row = con.execute("SELECT input_seq, batches, pos, state FROM projection_position").fetchone()
+        if row is None:
+            raise LogError(f"{path}: the projection is empty")
+        n_batch_rows = (
+            con.execute("SELECT COUNT(*) FROM batches").fetchone()[0] if "batches" in names else 0  # type: ignore[index]
+        )
+        if n_batch_rows != row[1]:
+            raise LogError(
+                f"{path}: the projection folded {row[1]} decision batches but records {n_batch_rows} "
+                "(written before batches were recorded); rebuild it with simulate --out or replay"
+            )
+        meta = dict(con.execute("SELECT key, value FROM log_meta").fetchall()) if "log_meta" in names else {}
+    except duckdb.Error as exc:
+        con.close()
+        raise LogError(f"{path}: {_short(exc)}") from None
+    except LogError:
+        con.close()
+        raise
+    from apportion.core.state import State
+
+    header = Header(policy=meta.get("policy", "budget"), source="duckdb", cluster=meta.get("cluster", ""))
+    log = CanonicalLog(header, (), str(path))
+    end = End(inputs=row[0], batches=row[1], digest=State.from_bytes(row[3]).digest())
+    log._items = _duckdb_items(con, path, log, end, row[2])
+    return log
+
+
+def _rows(cur: Any) -> Iterator[tuple]:
+    while True:
+        rows = cur.fetchmany(5000)
+        if not rows:
+            return
+        yield from rows
+
+
+def _duckdb_items(con: Any, path: Path, log: CanonicalLog, end: End, last_pos: int) -> Iterator[Item]:
+    """Input ``k`` is the ``k``-th input row of ``events`` (or ``malformed_inputs`` row ``k``);
+    batch ``i`` takes the next ``decisions`` decision rows, which must sit at
+    ``pos + 1 ..``; a batch follows the input named by its basis."""
+    from apportion.schemas.codec import decode_decision
+
+    kinds = [t.__struct_config__.tag for t in INPUT_TYPES]
+    try:
+        malformed = {
+            r[0]: Malformed(seq=r[0], at_ms=r[1], ref=r[2], reason=r[3])
+            for r in con.execute("SELECT seq, at_ms, ref, reason FROM malformed_inputs").fetchall()
+        }
+        batches = con.execute("SELECT basis, pos, decisions, next_wakeup_ms, v FROM batches ORDER BY batch").fetchall()
+        icur, dcur = con.cursor(), con.cursor()
+        icur.execute("SELECT pos, body FROM events WHERE pos <= ? AND kind IN (SELECT unnest(?::VARCHAR[])) "
+                     "ORDER BY pos", [last_pos, kinds])
+        dcur.execute("SELECT pos, body FROM events WHERE pos <= ? AND kind NOT IN (SELECT unnest(?::VARCHAR[])) "
+                     "ORDER BY pos", [last_pos, kinds])
+        inputs, decisions = _rows(icur), _rows(dcur)
+        bi = 0
+        for seq in range(1, end.inputs + 1):
+            if seq in malformed:
+                yield malformed[seq]
+            else:
+                row = next(inputs, None)
+                if row is None:
+                    raise LogError(f"{path}: input {seq} is missing from the events table")
+                try:
+                    yield (seq, decode_input(row[1]))
+                except EventDecodeError as exc:
+                    raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
+            while bi < len(batches) and batches[bi][0] == seq:
+                basis, bpos, n, wake, v = batches[bi]
+                got = []
+                for k in range(n):
+                    row = next(decisions, None)
+                    if row is None or row[0] != bpos + 1 + k:
+                        raise LogError(f"{path}: decision {k + 1} of batch {bi + 1} is not at events row {bpos + 1 + k}")
+                    try:
+                        got.append(decode_decision(row[1]))
+                    except EventDecodeError as exc:
+                        raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
+                yield DecisionBatch(basis=basis, decisions=tuple(got), next_wakeup_ms=wake, v=v)
+                bi += 1
+        if bi != len(batches) or next(inputs, None) is not None or next(decisions, None) is not None:
+            raise LogError(f"{path}: the batches table does not match the events table")
+        log.end = end
+    except duckdb_error() as exc:
+        raise LogError(f"{path}: {_short(exc)}") from None
+    finally:
+        con.close()
+
+
+def duckdb_error() -> type[Exception]:
+    import duckdb
+
+    return duckdb.Error
+
+
+async def _read_nats_async(url: str, cluster: str, timeout: float) -> list[Item]:
+    from apportion.services.bus import JetStreamLog, StoredInput, connect
+
+    nc = await connect(url, name="apportion-eventlog")
+    try:
+        js = nc.jetstream()
+        log = JetStreamLog(js, cluster)
+        n_batches = await log.last_batch_seq()
+        n_inputs = await log.last_input_seq()
+        inputs: list[StoredInput] = []
+        tail = log.tail_inputs(1)
+        while len(inputs) < n_inputs:
+            got = await tail.take(10_000, timeout)
+            if not got:
+                raise LogError(f"nats {cluster}: INPUTS stopped at {len(inputs)} of {n_inputs} messages")
+            inputs.extend(got)
+        await tail.close()
+        batches: list[Any] = []
+        btail = log.tail_batches(1)
+        while len(batches) < n_batches:
+            got = await btail.take(10_000, timeout)
+            if not got:
+                raise LogError(f"nats {cluster}: DECISIONS stopped at {len(batches)} of {n_batches} messages")
+            batches.extend(got)
+        await btail.close()
+    finally:
+        await nc.close()
+    out: list[Item] = []
+    bi = 0
+    for si in inputs[:n_inputs]:
+        if si.event is not None:
+            out.append((si.seq, si.event))
+        else:
+            out.append(Malformed(seq=si.seq, at_ms=si.at_ms, ref=si.ref, reason=f"malformed input: {si.error}"))
+        while bi < n_batches and batches[bi].batch.basis == si.seq:
+            out.append(batches[bi].batch)
+            bi += 1
+    if bi != n_batches:
+        raise LogError(f"nats {cluster}: decision batch {bi + 1} is based on input "
+                       f"{batches[bi].batch.basis}, not in INPUTS")
+    return out
+
+
+def read_nats(url: str, cluster: str, timeout: float = 10.0) -> CanonicalLog:
+    """Both streams of a live cluster, up to their last messages now, merged in canonical order."""
+    try:
+        items = asyncio.run(_read_nats_async(url, cluster, timeout))
+    except LogError:
+        raise
+    except ValueError as exc:
+        raise LogError(f"nats {cluster}: {exc}") from None
+    except Exception as exc:  # connection refused, no such stream, ...
+        raise LogError(f"nats {url} cluster {cluster}: {type(exc).__name__}: {_short(exc) or 'no answer'}") from None
+    return CanonicalLog(Header(policy="budget", source="nats", cluster=cluster), items, f"nats:{cluster}")

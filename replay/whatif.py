@@ -1,0 +1,195 @@
+"""What-if: a log's demand and cluster history, re-simulated under another policy.
+
+From the log take what the world did, not what the scheduler did:
+
+- the **cluster**: the node registrations, budget and policy inputs at the head
+  of the log (before its first other input) are folded first, as the simulator
+  folds a cluster file;
+- later ``WorkloadSubmitted`` (durations from ``duration_ms``; a submission
+  without one gets the run time it had in the log if it finished there, and is
+  left out otherwise), ``NodeHealthChanged``, ``NodeRegistered``, ``BudgetSet``,
+  ``BudgetRemoved`` and ``PolicySet`` inputs, each at its own time and in log
+  order (within one millisecond: after the simulator's finishes, before its
+  ticks);
+- **not** the decisions, ``WorkloadFinished`` (the simulator's executor model
+  finishes work when its duration has run), ``WorkloadCancelled`` (a cancel
+  reacts to the recorded schedule), ``ClockTicked`` or undecodable inputs.
+
+Changes: every ``PolicySet`` gets the new margin / lookback / cap /
+reservations (one is added after the cluster if the log has none); ``budget``
+replaces every budget input by the given tree, set at the start; ``policy``
+picks the budget scheduler or the baseline. The horizon is the log's: from its
+first input's time to its last. The same policy with no change re-makes the
+same history, so the same KPIs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import duckdb
+import msgspec
+from apportion.core.budget import ROOT
+from apportion.core.state import State, apply
+from apportion.schemas.events import (
+    BudgetRemoved,
+    BudgetSet,
+    DecisionBatch,
+    Event,
+    Input,
+    NodeHealthChanged,
+    NodeRegistered,
+    PolicySet,
+    WorkloadSubmitted,
+)
+
+from .eventlog import CONFIG_TYPES, CanonicalLog, Malformed
+from .kpi import compute_kpis
+from .projection import Projection
+from .simulator import SimResult, simulate
+
+
+class PolicyChange(msgspec.Struct, kw_only=True):
+    """What to change; ``None`` keeps the log's value."""
+
+    preemption_margin_ppm: int | None = None
+    lookback_ms: int | None = None
+    max_min_runtime_ms: int | None = None
+    reservations: bool | None = None
+    policy: str | None = None
+    """``budget`` or ``priority``; ``None``: the policy that made the log."""
+    budget: list[tuple[str, int, str]] | None = None
+    """``(path, weight, owner)`` parents first, root ``""`` first."""
+
+    def policy_fields(self) -> dict[str, Any]:
+        return {k: v for k in ("preemption_margin_ppm", "lookback_ms", "max_min_runtime_ms", "reservations")
+                if (v := getattr(self, k)) is not None}
+
+
+class WhatIf(msgspec.Struct, kw_only=True):
+    original: dict[str, Any]
+    whatif: dict[str, Any]
+    original_policy: str
+    whatif_policy: str
+    start_ms: int
+    end_ms: int
+    submissions: int
+    dropped_no_duration: int
+    sim: Any = None
+    """The :class:`SimResult` of the what-if run (its projection in ``sim.con``)."""
+
+
+def replay_into(log_items: Sequence[Any], con: duckdb.DuckDBPyConnection) -> Projection:
+    """Feed items (``(seq, input)``, :class:`Malformed`, batches) to a projection on ``con``."""
+    proj = Projection(con)
+    for item in log_items:
+        if isinstance(item, DecisionBatch):
+            proj.add_batch(item)
+        elif isinstance(item, Malformed):
+            proj.add_undecodable(item.seq, item.at_ms, item.ref, item.reason)
+        else:
+            proj.add_input(*item)
+    proj.commit()
+    return proj
+
+
+def _observed_durations(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """Run time of every workload that finished in the recorded history."""
+    rows = con.execute(
+        """SELECT workload, SUM(end_ms - start_ms) FROM (
+               SELECT DISTINCT r.workload, r.attempt, r.start_ms, r.end_ms FROM runs r
+               JOIN workloads w USING (workload)
+               WHERE w.status IN ('succeeded', 'failed') AND r.end_ms IS NOT NULL)
+           GROUP BY workload"""
+    ).fetchall()
+    return {w: int(d) for w, d in rows}
+
+
+def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
+    items = list(log)
+    inputs: list[Input] = [it[1] for it in items if isinstance(it, tuple)]
+    if not inputs:
+        raise ValueError(f"{log.name}: the log has no inputs")
+    # 1. the original, as recorded
+    con0 = duckdb.connect()
+    proj = replay_into(items, con0)
+    state0: State = proj.state
+    start_ms = min(ev.at_ms for ev in inputs[:1])
+    end_ms = state0.now_ms
+    original = compute_kpis(con0, start_ms, end_ms)
+    durations = _observed_durations(con0)
+    con0.close()
+
+    # 2. the world's inputs
+    head = 0
+    while head < len(inputs) and isinstance(inputs[head], CONFIG_TYPES):
+        head += 1
+    cluster: list[Event] = list(inputs[:head])
+    timed: list[Event] = []
+    dropped = 0
+    submissions = 0
+    for ev in inputs[head:]:
+        t = type(ev)
+        if t is WorkloadSubmitted:
+            if ev.duration_ms is None:  # type: ignore[union-attr]
+                d = durations.get(ev.workload)  # type: ignore[union-attr]
+                if d is None:
+                    dropped += 1
+                    continue
+                ev = msgspec.structs.replace(ev, duration_ms=d)  # type: ignore[type-var]
+            submissions += 1
+            timed.append(ev)
+        elif t is NodeHealthChanged or isinstance(ev, CONFIG_TYPES):
+            timed.append(ev)
+
+    # 3. the changes
+    root_owner = _root_owner(cluster)
+    if change.budget is not None:
+        root_owner = change.budget[0][2]
+        cluster = [e for e in cluster if type(e) not in (BudgetSet, BudgetRemoved)]
+        timed = [e for e in timed if type(e) not in (BudgetSet, BudgetRemoved)]
+        at = cluster[-1].at_ms if cluster else start_ms
+        budget_events = [BudgetSet(id=f"whatif/budget/{p}", at_ms=at, path=p, weight=w, owner=o, actor=root_owner)
+                         for p, w, o in change.budget]
+        n_nodes = sum(1 for e in cluster if type(e) is NodeRegistered)
+        cluster = cluster[:n_nodes] + budget_events + cluster[n_nodes:]
+        cluster = [msgspec.structs.replace(e, actor=root_owner) if type(e) is PolicySet else e for e in cluster]
+        timed = [msgspec.structs.replace(e, actor=root_owner) if type(e) is PolicySet else e for e in timed]
+    fields = change.policy_fields()
+    if fields:
+        if not any(type(e) is PolicySet for e in cluster):
+            at = cluster[-1].at_ms if cluster else start_ms
+            cluster.append(PolicySet(id="whatif/policy", at_ms=at, actor=root_owner, **_policy_of(cluster)))
+        cluster = [msgspec.structs.replace(e, **fields) if type(e) is PolicySet else e for e in cluster]
+        timed = [msgspec.structs.replace(e, **fields) if type(e) is PolicySet else e for e in timed]
+
+    # 4. re-simulate
+    policy = change.policy or log.header.policy
+    if policy == "priority":
+        from apportion.core import baseline
+
+        baseline._KEY_CACHE.clear()
+    wall0 = time.perf_counter()
+    sim: SimResult = simulate(cluster, (), (), policy=policy, start_ms=start_ms, end_ms=end_ms, timed_inputs=timed)
+    kpis = compute_kpis(sim.con, start_ms, end_ms, time.perf_counter() - wall0)
+    return WhatIf(original=original, whatif=kpis, original_policy=log.header.policy, whatif_policy=policy,
+                  start_ms=start_ms, end_ms=end_ms, submissions=submissions, dropped_no_duration=dropped, sim=sim)
+
+
+def _root_owner(cluster: Sequence[Event]) -> str:
+    state = State()
+    for e in cluster:
+        apply(state, e)
+    node = state.budget.nodes.get(ROOT)
+    return node.owner if node is not None else ""
+
+
+def _policy_of(cluster: Sequence[Event]) -> dict[str, Any]:
+    state = State()
+    for e in cluster:
+        apply(state, e)
+    p = state.policy
+    return {"lookback_ms": p.lookback_ms, "max_min_runtime_ms": p.max_min_runtime_ms,
+            "preemption_margin_ppm": p.preemption_margin_ppm, "reservations": p.reservations}

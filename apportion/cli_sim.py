@@ -191,7 +191,15 @@ def _out_path(out: Path | None, policy: str, compare: bool) -> Path | None:
     return out
 
 
-def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool):
+def _log_path(log: Path | None, policy: str, compare: bool) -> Path | None:
+    if log is None:
+        return None
+    if compare and policy == "priority":
+        return log.with_name(f"{log.stem}.priority{log.suffix or '.jsonl'}")
+    return log
+
+
+def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool, log: Path | None = None):
     import duckdb
 
     from apportion.replay.kpi import compute_kpis
@@ -222,8 +230,18 @@ def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool):
                 bar.update(h - done[0])
                 done[0] = h
 
+        writer = None
+        if log is not None:
+            from apportion.replay.eventlog import Header, LogWriter
+
+            try:
+                writer = LogWriter(log, Header(policy=policy, source="simulate"))
+            except OSError as exc:
+                raise UserError(f"{log}: cannot write the log: {exc.strerror}") from None
         result = simulate(inp.cluster_events, inp.trace, inp.health, policy=policy, days=days, con=con,
-                          progress=progress)
+                          progress=progress, sink=writer)
+        if writer is not None:
+            writer.close(result.state.digest())
     kpis = compute_kpis(result.con, result.start_ms, result.end_ms, result.wall_s)
     return result, kpis
 
@@ -264,12 +282,15 @@ def _report_rejections(inp: _Inputs, result) -> int:
 @click.option("--compare", is_flag=True, help="run the budget scheduler and the baseline side by side")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="write the projection to this DuckDB file (with --compare the baseline goes to NAME.priority.duckdb)")
+@click.option("--log", "log", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the canonical event log (JSON lines) here, for replay/audit/whatif "
+                   "(with --compare the baseline's goes to NAME.priority.jsonl)")
 @click.option("--json", "as_json", is_flag=True, help="KPIs as one JSON object on stdout")
 @click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True, help="scenario seed")
 @click.option("--days", type=float, default=None, help="days to simulate [scenario: 30; trace: to its last row]")
 @click.option("--plot", type=click.Path(file_okay=False, path_type=Path), help="write PNG charts into this directory")
 @click.option("--quiet", "-q", is_flag=True, help="no progress bar")
-def simulate(cluster, trace, health, scenario, policy, compare, out, as_json, seed, days, plot, quiet) -> None:
+def simulate(cluster, trace, health, scenario, policy, compare, out, log, as_json, seed, days, plot, quiet) -> None:
     """Simulate a trace (or the bundled ai2 scenario) with no server and print the KPIs."""
     if days is not None and days <= 0:
         raise UserError("--days must be positive")
@@ -279,7 +300,8 @@ def simulate(cluster, trace, health, scenario, policy, compare, out, as_json, se
     sims = {}
     rejected = 0
     for p in policies:
-        result, kpis = run_policy(inp, p, _out_path(out, p, compare), quiet or as_json and not sys.stderr.isatty())
+        result, kpis = run_policy(inp, p, _out_path(out, p, compare), quiet or as_json and not sys.stderr.isatty(),
+                                  _log_path(log, p, compare))
         if p == policies[0]:
             rejected = _report_rejections(inp, result)
         results[p] = kpis
@@ -364,3 +386,201 @@ def trace_import(fmt, file, out_dir, vc_file, date_from, date_to, capacity_scale
     _report_errors([str(e) for e in report.errors], "trace")
     for line in report.lines():
         click.echo(line)
+
+
+# --------------------------------------------------------------------------
+# The event log: replay, audit, whatif
+# --------------------------------------------------------------------------
+
+
+def _source_options(f):
+    f = click.option("--cluster", "cluster_name", default=None,
+                     help="read a live cluster's INPUTS and DECISIONS streams instead of LOG")(f)
+    f = click.option("--nats", "nats_url", default=None, envvar="NATS_URL",
+                     help="NATS server(s) for --cluster [env NATS_URL]")(f)
+    return click.argument("log", required=False, type=click.Path(dir_okay=False, path_type=Path))(f)
+
+
+def _open_source(log: Path | None, nats_url: str | None, cluster_name: str | None):
+    """A log file, a DuckDB projection, or a live cluster's streams."""
+    from apportion.replay.eventlog import LogError, open_log, read_nats
+
+    try:
+        if log is not None:
+            if cluster_name is not None:
+                raise UserError("give LOG or --cluster NAME (a live cluster), not both")
+            return open_log(log)
+        if cluster_name is None:
+            raise UserError("give LOG (a log file or a projection .duckdb) or --cluster NAME --nats URL")
+        if not nats_url:
+            raise UserError("--cluster needs --nats URL (or NATS_URL)")
+        return read_nats(nats_url, cluster_name)
+    except LogError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _guard_log_errors(fn, *args, **kw):
+    from apportion.core.state import CorruptHistory
+    from apportion.replay.eventlog import LogError
+    from apportion.replay.projection import ProjectionOrderError
+
+    try:
+        return fn(*args, **kw)
+    except (LogError, ProjectionOrderError) as exc:
+        raise UserError(str(exc)) from None
+    except CorruptHistory as exc:
+        raise UserError(f"corrupt history: {exc}") from None
+
+
+@main.command("replay")
+@_source_options
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="write DESIGN's projection tables to this DuckDB file (replaced if it exists)")
+@click.option("--log", "log_out", type=click.Path(dir_okay=False, path_type=Path),
+              help="also write the history as a log file (JSON lines), e.g. to take a live cluster's offline")
+@click.option("--until", type=click.IntRange(min=0), default=None, help="stop after input SEQ (and its batch)")
+def replay_cmd(log, nats_url, cluster_name, out, log_out, until) -> None:
+    """Rebuild the projection tables (and/or a log file) from an event log."""
+    import duckdb
+
+    from apportion.replay.eventlog import DecisionBatch, Header, LogWriter, Malformed
+    from apportion.replay.projection import Projection
+
+    if out is None and log_out is None:
+        raise UserError("nothing to write: give --out FILE.duckdb and/or --log FILE.jsonl")
+    source = _open_source(log, nats_url, cluster_name)
+    con = None
+    if out is not None:
+        for p in (out, Path(str(out) + ".wal")):
+            if p.exists():
+                p.unlink()
+        try:
+            con = duckdb.connect(str(out))
+        except duckdb.Error as exc:
+            raise UserError(f"{out}: cannot create the database: {exc}") from None
+    proj = Projection(con if con is not None else duckdb.connect())  # in memory: only for the digest
+    proj.set_meta("policy", source.header.policy)
+    writer = None
+    if log_out is not None:
+        try:
+            writer = LogWriter(log_out, Header(policy=source.header.policy, source=source.header.source or "replay",
+                                               cluster=source.header.cluster))
+        except OSError as exc:
+            raise UserError(f"{log_out}: cannot write the log: {exc.strerror}") from None
+    counts = {"inputs": 0, "batches": 0, "decisions": 0}
+
+    def run() -> None:
+        for item in source:
+            if isinstance(item, DecisionBatch):
+                counts["batches"] += 1
+                counts["decisions"] += len(item.decisions)
+                proj.add_batch(item)
+            else:
+                seq = item.seq if isinstance(item, Malformed) else item[0]
+                if until is not None and seq > until:
+                    break
+                counts["inputs"] += 1
+                if isinstance(item, Malformed):
+                    proj.add_undecodable(item.seq, item.at_ms, item.ref, item.reason)
+                else:
+                    proj.add_input(*item)
+            if writer is not None:
+                writer.add(item)
+
+    _guard_log_errors(run)
+    if con is not None:
+        proj.commit()
+    if writer is not None:
+        writer.close(proj.state.digest())
+    click.echo(f"replay: {counts['inputs']:,} inputs, {counts['batches']:,} decision batches, "
+               f"{counts['decisions']:,} decisions" + (f" (until input {until})" if until is not None else ""))
+    if con is not None:
+        tables = ("events", "workloads", "runs", "waits", "nodes", "health", "budget")
+        sizes = ", ".join(f"{t} {con.execute(f'SELECT COUNT(*) FROM {t}').fetchone()[0]:,}" for t in tables)
+        con.close()
+        click.echo(f"wrote {out}: {sizes}")
+    if writer is not None:
+        click.echo(f"wrote {log_out}")
+
+
+@main.command("audit")
+@_source_options
+@click.option("--digest", "expected_digest", default=None,
+              help="the final state digest expected (default: the one the log records)")
+@click.option("--policy", type=click.Choice(["budget", "priority"]), default=None,
+              help="policy that made the decisions [default: the log's header]")
+def audit_cmd(log, nats_url, cluster_name, expected_digest, policy) -> None:
+    """Refold the inputs, recompute every decision batch and compare it bit for bit.
+
+    Exit 0 when everything is reproduced, 1 at the first divergence, 2 when the
+    log cannot be read."""
+    from apportion.replay.audit import audit
+
+    source = _open_source(log, nats_url, cluster_name)
+    if policy is not None:
+        source.header.policy = policy
+    result = _guard_log_errors(audit, source, expected_digest=expected_digest)
+    click.echo(result.verdict())
+    if not result.ok:
+        sys.exit(1)
+
+
+@main.command("whatif")
+@_source_options
+@click.option("--policy", type=click.Choice(["budget", "priority"]), default=None,
+              help="policy to re-simulate with [default: the one that made the log]")
+@click.option("--margin", type=str, default=None, help="preemption margin, e.g. 0.1")
+@click.option("--lookback", type=str, default=None, help="fair-share window, e.g. 3d")
+@click.option("--max-min-runtime", "max_min_runtime", type=str, default=None, help="cap on min runtime, e.g. 4h")
+@click.option("--no-reservations", is_flag=True, help="no fragmentation reservations")
+@click.option("--budget", "budget_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="replace the budget tree by FILE's [budget] tables (TOML)")
+@click.option("--json", "as_json", is_flag=True, help="both KPI sets as one JSON object")
+def whatif_cmd(log, nats_url, cluster_name, policy, margin, lookback, max_min_runtime, no_reservations,
+               budget_file, as_json) -> None:
+    """Re-simulate a log's submissions, health and budget changes under a changed policy; compare KPIs."""
+    from apportion.replay.cluster_file import margin_ppm, parse_duration_ms
+    from apportion.replay.errors import InputFileError
+    from apportion.replay.whatif import PolicyChange, load_budget, whatif
+
+    change = PolicyChange(policy=policy, reservations=False if no_reservations else None)
+    for opt, value, parse, field in (("--margin", margin, margin_ppm, "preemption_margin_ppm"),
+                                     ("--lookback", lookback, parse_duration_ms, "lookback_ms"),
+                                     ("--max-min-runtime", max_min_runtime, parse_duration_ms, "max_min_runtime_ms")):
+        if value is not None:
+            try:
+                setattr(change, field, parse(value))
+            except ValueError as exc:
+                raise UserError(f"{opt} {value}: {exc}") from None
+    if budget_file is not None:
+        try:
+            change.budget = load_budget(budget_file)
+        except InputFileError as exc:
+            raise UserError(str(exc)) from None
+    source = _open_source(log, nats_url, cluster_name)
+    try:
+        res = _guard_log_errors(whatif, source, change)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if res.dropped_no_duration:
+        _warn(f"{res.dropped_no_duration} submissions have no duration_ms and never finished in the log; left out")
+    rejected = res.whatif.get("rejected", 0) - res.original.get("rejected", 0)
+    if rejected > 0:
+        _warn(f"{rejected} more submissions rejected in the what-if (owners missing from the new budget?)")
+    if as_json:
+        click.echo(json.dumps({"original": res.original, "whatif": res.whatif}))
+        return
+    desc = [f"policy {res.whatif_policy}"]
+    if change.preemption_margin_ppm is not None:
+        desc.append(f"margin {change.preemption_margin_ppm / 1e6:g}")
+    if change.lookback_ms is not None:
+        desc.append(f"lookback {lookback}")
+    if change.max_min_runtime_ms is not None:
+        desc.append(f"max min runtime {max_min_runtime}")
+    if no_reservations:
+        desc.append("no reservations")
+    if budget_file is not None:
+        desc.append(f"budget {budget_file}")
+    click.echo(f"apportion whatif: {source.name} ({res.original_policy}, {res.submissions:,} submissions, "
+               f"{(res.end_ms - res.start_ms) / 86_400_000:.2f} days) vs {', '.join(desc)}")
+    click.echo(kpi_table({"what-if": res.whatif, "original": res.original}))

@@ -26,7 +26,9 @@ same history, so the same KPIs.
 from __future__ import annotations
 
 import time
+import tomllib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -119,6 +121,7 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
     start_ms = min(ev.at_ms for ev in inputs[:1])
     end_ms = state0.now_ms
     original = compute_kpis(con0, start_ms, end_ms)
+    original["wall_s"] = None  # recorded, not run here
     durations = _observed_durations(con0)
     con0.close()
 
@@ -176,6 +179,29 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
     kpis = compute_kpis(sim.con, start_ms, end_ms, time.perf_counter() - wall0)
     return WhatIf(original=original, whatif=kpis, original_policy=log.header.policy, whatif_policy=policy,
                   start_ms=start_ms, end_ms=end_ms, submissions=submissions, dropped_no_duration=dropped, sim=sim)
+
+
+def load_budget(path: str | Path) -> list[tuple[str, int, str]]:
+    """``(path, weight, owner)`` from a TOML file's ``[budget]`` tables (a cluster
+    file or just the budget), validated as a cluster file's; raises
+    :class:`~apportion.replay.errors.InputFileError`."""
+    from .cluster_file import cluster_from_dict
+    from .errors import InputFileError
+
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputFileError(str(path), None, f"cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputFileError(str(path), None, "not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InputFileError(str(path), None, f"TOML syntax: {exc}") from None
+    if "budget" not in doc:
+        raise InputFileError(str(path), "budget", "no [budget] table")
+    dummy = {"cluster": {"name": "whatif", "pool": [{"prefix": "n", "count": 1, "gpus_per_node": 1, "gpu_type": "x"}]},
+             "budget": doc["budget"]}
+    return cluster_from_dict(dummy, str(path)).budget
 
 
 def _root_owner(cluster: Sequence[Event]) -> str:

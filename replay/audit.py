@@ -14,7 +14,7 @@ input it is based on and the first decision (or wake-up time) that differs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 from apportion.core.cycle import CycleResult
@@ -103,32 +103,40 @@ def audit(
         return AuditResult(inputs=state.input_seq, batches=batches, decisions=decisions, digest=state.digest(),
                            recorded_digest=recorded, divergence=div)
 
-    for item in log:
-        if isinstance(item, DecisionBatch):
-            batches += 1
-            got = decide(state)
-            expected = DecisionBatch(basis=state.input_seq, decisions=got.decisions,
-                                     next_wakeup_ms=got.next_wakeup_ms, v=item.v)
-            if encode(expected) != encode(item):
-                what, e, r = first_difference(expected, item)
-                return result(Divergence(batch=batches, basis=item.basis, what=what, expected=e, recorded=r), None)
-            for i, d in enumerate(item.decisions):
-                try:
-                    apply(state, d)
-                except CorruptHistory as exc:  # pragma: no cover - decide's own output always folds
-                    return result(Divergence(batch=batches, basis=item.basis, what=f"decision {i + 1}",
-                                             expected="a decision that folds", recorded=f"{_text(d)} ({exc})"), None)
-            decisions += len(item.decisions)
-        elif isinstance(item, Malformed):
-            state.input_seq += 1
-            if item.at_ms > state.now_ms:
-                state.now_ms = item.at_ms
-            state.rejections.append((item.ref, item.reason))
-        else:
-            apply(state, item[1])
-    recorded = expected_digest or (log.end.digest if log.end is not None else None)
-    digest = state.digest()
-    if recorded is not None and recorded != digest:
-        return result(Divergence(batch=0, basis=state.input_seq, what="digest", expected=digest, recorded=recorded),
-                      recorded)
-    return result(None, recorded)
+    def _audit_items(items: Iterator) -> AuditResult:
+        nonlocal batches, decisions
+        for item in items:
+            if isinstance(item, DecisionBatch):
+                batches += 1
+                got = decide(state)
+                expected = DecisionBatch(basis=state.input_seq, decisions=got.decisions,
+                                         next_wakeup_ms=got.next_wakeup_ms, v=item.v)
+                if encode(expected) != encode(item):
+                    what, e, r = first_difference(expected, item)
+                    return result(Divergence(batch=batches, basis=item.basis, what=what, expected=e, recorded=r), None)
+                for i, d in enumerate(item.decisions):
+                    try:
+                        apply(state, d)
+                    except CorruptHistory as exc:  # pragma: no cover - decide's own output always folds
+                        return result(Divergence(batch=batches, basis=item.basis, what=f"decision {i + 1}",
+                                                 expected="a decision that folds", recorded=f"{_text(d)} ({exc})"), None)
+                decisions += len(item.decisions)
+            elif isinstance(item, Malformed):
+                state.input_seq += 1
+                if item.at_ms > state.now_ms:
+                    state.now_ms = item.at_ms
+                state.rejections.append((item.ref, item.reason))
+            else:
+                apply(state, item[1])
+        recorded = expected_digest or (log.end.digest if log.end is not None else None)
+        digest = state.digest()
+        if recorded is not None and recorded != digest:
+            return result(Divergence(batch=0, basis=state.input_seq, what="digest", expected=digest, recorded=recorded),
+                          recorded)
+        return result(None, recorded)
+
+    items = iter(log)
+    try:
+        return _audit_items(items)
+    finally:
+        items.close()  # type: ignore[attr-defined]  # a generator: releases the file at a divergence

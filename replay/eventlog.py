@@ -213,26 +213,22 @@ def open_log(path: str | Path) -> CanonicalLog:
 def read_file(path: str | Path) -> CanonicalLog:
     path = Path(path)
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed by the generator
+        with open(path, "rb") as f:
+            first = f.readline()
     except OSError as exc:
         raise LogError(f"{path}: cannot read: {exc.strerror}") from None
-    first = f.readline()
     if not first.strip():
-        f.close()
         raise LogError(f"{path}:1: empty file (expected a log header line)")
     try:
         line = _line_decoder.decode(first)
     except msgspec.DecodeError as exc:
-        f.close()
         raise LogError(f"{path}:1: not an apportion log ({_short(exc)})") from None
     if line.header is None:
-        f.close()
         raise LogError(f'{path}:1: not an apportion log (the first line must be {{"header": ...}})')
     if line.header.version != LOG_VERSION:
-        f.close()
         raise LogError(f"{path}:1: log version {line.header.version}; this apportion reads version {LOG_VERSION}")
     log = CanonicalLog(line.header, (), str(path))
-    log._items = _file_items(f, path, log)
+    log._items = _file_items(path, log)
     return log
 
 
@@ -240,8 +236,13 @@ def _short(exc: Exception) -> str:
     return str(exc).splitlines()[0][:200]
 
 
-def _file_items(f: IO[bytes], path: Path, log: CanonicalLog) -> Iterator[Item]:
+def _file_items(path: Path, log: CanonicalLog) -> Iterator[Item]:
+    try:
+        f = open(path, "rb")  # noqa: SIM115
+    except OSError as exc:
+        raise LogError(f"{path}: cannot read: {exc.strerror}") from None
     with f:
+        f.readline()
         n = 1
         for raw in f:
             n += 1
@@ -294,17 +295,15 @@ def read_duckdb(path: str | Path) -> CanonicalLog:
             )
         meta = dict(con.execute("SELECT key, value FROM log_meta").fetchall()) if "log_meta" in names else {}
     except duckdb.Error as exc:
-        con.close()
         raise LogError(f"{path}: {_short(exc)}") from None
-    except LogError:
+    finally:
         con.close()
-        raise
     from apportion.core.state import State
 
     header = Header(policy=meta.get("policy", "budget"), source="duckdb", cluster=meta.get("cluster", ""))
     log = CanonicalLog(header, (), str(path))
     end = End(inputs=row[0], batches=row[1], digest=State.from_bytes(row[3]).digest())
-    log._items = _duckdb_items(con, path, log, end, row[2])
+    log._items = _duckdb_items(path, log, end, row[2])
     return log
 
 
@@ -316,13 +315,18 @@ def _rows(cur: Any) -> Iterator[tuple]:
         yield from rows
 
 
-def _duckdb_items(con: Any, path: Path, log: CanonicalLog, end: End, last_pos: int) -> Iterator[Item]:
+def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Iterator[Item]:
     """Input ``k`` is the ``k``-th input row of ``events`` (or ``malformed_inputs`` row ``k``);
     batch ``i`` takes the next ``decisions`` decision rows, which must sit at
     ``pos + 1 ..``; a batch follows the input named by its basis."""
+    import duckdb
     from apportion.schemas.codec import decode_decision
 
     kinds = [t.__struct_config__.tag for t in INPUT_TYPES]
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+    except duckdb.Error as exc:
+        raise LogError(f"{path}: cannot open the database: {_short(exc)}") from None
     try:
         malformed = {
             r[0]: Malformed(seq=r[0], at_ms=r[1], ref=r[2], reason=r[3])
@@ -363,16 +367,10 @@ def _duckdb_items(con: Any, path: Path, log: CanonicalLog, end: End, last_pos: i
         if bi != len(batches) or next(inputs, None) is not None or next(decisions, None) is not None:
             raise LogError(f"{path}: the batches table does not match the events table")
         log.end = end
-    except duckdb_error() as exc:
+    except duckdb.Error as exc:
         raise LogError(f"{path}: {_short(exc)}") from None
     finally:
         con.close()
-
-
-def duckdb_error() -> type[Exception]:
-    import duckdb
-
-    return duckdb.Error
 
 
 async def _read_nats_async(url: str, cluster: str, timeout: float) -> list[Item]:

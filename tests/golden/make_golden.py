@@ -24,7 +24,6 @@ from apportion.core.cycle import decide
 from apportion.core.state import State, apply
 from apportion.replay.cluster_file import cluster_from_dict
 from apportion.replay.eventlog import Header, LogWriter, Malformed
-from apportion.replay.scenarios import debug
 from apportion.replay.simulator import simulate
 from apportion.schemas.events import (
     BudgetSet,
@@ -36,34 +35,18 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
 )
 
+from apportion.cli_sim import _load_inputs
+
 HERE = Path(__file__).resolve().parent
 M = 60_000
 H = 60 * M
 
 
-def _budget_doc(budget):
-    doc: dict = {"owner": budget[0][2]}
-    for path, weight, owner in budget[1:]:
-        t = doc
-        for seg in path.split("/"):
-            t = t.setdefault(seg, {})
-        t["weight"], t["owner"] = weight, owner
-    return doc
-
-
-def debug_cluster(sc):
-    return cluster_from_dict({
-        "cluster": {"name": sc.name, "pool": [
-            {"prefix": p, "count": c, "gpus_per_node": g, "gpu_type": t} for p, c, g, t in sc.pools]},
-        "policy": dict(sc.policy),
-        "budget": _budget_doc(sc.budget),
-    }).events
-
-
 def make_debug(policy: str, out: Path) -> str:
-    sc = debug(days=1, seed=1)
-    w = LogWriter(out, Header(policy=policy, source="simulate", cluster="debug"))
-    result = simulate(debug_cluster(sc), sc.trace, sc.health, policy=policy, days=1, sink=w)
+    """Exactly what ``apportion simulate --scenario debug --days 1 --policy POLICY --log OUT`` writes."""
+    inp = _load_inputs(None, None, None, 1, 1, "debug")
+    w = LogWriter(out, Header(policy=policy, source="simulate"))
+    result = simulate(inp.cluster_events, inp.trace, inp.health, policy=policy, days=1, sink=w)
     digest = result.state.digest()
     w.close(digest)
     return digest

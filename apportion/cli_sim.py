@@ -1,4 +1,5 @@
-"""``apportion simulate`` and ``apportion trace generate|import`` (registered on :data:`apportion.cli.main`).
+"""``apportion simulate``, ``apportion trace generate|import`` and the event-log commands
+``apportion replay|audit|whatif`` (docs/audit.md), registered on :data:`apportion.cli.main`.
 
 Bad input files give one line ``apportion: file:line: reason`` per problem on
 stderr; rows that are valid still run and the summary counts the rejected ones.
@@ -18,6 +19,10 @@ from apportion.cli import UserError, main
 
 DEFAULT_SCENARIO = "ai2"
 DEFAULT_DAYS = 30
+WARMUP_DAYS = {"ai2": 2}
+"""The ai2 scenario starts from an empty cluster and a backlog; its first two
+days are simulated and left out of the KPIs, as simulation studies do with a
+warm-up period (``simulated_days`` counts the measured days)."""
 DEFAULT_SEED = 1
 MAX_REPORTED = 20
 
@@ -120,6 +125,8 @@ class _Inputs:
         self.trace: list = []
         self.health: list = []
         self.days: float | None = None
+        self.warmup_days = 0
+        """Simulated first and left out of the KPIs (the cluster starts empty)."""
         self.label = ""
         self.trace_file = "<generated>"
         self.health_file = "<generated>"
@@ -139,7 +146,8 @@ def _load_inputs(cluster, trace, health, seed, days, scenario) -> _Inputs:
             from apportion.replay.scenarios import generate
 
             try:
-                sc = generate(scenario, days=int(days or DEFAULT_DAYS), seed=seed)
+                inp.warmup_days = WARMUP_DAYS.get(scenario, 0)
+                sc = generate(scenario, days=int(days or DEFAULT_DAYS) + inp.warmup_days, seed=seed)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
             doc = _scenario_cluster_doc(sc)
@@ -242,7 +250,7 @@ def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool, log: Pa
                           progress=progress, sink=writer)
         if writer is not None:
             writer.close(result.state.digest())
-    kpis = compute_kpis(result.con, result.start_ms, result.end_ms, result.wall_s)
+    kpis = compute_kpis(result.con, result.start_ms + inp.warmup_days * 86_400_000, result.end_ms, result.wall_s)
     return result, kpis
 
 

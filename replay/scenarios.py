@@ -2,17 +2,28 @@
 
 ``ai2``
     1,024 H100 GPUs (128 nodes x 8); 4 programs with unequal weights over 15
-    teams; about 150 users, the leaves. Per team and week an activity level
-    (busy x1.7, normal x1, quiet x0.35). Work per team and day is sized from
-    its global share of the cluster times ``load`` and its activity:
-    long multi-node training (64-512 GPUs, 3 h to 3 days, min runtime 2-8 h,
-    resumable), mid-size jobs (8-32 GPUs, 30 min to 12 h, min runtime
-    30 min-2 h), many debug jobs (1-8 GPUs, 2-20 min, min runtime 5-15 min,
-    not resumable, mostly in working hours) and zero-min-runtime work (1-32
-    GPUs, 1-8 h, free and preemptible). A backlog is submitted at time 0 so
-    the cluster starts loaded. About 1.5% of hosts a day degrade: they drain
-    and come back healthy after a repair of 6-16 h; one in ten goes down
-    instead and is back after 2-6 h.
+    teams; about 150 users, the leaves. Each team and week is busy, normal or
+    quiet (:data:`ACTIVITY`): the team submits allocated work at 1.25, 1.0 or
+    0.6 times ``load`` times its global share of the cluster, and
+    zero-min-runtime work at 1.6, 0.7 or 0.25 times ``unallocated_load`` times
+    its share: budgets are what a team is funded for, so a busy team's extra
+    demand goes to free, preemptible work (as at Ai2, where 18% of GPU time
+    ran unallocated). Classes:
+
+    - long multi-node training: 64-256 GPUs, never more than ``size_factor``
+      (1.5) times the team's share (teams too small for a 64-GPU gang train on
+      32 GPUs; ``flagship=True`` adds 512-GPU runs for the largest team),
+      3 h to 3 days, min runtime 2-8 h, resumable;
+    - mid-size jobs: 8-32 GPUs, 30 min to 12 h, min runtime 30 min-2 h;
+    - many debug jobs: 1-8 GPUs, 2-20 min, min runtime 5-15 min, not
+      resumable, mostly in working hours;
+    - zero-min-runtime sweeps: 16-64 GPUs, 1-8 h, free and preemptible.
+
+    A backlog of ``backlog`` cluster-days of training and mid-size work is
+    submitted at time 0; ``apportion simulate`` runs two warm-up days before
+    the measured ones. About 1.5% of hosts a day degrade: they drain and come
+    back healthy after a repair of 6-16 h; one in ten goes down instead and is
+    back after 2-6 h. Total demand (allocated and free) is 2-3x capacity.
 
     Legacy columns for the baseline: training and mid-size jobs ``normal``
     (15% of training claims ``high``), debug ``high``, zero-min-runtime work
@@ -101,7 +112,19 @@ def _working_hours_time(rng: random.Random, day: int) -> int:
     return day * DAY_MS + rng.randrange(DAY_MS)
 
 
-def ai2(days: int = 30, seed: int = 1, load: float = 0.8, unallocated_load: float = 0.35, backlog: float = 1.0) -> Scenario:
+ACTIVITY = {"busy": (1.25, 1.6), "normal": (1.0, 0.7), "quiet": (0.6, 0.25)}
+"""Week kind -> (allocated work, zero-min-runtime work) as multiples of a team's share."""
+
+
+def ai2(
+    days: int = 30,
+    seed: int = 1,
+    load: float = 0.75,
+    unallocated_load: float = 0.8,
+    backlog: float = 0.5,
+    size_factor: float = 1.5,
+    flagship: bool = False,
+) -> Scenario:
     rng = random.Random(seed)
     nodes, gpn = 128, 8
     capacity = nodes * gpn
@@ -119,11 +142,12 @@ def ai2(days: int = 30, seed: int = 1, load: float = 0.8, unallocated_load: floa
                 budget.append((u, 1, u.rsplit("/", 1)[1]))
     shares = _budget_shares(budget)
     teams = list(team_users)
+    biggest = max(teams, key=lambda t: (shares[t], t))
 
     weeks = (days + 6) // 7 + 1
-    activity: dict[str, list[float]] = {}
+    activity: dict[str, list[tuple[float, float]]] = {}
     for t in teams:
-        activity[t] = [_pick(rng, [1.7, 1.0, 0.35], [0.3, 0.4, 0.3]) for _ in range(weeks)]
+        activity[t] = [ACTIVITY[_pick(rng, list(ACTIVITY), [0.3, 0.4, 0.3])] for _ in range(weeks)]
 
     rows: list[TraceRow] = []
     counter = [0]
@@ -143,8 +167,10 @@ def ai2(days: int = 30, seed: int = 1, load: float = 0.8, unallocated_load: floa
 
     def large_job(team: str, submit: int) -> int:
         fair = float(shares[team]) * capacity
-        sizes = [s for s in (64, 128, 256, 512) if s <= max(64, 4 * fair)]
-        gpus = _pick(rng, sizes, [4, 3, 2, 1][: len(sizes)])
+        sizes = [s for s in (64, 128, 256, 512) if s <= size_factor * fair] or [32]
+        if flagship and team == biggest and 512 not in sizes:
+            sizes.append(512)  # the flagship pretraining run, now and then
+        gpus = _pick(rng, sizes, [8, 6, 4, 1][: len(sizes)])
         duration = _round_to(_lognormal_ms(rng, 12 * HOUR_MS, 0.8, 3 * HOUR_MS, 72 * HOUR_MS), MINUTE_MS)
         min_rt = rng.randrange(4, 17) * 30 * MINUTE_MS  # 2 h .. 8 h in half hours
         lp = "high" if rng.random() < 0.15 else "normal"
@@ -158,7 +184,7 @@ def ai2(days: int = 30, seed: int = 1, load: float = 0.8, unallocated_load: floa
         return add(team, submit, gpus, duration, min_rt, True, "low" if pre else "normal", pre, "mid")
 
     def free_job(team: str, submit: int) -> int:
-        gpus = _pick(rng, [1, 2, 4, 8, 16, 32], [2, 2, 3, 4, 2, 1])
+        gpus = _pick(rng, [16, 32, 64], [3, 2, 1])
         duration = _round_to(_lognormal_ms(rng, 3 * HOUR_MS, 0.7, HOUR_MS, 8 * HOUR_MS), MINUTE_MS)
         return add(team, submit, gpus, duration, 0, rng.random() < 0.8, "low", True, "free")
 
@@ -181,12 +207,12 @@ def ai2(days: int = 30, seed: int = 1, load: float = 0.8, unallocated_load: floa
     for day in range(days):
         week = day // 7
         for team in teams:
-            act = activity[team][week]
-            target = float(shares[team]) * day_capacity * act
+            act, act_free = activity[team][week]
+            target = float(shares[team]) * day_capacity
             for cls, fraction, make in (
-                ("large", 0.6 * load, lambda t, d=day: large_job(t, d * DAY_MS + rng.randrange(DAY_MS))),
-                ("mid", 0.4 * load, lambda t, d=day: mid_job(t, _working_hours_time(rng, d))),
-                ("free", unallocated_load, lambda t, d=day: free_job(t, d * DAY_MS + rng.randrange(DAY_MS))),
+                ("large", 0.6 * load * act, lambda t, d=day: large_job(t, d * DAY_MS + rng.randrange(DAY_MS))),
+                ("mid", 0.4 * load * act, lambda t, d=day: mid_job(t, _working_hours_time(rng, d))),
+                ("free", unallocated_load * act_free, lambda t, d=day: free_job(t, d * DAY_MS + rng.randrange(DAY_MS))),
             ):
                 key = (team, cls)
                 balance[key] = balance.get(key, 0.0) + target * fraction

@@ -17,7 +17,7 @@
     - mid-size jobs: 8-32 GPUs, 30 min to 12 h, min runtime 30 min-2 h;
     - many debug jobs: 1-8 GPUs, 2-20 min, min runtime 5-15 min, not
       resumable, mostly in working hours;
-    - zero-min-runtime sweeps: 16-64 GPUs, 1-8 h, free and preemptible.
+    - zero-min-runtime sweeps: 16 or 32 GPUs, 1-8 h, free and preemptible.
 
     A backlog of ``backlog`` cluster-days of training and mid-size work is
     submitted at time 0; ``apportion simulate`` runs two warm-up days before
@@ -184,7 +184,7 @@ def ai2(
         return add(team, submit, gpus, duration, min_rt, True, "low" if pre else "normal", pre, "mid")
 
     def free_job(team: str, submit: int) -> int:
-        gpus = _pick(rng, [16, 32, 64], [3, 2, 1])
+        gpus = _pick(rng, [16, 32], [3, 2])
         duration = _round_to(_lognormal_ms(rng, 3 * HOUR_MS, 0.7, HOUR_MS, 8 * HOUR_MS), MINUTE_MS)
         return add(team, submit, gpus, duration, 0, rng.random() < 0.8, "low", True, "free")
 

@@ -11,7 +11,12 @@ import tempfile
 import time
 from pathlib import Path
 
-PHILLY = Path("/work/shared/traces/philly_pollux_jobs.csv")
+PHILLY = next(
+    (p for p in (Path(__file__).resolve().parents[2] / "shared/traces/philly_pollux_jobs.csv",
+                 Path("/work/shared/traces/philly_pollux_jobs.csv")) if p.exists()),
+    Path("shared/traces/philly_pollux_jobs.csv"),
+)
+"""The full Philly job file, in the shared ``traces/`` folder beside the checkout."""
 
 
 def _run(name: str, events, rows, health, policy: str, days: float) -> None:

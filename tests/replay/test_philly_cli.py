@@ -15,10 +15,14 @@ from click.testing import CliRunner
 from apportion.cli import main
 
 
-def test_philly_files_are_untouched(philly_dir):
-    sums = dict(reversed(line.split()) for line in (philly_dir / "SHA256SUMS").read_text().splitlines() if line)
+def test_philly_files_are_untouched(shared_traces, philly_dir):
+    sums = dict(reversed(line.split()) for line in (shared_traces / "SHA256SUMS").read_text().splitlines() if line)
     for name in ("philly_pollux_jobs.csv", "philly_vc_nodes_helios.csv"):
-        assert hashlib.sha256((philly_dir / name).read_bytes()).hexdigest() == sums[name]
+        assert hashlib.sha256((shared_traces / name).read_bytes()).hexdigest() == sums[name]
+    # the committed slice is the file's first 400 lines, byte for byte
+    full = (shared_traces / "philly_pollux_jobs.csv").read_bytes()
+    cut = (philly_dir / "philly_pollux_jobs.csv").read_bytes()
+    assert full.startswith(cut) and cut.count(b"\n") == 400
 
 
 def test_philly_slice_imports_and_runs(philly_dir, tmp_path):

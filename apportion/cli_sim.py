@@ -191,20 +191,13 @@ def _scenario_cluster_doc(sc) -> dict[str, Any]:
     return doc
 
 
-def _out_path(out: Path | None, policy: str, compare: bool) -> Path | None:
-    if out is None:
+def _policy_path(path: Path | None, policy: str, compare: bool, suffix: str) -> Path | None:
+    """Where a run writes ``path``: with ``--compare`` the baseline's goes to ``NAME.priority.EXT``."""
+    if path is None:
         return None
     if compare and policy == "priority":
-        return out.with_name(f"{out.stem}.priority{out.suffix or '.duckdb'}")
-    return out
-
-
-def _log_path(log: Path | None, policy: str, compare: bool) -> Path | None:
-    if log is None:
-        return None
-    if compare and policy == "priority":
-        return log.with_name(f"{log.stem}.priority{log.suffix or '.jsonl'}")
-    return log
+        return path.with_name(f"{path.stem}.priority{path.suffix or suffix}")
+    return path
 
 
 def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool, log: Path | None = None):
@@ -308,8 +301,8 @@ def simulate(cluster, trace, health, scenario, policy, compare, out, log, as_jso
     sims = {}
     rejected = 0
     for p in policies:
-        result, kpis = run_policy(inp, p, _out_path(out, p, compare), quiet or as_json and not sys.stderr.isatty(),
-                                  _log_path(log, p, compare))
+        result, kpis = run_policy(inp, p, _policy_path(out, p, compare, '.duckdb'), quiet or as_json and not sys.stderr.isatty(),
+                                  _policy_path(log, p, compare, '.jsonl'))
         if p == policies[0]:
             rejected = _report_rejections(inp, result)
         results[p] = kpis

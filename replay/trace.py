@@ -17,7 +17,7 @@ stops the read.
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -94,7 +94,9 @@ def _int(text: str, column: str) -> int:
         raise ValueError(f"{column} must be an integer, got {text!r}") from None
 
 
-def _open_csv(path: str | Path, required: tuple[str, ...]) -> tuple[list[str], csv.DictReader, object]:
+def _open_csv(
+    path: str | Path, required: tuple[str, ...]
+) -> tuple[list[str], csv.DictReader, object]:
     try:
         fh = open(path, newline="", encoding="utf-8")  # noqa: SIM115 - closed by the caller
     except OSError as exc:
@@ -105,99 +107,109 @@ def _open_csv(path: str | Path, required: tuple[str, ...]) -> tuple[list[str], c
     missing = [c for c in required if c not in header]
     if missing:
         fh.close()
-        raise InputFileError(str(path), 1, f"missing column(s) {', '.join(missing)}; need {', '.join(required)}")
+        raise InputFileError(
+            str(path), 1, f"missing column(s) {', '.join(missing)}; need {', '.join(required)}"
+        )
     return header, reader, fh
+
+
+def _records(
+    path: str | Path, required: tuple[str, ...], errors: list[InputFileError]
+) -> Iterator[tuple[int, dict[str, str]]]:
+    """``(line, record)`` for each data row with the header's number of fields; a
+    row with more or fewer fields, and a CSV or encoding error (which stops the
+    reading), go to ``errors`` with their line."""
+    _, reader, fh = _open_csv(path, required)
+    try:
+        for rec in reader:
+            line = reader.line_num
+            if None in rec:
+                errors.append(InputFileError(str(path), line, "more fields than the header has"))
+            elif any(rec.get(c) is None for c in required):
+                errors.append(InputFileError(str(path), line, "fewer fields than the header has"))
+            else:
+                yield line, rec
+    except csv.Error as exc:
+        errors.append(InputFileError(str(path), reader.line_num, f"CSV: {exc}"))
+    except UnicodeDecodeError:
+        errors.append(
+            InputFileError(str(path), reader.line_num + 1, "not UTF-8 text; reading stopped here")
+        )
+    finally:
+        fh.close()  # type: ignore[attr-defined]
 
 
 def read_trace(path: str | Path) -> tuple[list[TraceRow], list[InputFileError]]:
     """Rows sorted by (submit, line), and one error per rejected row."""
-    header, reader, fh = _open_csv(path, TRACE_COLUMNS)
     rows: list[TraceRow] = []
     errors: list[InputFileError] = []
     seen: dict[str, int] = {}
-    try:
-        for rec in reader:
-            line = reader.line_num
-            try:
-                if None in rec:
-                    raise ValueError("more fields than the header has")
-                if any(rec.get(c) is None for c in TRACE_COLUMNS):
-                    raise ValueError("fewer fields than the header has")
-                wid = rec["id"].strip()
-                if not wid:
-                    raise ValueError("id is empty")
-                if wid in seen:
-                    raise ValueError(f"id {wid!r} repeats line {seen[wid]}")
-                owner = rec["owner"].strip()
-                if not owner:
-                    raise ValueError("owner is empty")
-                gpus = _int(rec["gpus"], "gpus")
-                if gpus <= 0:
-                    raise ValueError(f"gpus must be positive, got {gpus}")
-                submit = seconds_to_ms(rec["submit"])
-                duration = seconds_to_ms(rec["duration"])
-                min_rt = seconds_to_ms(rec["min_runtime"])
-                kw: dict[str, object] = {}
-                if (v := rec.get("resumable")) not in (None, ""):
-                    kw["resumable"] = _bool(v, "resumable")
-                if (v := rec.get("priority")) not in (None, ""):
-                    kw["priority"] = _int(v, "priority")
-                if (v := rec.get("gpu_type")) not in (None, ""):
-                    kw["gpu_type"] = v.strip()
-                if (v := rec.get("legacy_priority")) not in (None, ""):
-                    lp = v.strip().lower()
-                    if lp not in LEGACY_PRIORITIES:
-                        raise ValueError(f"legacy_priority must be low, normal or high, got {v!r}")
-                    kw["legacy_priority"] = lp
-                if (v := rec.get("legacy_preemptible")) not in (None, ""):
-                    kw["legacy_preemptible"] = _bool(v, "legacy_preemptible")
-            except ValueError as exc:
-                errors.append(InputFileError(str(path), line, str(exc)))
-                continue
-            seen[wid] = line
-            rows.append(
-                TraceRow(
-                    id=wid, submit_ms=submit, owner=owner, gpus=gpus, duration_ms=duration,
-                    min_runtime_ms=min_rt, line=line, **kw,  # type: ignore[arg-type]
-                )
+    for line, rec in _records(path, TRACE_COLUMNS, errors):
+        try:
+            wid = rec["id"].strip()
+            if not wid:
+                raise ValueError("id is empty")
+            if wid in seen:
+                raise ValueError(f"id {wid!r} repeats line {seen[wid]}")
+            owner = rec["owner"].strip()
+            if not owner:
+                raise ValueError("owner is empty")
+            gpus = _int(rec["gpus"], "gpus")
+            if gpus <= 0:
+                raise ValueError(f"gpus must be positive, got {gpus}")
+            submit = seconds_to_ms(rec["submit"])
+            duration = seconds_to_ms(rec["duration"])
+            min_rt = seconds_to_ms(rec["min_runtime"])
+            kw: dict[str, object] = {}
+            if (v := rec.get("resumable")) not in (None, ""):
+                kw["resumable"] = _bool(v, "resumable")
+            if (v := rec.get("priority")) not in (None, ""):
+                kw["priority"] = _int(v, "priority")
+            if (v := rec.get("gpu_type")) not in (None, ""):
+                kw["gpu_type"] = v.strip()
+            if (v := rec.get("legacy_priority")) not in (None, ""):
+                lp = v.strip().lower()
+                if lp not in LEGACY_PRIORITIES:
+                    raise ValueError(f"legacy_priority must be low, normal or high, got {v!r}")
+                kw["legacy_priority"] = lp
+            if (v := rec.get("legacy_preemptible")) not in (None, ""):
+                kw["legacy_preemptible"] = _bool(v, "legacy_preemptible")
+        except ValueError as exc:
+            errors.append(InputFileError(str(path), line, str(exc)))
+            continue
+        seen[wid] = line
+        rows.append(
+            TraceRow(
+                id=wid,
+                submit_ms=submit,
+                owner=owner,
+                gpus=gpus,
+                duration_ms=duration,
+                min_runtime_ms=min_rt,
+                line=line,
+                **kw,  # type: ignore[arg-type]
             )
-    except csv.Error as exc:
-        errors.append(InputFileError(str(path), reader.line_num, f"CSV: {exc}"))
-    except UnicodeDecodeError:
-        errors.append(InputFileError(str(path), reader.line_num + 1, "not UTF-8 text; reading stopped here"))
-    finally:
-        fh.close()  # type: ignore[attr-defined]
+        )
     rows.sort(key=lambda r: (r.submit_ms, r.line))
     return rows, errors
 
 
 def read_health(path: str | Path) -> tuple[list[HealthRow], list[InputFileError]]:
-    header, reader, fh = _open_csv(path, HEALTH_COLUMNS)
     rows: list[HealthRow] = []
     errors: list[InputFileError] = []
-    try:
-        for rec in reader:
-            line = reader.line_num
-            try:
-                if None in rec or any(rec.get(c) is None for c in HEALTH_COLUMNS):
-                    raise ValueError("wrong number of fields")
-                at = seconds_to_ms(rec["at"])
-                node = rec["node"].strip()
-                if not node:
-                    raise ValueError("node is empty")
-                state = rec["state"].strip().lower()
-                if state not in HEALTH_STATES:
-                    raise ValueError(f"state must be healthy, draining or down, got {rec['state']!r}")
-            except ValueError as exc:
-                errors.append(InputFileError(str(path), line, str(exc)))
-                continue
-            rows.append(HealthRow(at_ms=at, node=node, state=state, line=line))
-    except csv.Error as exc:
-        errors.append(InputFileError(str(path), reader.line_num, f"CSV: {exc}"))
-    except UnicodeDecodeError:
-        errors.append(InputFileError(str(path), reader.line_num + 1, "not UTF-8 text; reading stopped here"))
-    finally:
-        fh.close()  # type: ignore[attr-defined]
+    for line, rec in _records(path, HEALTH_COLUMNS, errors):
+        try:
+            at = seconds_to_ms(rec["at"])
+            node = rec["node"].strip()
+            if not node:
+                raise ValueError("node is empty")
+            state = rec["state"].strip().lower()
+            if state not in HEALTH_STATES:
+                raise ValueError(f"state must be healthy, draining or down, got {rec['state']!r}")
+        except ValueError as exc:
+            errors.append(InputFileError(str(path), line, str(exc)))
+            continue
+        rows.append(HealthRow(at_ms=at, node=node, state=state, line=line))
     rows.sort(key=lambda r: (r.at_ms, r.line))
     return rows, errors
 
@@ -210,9 +222,17 @@ def write_trace(path: str | Path, rows: Iterable[TraceRow]) -> int:
         for r in rows:
             w.writerow(
                 (
-                    r.id, ms_to_seconds(r.submit_ms), r.owner, r.gpus, ms_to_seconds(r.duration_ms),
-                    ms_to_seconds(r.min_runtime_ms), str(r.resumable).lower(), r.priority, r.gpu_type,
-                    r.legacy_priority, str(r.legacy_preemptible).lower(),
+                    r.id,
+                    ms_to_seconds(r.submit_ms),
+                    r.owner,
+                    r.gpus,
+                    ms_to_seconds(r.duration_ms),
+                    ms_to_seconds(r.min_runtime_ms),
+                    str(r.resumable).lower(),
+                    r.priority,
+                    r.gpu_type,
+                    r.legacy_priority,
+                    str(r.legacy_preemptible).lower(),
                 )
             )
             n += 1

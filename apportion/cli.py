@@ -57,7 +57,9 @@ def schema_export(directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         schemas = json_schemas()
         for name, doc in schemas.items():
-            (directory / f"{name}.schema.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            (directory / f"{name}.schema.json").write_text(
+                json.dumps(doc, indent=2, sort_keys=True) + "\n"
+            )
     except OSError as exc:
         raise UserError(f"cannot write schemas to {directory}: {exc.strerror}") from None
     click.echo(f"wrote {len(schemas)} schemas to {directory}")

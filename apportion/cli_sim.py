@@ -71,7 +71,11 @@ def _fmt(value: Any, kind: str) -> str:
 
 def _derived(k: dict[str, Any]) -> dict[str, Any]:
     td = [v for v in k["team_delivery"].values() if v is not None]
-    return {**k, "worst_team": min(td) if td else None, "teams_ge_95": sum(1 for v in td if v >= 0.95)}
+    return {
+        **k,
+        "worst_team": min(td) if td else None,
+        "teams_ge_95": sum(1 for v in td if v >= 0.95),
+    }
 
 
 def kpi_table(results: dict[str, dict[str, Any]], teams: bool = True) -> str:
@@ -85,7 +89,11 @@ def kpi_table(results: dict[str, dict[str, Any]], teams: bool = True) -> str:
         row = [label, *(_fmt(data[n].get(key), kind) for n in names)]
         if len(names) == 2:
             a, b = data[names[0]].get(key), data[names[1]].get(key)
-            if isinstance(a, int | float) and isinstance(b, int | float) and key not in ("simulated_days",):
+            if (
+                isinstance(a, int | float)
+                and isinstance(b, int | float)
+                and key not in ("simulated_days",)
+            ):
                 if kind == "pct":
                     row.append(f"{100 * (a - b):+.1f} pt")
                 elif b:
@@ -106,7 +114,9 @@ def kpi_table(results: dict[str, dict[str, Any]], teams: bool = True) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for i, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(widths[0]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(r)))
+        lines.append(
+            "  ".join(c.ljust(widths[0]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(r))
+        )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -142,7 +152,9 @@ def _load_inputs(cluster, trace, health, seed, days, scenario) -> _Inputs:
     try:
         if trace is None:
             if cluster is not None or health is not None:
-                raise UserError("--cluster and --health go with --trace (or leave all three out for a bundled scenario)")
+                raise UserError(
+                    "--cluster and --health go with --trace (or leave all three out for a bundled scenario)"
+                )
             from apportion.replay.scenarios import generate
 
             try:
@@ -178,8 +190,13 @@ def _load_inputs(cluster, trace, health, seed, days, scenario) -> _Inputs:
 
 def _scenario_cluster_doc(sc) -> dict[str, Any]:
     doc: dict[str, Any] = {
-        "cluster": {"name": sc.name, "pool": [
-            {"prefix": p, "count": c, "gpus_per_node": g, "gpu_type": t} for p, c, g, t in sc.pools]},
+        "cluster": {
+            "name": sc.name,
+            "pool": [
+                {"prefix": p, "count": c, "gpus_per_node": g, "gpu_type": t}
+                for p, c, g, t in sc.pools
+            ],
+        },
         "policy": dict(sc.policy),
         "budget": {"owner": sc.budget[0][2]},
     }
@@ -221,8 +238,17 @@ def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool, log: Pa
         days = -(-(last + 1) // 86_400_000)
     total_h = max(1, int(days * 24))
     show = not quiet and sys.stderr.isatty()
-    with click.progressbar(length=total_h, label=f"simulating {policy:8s}", file=sys.stderr,
-                           show_pos=False, show_percent=True) if show else _NoBar() as bar:
+    with (
+        click.progressbar(
+            length=total_h,
+            label=f"simulating {policy:8s}",
+            file=sys.stderr,
+            show_pos=False,
+            show_percent=True,
+        )
+        if show
+        else _NoBar() as bar
+    ):
         done = [0]
 
         def progress(ms: int) -> None:
@@ -239,11 +265,21 @@ def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool, log: Pa
                 writer = LogWriter(log, Header(policy=policy, source="simulate"))
             except OSError as exc:
                 raise UserError(f"{log}: cannot write the log: {exc.strerror}") from None
-        result = simulate(inp.cluster_events, inp.trace, inp.health, policy=policy, days=days, con=con,
-                          progress=progress, sink=writer)
+        result = simulate(
+            inp.cluster_events,
+            inp.trace,
+            inp.health,
+            policy=policy,
+            days=days,
+            con=con,
+            progress=progress,
+            sink=writer,
+        )
         if writer is not None:
             writer.close(result.state.digest())
-    kpis = compute_kpis(result.con, result.start_ms + inp.warmup_days * 86_400_000, result.end_ms, result.wall_s)
+    kpis = compute_kpis(
+        result.con, result.start_ms + inp.warmup_days * 86_400_000, result.end_ms, result.wall_s
+    )
     return result, kpis
 
 
@@ -264,7 +300,11 @@ def _report_rejections(inp: _Inputs, result) -> int:
     for ref, reason in result.rejected:
         if ref.startswith("sub/"):
             wid = ref[4:]
-            msgs.append(f"{inp.trace_file}:{lines.get(wid, 0)}: {reason}" if lines.get(wid) else f"{inp.trace_file}: workload {wid}: {reason}")
+            msgs.append(
+                f"{inp.trace_file}:{lines.get(wid, 0)}: {reason}"
+                if lines.get(wid)
+                else f"{inp.trace_file}: workload {wid}: {reason}"
+            )
         elif ref.startswith("health/"):
             line = ref.split("/")[1]
             msgs.append(f"{inp.health_file}:{line}: {reason}")
@@ -275,23 +315,52 @@ def _report_rejections(inp: _Inputs, result) -> int:
 
 
 @main.command()
-@click.option("--cluster", type=click.Path(dir_okay=False, path_type=Path), help="cluster TOML (with --trace)")
+@click.option(
+    "--cluster", type=click.Path(dir_okay=False, path_type=Path), help="cluster TOML (with --trace)"
+)
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), help="trace CSV")
 @click.option("--health", type=click.Path(dir_okay=False, path_type=Path), help="health CSV")
-@click.option("--scenario", default=DEFAULT_SCENARIO, show_default=True, help="bundled scenario when no --trace")
-@click.option("--policy", type=click.Choice(["budget", "priority"]), default="budget", show_default=True)
-@click.option("--compare", is_flag=True, help="run the budget scheduler and the baseline side by side")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="write the projection to this DuckDB file (with --compare the baseline goes to NAME.priority.duckdb)")
-@click.option("--log", "log", type=click.Path(dir_okay=False, path_type=Path),
-              help="write the canonical event log (JSON lines) here, for replay/audit/whatif "
-                   "(with --compare the baseline's goes to NAME.priority.jsonl)")
+@click.option(
+    "--scenario",
+    default=DEFAULT_SCENARIO,
+    show_default=True,
+    help="bundled scenario when no --trace",
+)
+@click.option(
+    "--policy", type=click.Choice(["budget", "priority"]), default="budget", show_default=True
+)
+@click.option(
+    "--compare", is_flag=True, help="run the budget scheduler and the baseline side by side"
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="write the projection to this DuckDB file (with --compare the baseline goes to NAME.priority.duckdb)",
+)
+@click.option(
+    "--log",
+    "log",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="write the canonical event log (JSON lines) here, for replay/audit/whatif "
+    "(with --compare the baseline's goes to NAME.priority.jsonl)",
+)
 @click.option("--json", "as_json", is_flag=True, help="KPIs as one JSON object on stdout")
 @click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True, help="scenario seed")
-@click.option("--days", type=float, default=None, help="days to simulate [scenario: 30; trace: to its last row]")
-@click.option("--plot", type=click.Path(file_okay=False, path_type=Path), help="write PNG charts into this directory")
+@click.option(
+    "--days",
+    type=float,
+    default=None,
+    help="days to simulate [scenario: 30; trace: to its last row]",
+)
+@click.option(
+    "--plot",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="write PNG charts into this directory",
+)
 @click.option("--quiet", "-q", is_flag=True, help="no progress bar")
-def simulate(cluster, trace, health, scenario, policy, compare, out, log, as_json, seed, days, plot, quiet) -> None:
+def simulate(
+    cluster, trace, health, scenario, policy, compare, out, log, as_json, seed, days, plot, quiet
+) -> None:
     """Simulate a trace (or the bundled ai2 scenario) with no server and print the KPIs."""
     if days is not None and days <= 0:
         raise UserError("--days must be positive")
@@ -301,14 +370,21 @@ def simulate(cluster, trace, health, scenario, policy, compare, out, log, as_jso
     sims = {}
     rejected = 0
     for p in policies:
-        result, kpis = run_policy(inp, p, _policy_path(out, p, compare, '.duckdb'), quiet or as_json and not sys.stderr.isatty(),
-                                  _policy_path(log, p, compare, '.jsonl'))
+        result, kpis = run_policy(
+            inp,
+            p,
+            _policy_path(out, p, compare, ".duckdb"),
+            quiet or as_json and not sys.stderr.isatty(),
+            _policy_path(log, p, compare, ".jsonl"),
+        )
         if p == policies[0]:
             rejected = _report_rejections(inp, result)
         results[p] = kpis
         sims[p] = result
     if inp.bad_rows or rejected:
-        _warn(f"{inp.bad_rows + rejected} input rows rejected ({inp.bad_rows} malformed, {rejected} refused by the scheduler); the valid rows ran")
+        _warn(
+            f"{inp.bad_rows + rejected} input rows rejected ({inp.bad_rows} malformed, {rejected} refused by the scheduler); the valid rows ran"
+        )
     if plot is not None:
         from apportion.replay.plots import write_plots
 
@@ -319,7 +395,9 @@ def simulate(cluster, trace, health, scenario, policy, compare, out, log, as_jso
         for p in paths:
             click.echo(f"wrote {p}", err=True)
     if as_json:
-        click.echo(json.dumps(results[policies[0]] if len(policies) == 1 else results, sort_keys=False))
+        click.echo(
+            json.dumps(results[policies[0]] if len(policies) == 1 else results, sort_keys=False)
+        )
         return
     click.echo(f"apportion simulate: {inp.label}")
     click.echo(kpi_table(results))
@@ -351,8 +429,10 @@ def trace_generate(scenario, days, seed, out_dir) -> None:
         paths = write_scenario(sc, out_dir)
     except OSError as exc:
         raise UserError(f"{out_dir}: {exc.strerror}") from None
-    click.echo(f"scenario {sc.name}, seed {seed}, {days} days: {len(sc.trace):,} workloads, "
-               f"{len(sc.health):,} health rows, {sum(c * g for _, c, g, _ in sc.pools):,} GPUs")
+    click.echo(
+        f"scenario {sc.name}, seed {seed}, {days} days: {len(sc.trace):,} workloads, "
+        f"{len(sc.health):,} health rows, {sum(c * g for _, c, g, _ in sc.pools):,} GPUs"
+    )
     for k in ("cluster", "trace", "health"):
         click.echo(f"wrote {paths[k]}")
 
@@ -361,23 +441,47 @@ def trace_generate(scenario, days, seed, out_dir) -> None:
 @click.option("--format", "fmt", type=click.Choice(["philly"]), required=True)
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
-@click.option("--vc-file", type=click.Path(dir_okay=False, path_type=Path),
-              help="virtual-cluster sizes (default: philly_vc_nodes_helios.csv beside FILE)")
-@click.option("--from", "date_from", default=None, help="first submit day kept, YYYY-MM-DD (inclusive)")
+@click.option(
+    "--vc-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="virtual-cluster sizes (default: philly_vc_nodes_helios.csv beside FILE)",
+)
+@click.option(
+    "--from", "date_from", default=None, help="first submit day kept, YYYY-MM-DD (inclusive)"
+)
 @click.option("--to", "date_to", default=None, help="last submit day, YYYY-MM-DD (exclusive)")
-@click.option("--capacity-scale", type=float, default=1.0, show_default=True,
-              help="scale every virtual cluster's nodes (at least one node each)")
-@click.option("--min-runtime", "min_runtime", default="cap:8h", show_default=True,
-              help="rule for each job's min runtime: cap:DUR = min(duration, DUR) rounded up to a minute; "
-                   "fixed:DUR; zero")
-def trace_import(fmt, file, out_dir, vc_file, date_from, date_to, capacity_scale, min_runtime) -> None:
+@click.option(
+    "--capacity-scale",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="scale every virtual cluster's nodes (at least one node each)",
+)
+@click.option(
+    "--min-runtime",
+    "min_runtime",
+    default="cap:8h",
+    show_default=True,
+    help="rule for each job's min runtime: cap:DUR = min(duration, DUR) rounded up to a minute; "
+    "fixed:DUR; zero",
+)
+def trace_import(
+    fmt, file, out_dir, vc_file, date_from, date_to, capacity_scale, min_runtime
+) -> None:
     """Import a public trace into trace.csv and cluster.toml."""
     from apportion.replay.errors import InputFileError
     from apportion.replay.importers import import_philly
 
     try:
-        report = import_philly(file, out_dir, vc_file=vc_file, date_from=date_from, date_to=date_to,
-                               capacity_scale=capacity_scale, min_runtime_rule=min_runtime)
+        report = import_philly(
+            file,
+            out_dir,
+            vc_file=vc_file,
+            date_from=date_from,
+            date_to=date_to,
+            capacity_scale=capacity_scale,
+            min_runtime_rule=min_runtime,
+        )
     except InputFileError as exc:
         raise UserError(str(exc)) from None
     except ValueError as exc:
@@ -395,10 +499,19 @@ def trace_import(fmt, file, out_dir, vc_file, date_from, date_to, capacity_scale
 
 
 def _source_options(f):
-    f = click.option("--cluster", "cluster_name", default=None,
-                     help="read a live cluster's INPUTS and DECISIONS streams instead of LOG")(f)
-    f = click.option("--nats", "nats_url", default=None, envvar="NATS_URL",
-                     help="NATS server(s) for --cluster [env NATS_URL]")(f)
+    f = click.option(
+        "--cluster",
+        "cluster_name",
+        default=None,
+        help="read a live cluster's INPUTS and DECISIONS streams instead of LOG",
+    )(f)
+    f = click.option(
+        "--nats",
+        "nats_url",
+        default=None,
+        envvar="NATS_URL",
+        help="NATS server(s) for --cluster [env NATS_URL]",
+    )(f)
     return click.argument("log", required=False, type=click.Path(dir_okay=False, path_type=Path))(f)
 
 
@@ -412,7 +525,9 @@ def _open_source(log: Path | None, nats_url: str | None, cluster_name: str | Non
                 raise UserError("give LOG or --cluster NAME (a live cluster), not both")
             return open_log(log)
         if cluster_name is None:
-            raise UserError("give LOG (a log file or a projection .duckdb) or --cluster NAME --nats URL")
+            raise UserError(
+                "give LOG (a log file or a projection .duckdb) or --cluster NAME --nats URL"
+            )
         if not nats_url:
             raise UserError("--cluster needs --nats URL (or NATS_URL)")
         return read_nats(nats_url, cluster_name)
@@ -435,11 +550,20 @@ def _guard_log_errors(fn, *args, **kw):
 
 @main.command("replay")
 @_source_options
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="write DESIGN's projection tables to this DuckDB file (replaced if it exists)")
-@click.option("--log", "log_out", type=click.Path(dir_okay=False, path_type=Path),
-              help="also write the history as a log file (JSON lines), e.g. to take a live cluster's offline")
-@click.option("--until", type=click.IntRange(min=0), default=None, help="stop after input SEQ (and its batch)")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="write DESIGN's projection tables to this DuckDB file (replaced if it exists)",
+)
+@click.option(
+    "--log",
+    "log_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="also write the history as a log file (JSON lines), e.g. to take a live cluster's offline",
+)
+@click.option(
+    "--until", type=click.IntRange(min=0), default=None, help="stop after input SEQ (and its batch)"
+)
 def replay_cmd(log, nats_url, cluster_name, out, log_out, until) -> None:
     """Rebuild the projection tables (and/or a log file) from an event log."""
     import duckdb
@@ -459,13 +583,21 @@ def replay_cmd(log, nats_url, cluster_name, out, log_out, until) -> None:
             con = duckdb.connect(str(out))
         except duckdb.Error as exc:
             raise UserError(f"{out}: cannot create the database: {exc}") from None
-    proj = Projection(con if con is not None else duckdb.connect())  # in memory: only for the digest
+    proj = Projection(
+        con if con is not None else duckdb.connect()
+    )  # in memory: only for the digest
     proj.set_meta("policy", source.header.policy)
     writer = None
     if log_out is not None:
         try:
-            writer = LogWriter(log_out, Header(policy=source.header.policy, source=source.header.source or "replay",
-                                               cluster=source.header.cluster))
+            writer = LogWriter(
+                log_out,
+                Header(
+                    policy=source.header.policy,
+                    source=source.header.source or "replay",
+                    cluster=source.header.cluster,
+                ),
+            )
         except OSError as exc:
             raise UserError(f"{log_out}: cannot write the log: {exc.strerror}") from None
     counts = {"inputs": 0, "batches": 0, "decisions": 0}
@@ -493,11 +625,16 @@ def replay_cmd(log, nats_url, cluster_name, out, log_out, until) -> None:
         proj.commit()
     if writer is not None:
         writer.close(proj.state.digest())
-    click.echo(f"replay: {counts['inputs']:,} inputs, {counts['batches']:,} decision batches, "
-               f"{counts['decisions']:,} decisions" + (f" (until input {until})" if until is not None else ""))
+    click.echo(
+        f"replay: {counts['inputs']:,} inputs, {counts['batches']:,} decision batches, "
+        f"{counts['decisions']:,} decisions"
+        + (f" (until input {until})" if until is not None else "")
+    )
     if con is not None:
         tables = ("events", "workloads", "runs", "waits", "nodes", "health", "budget")
-        sizes = ", ".join(f"{t} {con.execute(f'SELECT COUNT(*) FROM {t}').fetchone()[0]:,}" for t in tables)
+        sizes = ", ".join(
+            f"{t} {con.execute(f'SELECT COUNT(*) FROM {t}').fetchone()[0]:,}" for t in tables
+        )
         con.close()
         click.echo(f"wrote {out}: {sizes}")
     if writer is not None:
@@ -506,10 +643,18 @@ def replay_cmd(log, nats_url, cluster_name, out, log_out, until) -> None:
 
 @main.command("audit")
 @_source_options
-@click.option("--digest", "expected_digest", default=None,
-              help="the final state digest expected (default: the one the log records)")
-@click.option("--policy", type=click.Choice(["budget", "priority"]), default=None,
-              help="policy that made the decisions [default: the log's header]")
+@click.option(
+    "--digest",
+    "expected_digest",
+    default=None,
+    help="the final state digest expected (default: the one the log records)",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["budget", "priority"]),
+    default=None,
+    help="policy that made the decisions [default: the log's header]",
+)
 def audit_cmd(log, nats_url, cluster_name, expected_digest, policy) -> None:
     """Refold the inputs, recompute every decision batch and compare it bit for bit.
 
@@ -528,26 +673,52 @@ def audit_cmd(log, nats_url, cluster_name, expected_digest, policy) -> None:
 
 @main.command("whatif")
 @_source_options
-@click.option("--policy", type=click.Choice(["budget", "priority"]), default=None,
-              help="policy to re-simulate with [default: the one that made the log]")
+@click.option(
+    "--policy",
+    type=click.Choice(["budget", "priority"]),
+    default=None,
+    help="policy to re-simulate with [default: the one that made the log]",
+)
 @click.option("--margin", type=str, default=None, help="preemption margin, e.g. 0.1")
 @click.option("--lookback", type=str, default=None, help="fair-share window, e.g. 3d")
-@click.option("--max-min-runtime", "max_min_runtime", type=str, default=None, help="cap on min runtime, e.g. 4h")
+@click.option(
+    "--max-min-runtime",
+    "max_min_runtime",
+    type=str,
+    default=None,
+    help="cap on min runtime, e.g. 4h",
+)
 @click.option("--no-reservations", is_flag=True, help="no fragmentation reservations")
-@click.option("--budget", "budget_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="replace the budget tree by FILE's [budget] tables (TOML)")
+@click.option(
+    "--budget",
+    "budget_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="replace the budget tree by FILE's [budget] tables (TOML)",
+)
 @click.option("--json", "as_json", is_flag=True, help="both KPI sets as one JSON object")
-def whatif_cmd(log, nats_url, cluster_name, policy, margin, lookback, max_min_runtime, no_reservations,
-               budget_file, as_json) -> None:
+def whatif_cmd(
+    log,
+    nats_url,
+    cluster_name,
+    policy,
+    margin,
+    lookback,
+    max_min_runtime,
+    no_reservations,
+    budget_file,
+    as_json,
+) -> None:
     """Re-simulate a log's submissions, health and budget changes under a changed policy; compare KPIs."""
     from apportion.replay.cluster_file import margin_ppm, parse_duration_ms
     from apportion.replay.errors import InputFileError
     from apportion.replay.whatif import PolicyChange, load_budget, whatif
 
     change = PolicyChange(policy=policy, reservations=False if no_reservations else None)
-    for opt, value, parse, field in (("--margin", margin, margin_ppm, "preemption_margin_ppm"),
-                                     ("--lookback", lookback, parse_duration_ms, "lookback_ms"),
-                                     ("--max-min-runtime", max_min_runtime, parse_duration_ms, "max_min_runtime_ms")):
+    for opt, value, parse, field in (
+        ("--margin", margin, margin_ppm, "preemption_margin_ppm"),
+        ("--lookback", lookback, parse_duration_ms, "lookback_ms"),
+        ("--max-min-runtime", max_min_runtime, parse_duration_ms, "max_min_runtime_ms"),
+    ):
         if value is not None:
             try:
                 setattr(change, field, parse(value))
@@ -564,10 +735,14 @@ def whatif_cmd(log, nats_url, cluster_name, policy, margin, lookback, max_min_ru
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if res.dropped_no_duration:
-        _warn(f"{res.dropped_no_duration} submissions have no duration_ms and never finished in the log; left out")
+        _warn(
+            f"{res.dropped_no_duration} submissions have no duration_ms and never finished in the log; left out"
+        )
     rejected = res.whatif.get("rejected", 0) - res.original.get("rejected", 0)
     if rejected > 0:
-        _warn(f"{rejected} more submissions rejected in the what-if (owners missing from the new budget?)")
+        _warn(
+            f"{rejected} more submissions rejected in the what-if (owners missing from the new budget?)"
+        )
     if as_json:
         click.echo(json.dumps({"original": res.original, "whatif": res.whatif}))
         return
@@ -582,6 +757,8 @@ def whatif_cmd(log, nats_url, cluster_name, policy, margin, lookback, max_min_ru
         desc.append("no reservations")
     if budget_file is not None:
         desc.append(f"budget {budget_file}")
-    click.echo(f"apportion whatif: {source.name} ({res.original_policy}, {res.submissions:,} submissions, "
-               f"{(res.end_ms - res.start_ms) / 86_400_000:.2f} days) vs {', '.join(desc)}")
+    click.echo(
+        f"apportion whatif: {source.name} ({res.original_policy}, {res.submissions:,} submissions, "
+        f"{(res.end_ms - res.start_ms) / 86_400_000:.2f} days) vs {', '.join(desc)}"
+    )
     click.echo(kpi_table({"what-if": res.whatif, "original": res.original}))

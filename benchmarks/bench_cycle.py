@@ -34,16 +34,26 @@ def build_state(pending: int = 10_000, seed: int = 1):
     events = [BudgetSet(id="root", at_ms=0, path="", weight=1, owner="root", actor="root")]
     leaves = []
     for p in range(4):
-        events.append(BudgetSet(id=f"p{p}", at_ms=0, path=f"p{p}", weight=p + 1, owner="o", actor="root"))
+        events.append(
+            BudgetSet(id=f"p{p}", at_ms=0, path=f"p{p}", weight=p + 1, owner="o", actor="root")
+        )
         for t in range(10):
             team = f"p{p}/t{t}"
-            events.append(BudgetSet(id=team, at_ms=0, path=team, weight=rng.randint(1, 5), owner="o", actor="root"))
+            events.append(
+                BudgetSet(
+                    id=team, at_ms=0, path=team, weight=rng.randint(1, 5), owner="o", actor="root"
+                )
+            )
             for u in range(5):
                 leaf = f"{team}/u{u}"
-                events.append(BudgetSet(id=leaf, at_ms=0, path=leaf, weight=1, owner="o", actor="root"))
+                events.append(
+                    BudgetSet(id=leaf, at_ms=0, path=leaf, weight=1, owner="o", actor="root")
+                )
                 leaves.append(leaf)
     for n in range(128):
-        events.append(NodeRegistered(id=f"n{n}", at_ms=0, node=f"n{n:03d}", gpus=8, gpu_type="h100"))
+        events.append(
+            NodeRegistered(id=f"n{n}", at_ms=0, node=f"n{n:03d}", gpus=8, gpu_type="h100")
+        )
     state = fold(events)
     # fill the cluster: ~1,000 running workloads from a third of the leaves, placed over 7 days
     busy = leaves[::3]
@@ -113,7 +123,9 @@ def main(quick: bool = False) -> None:
     for d in result.decisions:
         kinds[type(d).__name__] = kinds.get(type(d).__name__, 0) + 1
     p50, p99 = _percentiles(times)
-    print(f"cycle (burst: all pending arrived at once -> {kinds}): p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+    print(
+        f"cycle (burst: all pending arrived at once -> {kinds}): p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+    )
     step(state)
     # 2. steady state: the cluster stays full; each cycle follows one finish and
     #    one submission a minute later, and the preemption search runs for every

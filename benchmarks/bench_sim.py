@@ -12,8 +12,14 @@ import time
 from pathlib import Path
 
 PHILLY = next(
-    (p for p in (Path(__file__).resolve().parents[2] / "shared/traces/philly_pollux_jobs.csv",
-                 Path("/work/shared/traces/philly_pollux_jobs.csv")) if p.exists()),
+    (
+        p
+        for p in (
+            Path(__file__).resolve().parents[2] / "shared/traces/philly_pollux_jobs.csv",
+            Path("/work/shared/traces/philly_pollux_jobs.csv"),
+        )
+        if p.exists()
+    ),
     Path("shared/traces/philly_pollux_jobs.csv"),
 )
 """The full Philly job file, in the shared ``traces/`` folder beside the checkout."""
@@ -27,9 +33,11 @@ def _run(name: str, events, rows, health, policy: str, days: float) -> None:
     sim = simulate(events, rows, health, policy=policy, days=days)
     kpis = compute_kpis(sim.con, sim.start_ms, sim.end_ms, sim.wall_s)
     wall = time.perf_counter() - t0
-    print(f"{name:24s} {policy:8s} {days:5.1f} d {len(rows):7,d} workloads  wall {wall:7.1f} s  "
-          f"{days / wall:7.2f} sim-days/s  occupancy {kpis['occupancy']}  delivery {kpis['delivery_ratio']}",
-          flush=True)
+    print(
+        f"{name:24s} {policy:8s} {days:5.1f} d {len(rows):7,d} workloads  wall {wall:7.1f} s  "
+        f"{days / wall:7.2f} sim-days/s  occupancy {kpis['occupancy']}  delivery {kpis['delivery_ratio']}",
+        flush=True,
+    )
 
 
 def main(quick: bool) -> None:
@@ -50,7 +58,7 @@ def main(quick: bool) -> None:
             print("philly: trace not available, skipped")
             return
         window = ("2017-10-01", "2017-10-08") if quick else ("2017-10-01", "2017-12-01")
-        for scale in ((0.25,) if quick else (1.0, 0.25)):
+        for scale in (0.25,) if quick else (1.0, 0.25):
             out = Path(tmp) / f"philly{scale}"
             import_philly(PHILLY, out, date_from=window[0], date_to=window[1], capacity_scale=scale)
             events = load_cluster(out / "cluster.toml").events

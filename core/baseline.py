@@ -112,13 +112,23 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
         out.append(InputRejected(id=next_id(), at_ms=now, ref=ref, reason=reason))
 
     free: dict[str, int] = {name: n.free for name, n in state.nodes.items()}
-    on_node: dict[str, dict[str, int]] = {name: dict(n.workloads) for name, n in state.nodes.items()}
+    on_node: dict[str, dict[str, int]] = {
+        name: dict(n.workloads) for name, n in state.nodes.items()
+    }
     gone: dict[str, bool] = {}
 
     def preempt(w: Workload, reason: str, for_workload: str | None = None) -> None:
         requeued = w.resumable
-        out.append(WorkloadPreempted(id=next_id(), at_ms=now, workload=w.id, reason=reason,  # type: ignore[arg-type]
-                                     requeued=requeued, for_workload=for_workload))
+        out.append(
+            WorkloadPreempted(
+                id=next_id(),
+                at_ms=now,
+                workload=w.id,
+                reason=reason,  # type: ignore[arg-type]
+                requeued=requeued,
+                for_workload=for_workload,
+            )
+        )
         gone[w.id] = True
         for slot in w.placement:
             free[slot.node] += slot.gpus
@@ -184,10 +194,16 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
     def victim_key(v: Workload) -> tuple[int, int, str]:
         return (LEGACY_RANK.get(v.legacy_priority, 2), -v.started_ms, v.id)
 
-    def fit_with_preemption(w: Workload, rank: int) -> tuple[tuple[Slot, ...], list[Workload]] | None:
+    def fit_with_preemption(
+        w: Workload, rank: int
+    ) -> tuple[tuple[Slot, ...], list[Workload]] | None:
         def eligible(wid: str) -> Workload | None:
             v = running.get(wid)
-            if v is not None and v.legacy_preemptible and LEGACY_RANK.get(v.legacy_priority, 2) < rank:
+            if (
+                v is not None
+                and v.legacy_preemptible
+                and LEGACY_RANK.get(v.legacy_priority, 2) < rank
+            ):
                 return v
             return None
 
@@ -200,7 +216,9 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
             if w.gpus <= gpn:
                 for name in names:
                     have = free[name]
-                    cands = sorted((v for wid in on_node[name] if (v := eligible(wid))), key=victim_key)
+                    cands = sorted(
+                        (v for wid in on_node[name] if (v := eligible(wid))), key=victim_key
+                    )
                     chosen: list[Workload] = []
                     cost = 0
                     for v in cands:
@@ -209,7 +227,11 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
                         chosen.append(v)
                         have += on_node[name][v.id]
                         cost += v.gpus
-                    if have >= w.gpus and chosen and (best is None or (cost, name) < (best[0], best[1])):
+                    if (
+                        have >= w.gpus
+                        and chosen
+                        and (best is None or (cost, name) < (best[0], best[1]))
+                    ):
                         best = (cost, name, (Slot(name, w.gpus),), chosen)
             elif w.gpus % gpn == 0:
                 need = w.gpus // gpn
@@ -276,9 +298,17 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
                 preempt(v, "fairshare", w.id)
             failed_fit.clear()
             failed_preempt.clear()
-        out.append(WorkloadPlaced(id=next_id(), at_ms=now, workload=w.id, placement=placement,
-                                  allocated=w.min_runtime_ms > 0, protected_until_ms=now + w.min_runtime_ms,
-                                  attempt=w.attempt + 1))
+        out.append(
+            WorkloadPlaced(
+                id=next_id(),
+                at_ms=now,
+                workload=w.id,
+                placement=placement,
+                allocated=w.min_runtime_ms > 0,
+                protected_until_ms=now + w.min_runtime_ms,
+                attempt=w.attempt + 1,
+            )
+        )
         for slot in placement:
             free[slot.node] -= slot.gpus
             on_node[slot.node][w.id] = slot.gpus

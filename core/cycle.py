@@ -42,7 +42,6 @@ from bisect import insort
 from fractions import Fraction
 
 import msgspec
-
 from apportion.schemas.events import (
     ANY_GPU_TYPE,
     Decision,
@@ -199,7 +198,9 @@ class _Cycle:
                 continue
             for wid in list(node.workloads):
                 w = state.running[wid]
-                if wid not in self.gone and (w.min_runtime_ms == 0 or self.t >= w.protected_until_ms):
+                if wid not in self.gone and (
+                    w.min_runtime_ms == 0 or self.t >= w.protected_until_ms
+                ):
                     self._preempt(w, "drain", None, requeue_now=True)
             if not node.drained and all(wid in self.gone for wid in node.workloads):
                 self._emit(NodeDrained, node=name)
@@ -242,7 +243,9 @@ class _Cycle:
         insort(pool.setdefault(free, []), name)
         self.pool_free[key] += free - old
 
-    def _preempt(self, w: Workload, reason: str, for_workload: str | None, requeue_now: bool = False) -> None:
+    def _preempt(
+        self, w: Workload, reason: str, for_workload: str | None, requeue_now: bool = False
+    ) -> None:
         if w.min_runtime_ms == 0 or self.t >= w.protected_until_ms:
             self._count_victimable(w, -1)
         self.gone[w.id] = reason
@@ -466,11 +469,14 @@ class _Cycle:
             need = 1 if g <= size else g // size
             want = g if g <= size else size
             expired = self.pool_expired.get(key, {})
-            total = self.pool_free.get(key, 0) + self.pool_unalloc.get(key, 0) + expired.get(c.owner, 0)
+            total = (
+                self.pool_free.get(key, 0) + self.pool_unalloc.get(key, 0) + expired.get(c.owner, 0)
+            )
             if total + sum(expired.get(p, 0) for p in subtrees) < g:
                 continue  # not enough free and preemptible GPUs in the whole pool
             names = [
-                n for n in self._candidate_nodes(c, key, want, subtrees)
+                n
+                for n in self._candidate_nodes(c, key, want, subtrees)
                 if self._may_use(c, n) and self._bound(c, n, subtrees) >= want
             ]
             if len(names) < need:
@@ -510,7 +516,11 @@ class _Cycle:
                 excess = sum(v.gpus for v in chosen) + sum(self.free[n] for _, n, _ in picked) - g
                 cost = self._set_cost(chosen, excess, picked[0][1])
                 if best is None or cost < best[0]:
-                    best = (cost, chosen, [(n, size) for _, n, _ in sorted(picked, key=lambda o: o[1])])
+                    best = (
+                        cost,
+                        chosen,
+                        [(n, size) for _, n, _ in sorted(picked, key=lambda o: o[1])],
+                    )
         if best is None or not best[1]:
             return None
         return best[1], best[2]
@@ -550,10 +560,7 @@ class _Cycle:
             ok = memo.get(who)
             if ok is None:
                 ok = memo[who] = self._may_preempt(c, v, subtrees)
-            if ok:
-                at = max(self.t, v.protected_until_ms)
-            else:
-                at = _NEVER
+            at = max(self.t, v.protected_until_ms) if ok else _NEVER
             times.extend([at] * gpus)
         for v, gpus in self.added.get(name, ()):
             at = self.t + v.min_runtime_ms if self._may_preempt(c, v, subtrees) else _NEVER
@@ -574,7 +581,9 @@ class _Cycle:
                 ready = sorted((self._release_times(c, n, subtrees, memo)[g - 1], n) for n in names)
                 option = (ready[0][0], (ready[0][1],)) if ready else None
             elif g % size == 0 and len(names) >= g // size:
-                ready = sorted((self._release_times(c, n, subtrees, memo)[-1], n) for n in names)[: g // size]
+                ready = sorted((self._release_times(c, n, subtrees, memo)[-1], n) for n in names)[
+                    : g // size
+                ]
                 option = (ready[-1][0], tuple(sorted(n for _, n in ready)))
             else:
                 option = None
@@ -679,15 +688,18 @@ class _Cycle:
         draining node, or anywhere while allocated work waits), or the reservation start."""
         t = self.t
         waiting = self.blocked or any(
-            r == "fairshare" and self.state.running[w].min_runtime_ms > 0 for w, r in self.gone.items()
+            r == "fairshare" and self.state.running[w].min_runtime_ms > 0
+            for w, r in self.gone.items()
         )
         out = self.reservation.start_ms if self.reservation else None
         for w in self.state.running.values():
             if w.id in self.gone or w.protected_until_ms <= t:
                 continue
-            if waiting or any(self.state.nodes[s.node].health == "draining" for s in w.placement):
-                if out is None or w.protected_until_ms < out:
-                    out = w.protected_until_ms
+            relevant = waiting or any(
+                self.state.nodes[s.node].health == "draining" for s in w.placement
+            )
+            if relevant and (out is None or w.protected_until_ms < out):
+                out = w.protected_until_ms
         if waiting:
             for entries in self.added.values():
                 for v, _ in entries:
@@ -714,7 +726,9 @@ class _FairShareWalk:
             if w.min_runtime_ms > 0:
                 self.queues.setdefault(w.owner, []).append(w)
         for q in self.queues.values():
-            q.sort(key=lambda w: (-w.priority, w.submitted_ms, w.id), reverse=True)  # pop() from the end
+            q.sort(
+                key=lambda w: (-w.priority, w.submitted_ms, w.id), reverse=True
+            )  # pop() from the end
         self.current: list[Workload] | None = None  # the leaf queue being walked
         self.version: dict[str, int] = {}
         self.heaps: dict[str, list[tuple[int, int, str, int]]] = {}

@@ -84,7 +84,8 @@ class FairShareView:
     def path_ratios(self, leaf: str) -> list[tuple[str, int, int, Fraction]]:
         """``(path, usage_gpu_ms, weight, ratio)`` from the top level down to ``leaf``."""
         return [
-            (p, self.usage[p], self.weight[p], self.ratio(p)) for p in [*ancestors_of(leaf)[1:], leaf]
+            (p, self.usage[p], self.weight[p], self.ratio(p))
+            for p in [*ancestors_of(leaf)[1:], leaf]
         ]
 
 

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 import msgspec
-
 from apportion.schemas.events import (
     ANY_GPU_TYPE,
     DAY_MS,
@@ -347,13 +346,17 @@ def _budget_set(state: State, e: BudgetSet) -> None:
     if problem:
         return _reject(state, e, problem)
     if e.weight <= 0:
-        return _reject(state, e, f"budget {e.path!r}: weight must be a positive integer, got {e.weight}")
+        return _reject(
+            state, e, f"budget {e.path!r}: weight must be a positive integer, got {e.weight}"
+        )
     if not e.owner:
         return _reject(state, e, f"budget {e.path!r}: owner is empty")
     if e.path != ROOT:
         parent = parent_of(e.path)
         if parent not in tree.nodes:
-            return _reject(state, e, f"budget {e.path!r}: parent {parent!r} does not exist; create it first")
+            return _reject(
+                state, e, f"budget {e.path!r}: parent {parent!r} does not exist; create it first"
+            )
     if not tree.may_edit(e.actor, e.path):
         where = "the root" if e.path == ROOT else f"{parent_of(e.path)!r} or an ancestor"
         return _reject(state, e, f"budget {e.path!r}: {e.actor!r} does not own {where}")
@@ -378,7 +381,11 @@ def _budget_removed(state: State, e: BudgetRemoved) -> None:
     if node is None:
         return _reject(state, e, f"unknown budget node {e.path!r}")
     if not tree.may_edit(e.actor, e.path):
-        return _reject(state, e, f"budget {e.path!r}: {e.actor!r} does not own {parent_of(e.path)!r} or an ancestor")
+        return _reject(
+            state,
+            e,
+            f"budget {e.path!r}: {e.actor!r} does not own {parent_of(e.path)!r} or an ancestor",
+        )
     if node.children:
         return _reject(state, e, f"budget {e.path!r} has children; remove them first")
     active = state.active_by_owner.get(e.path, 0)
@@ -393,7 +400,9 @@ def _policy_set(state: State, e: PolicySet) -> None:
     if not state.budget.may_edit(e.actor, ROOT):
         return _reject(state, e, f"policy: {e.actor!r} does not own the root of the budget tree")
     if not 0 < e.lookback_ms <= MAX_LOOKBACK_MS:
-        return _reject(state, e, f"policy: lookback must be between 1 ms and 90 days, got {e.lookback_ms} ms")
+        return _reject(
+            state, e, f"policy: lookback must be between 1 ms and 90 days, got {e.lookback_ms} ms"
+        )
     if not 0 <= e.max_min_runtime_ms <= e.lookback_ms:
         return _reject(state, e, "policy: max_min_runtime must be between 0 and the lookback")
     if not 0 <= e.preemption_margin_ppm < PPM:
@@ -572,7 +581,9 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
     if w is None:
         raise CorruptHistory(f"placed {e.workload!r}, which is not pending")
     if e.allocated != (w.min_runtime_ms > 0):
-        raise CorruptHistory(f"placed {e.workload!r} with allocated={e.allocated} against its contract")
+        raise CorruptHistory(
+            f"placed {e.workload!r} with allocated={e.allocated} against its contract"
+        )
     if sum(s.gpus for s in e.placement) != w.gpus:
         raise CorruptHistory(f"placed {e.workload!r} on {e.placement} for {w.gpus} GPUs")
     if len({s.node for s in e.placement}) != len(e.placement):
@@ -584,7 +595,9 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
     for slot in e.placement:
         node = nodes.get(slot.node)
         if node is None or node.free < slot.gpus or not node.schedulable or slot.gpus <= 0:
-            raise CorruptHistory(f"placed {e.workload!r} on {slot.node!r}, which cannot take {slot.gpus} GPUs")
+            raise CorruptHistory(
+                f"placed {e.workload!r} on {slot.node!r}, which cannot take {slot.gpus} GPUs"
+            )
         if w.gpu_type != ANY_GPU_TYPE and node.gpu_type != w.gpu_type:
             raise CorruptHistory(f"placed {e.workload!r} on {slot.node!r} of the wrong GPU type")
     for slot in e.placement:

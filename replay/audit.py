@@ -60,8 +60,10 @@ class AuditResult(msgspec.Struct, kw_only=True):
         if self.divergence is not None:
             return "\n".join(self.divergence.lines())
         checked = "" if self.recorded_digest else ", no digest recorded to check"
-        return (f"audit: {self.inputs:,} inputs, {self.batches:,} decision batches, all reproduced "
-                f"(digest {self.digest[:16]}{checked})")
+        return (
+            f"audit: {self.inputs:,} inputs, {self.batches:,} decision batches, all reproduced "
+            f"(digest {self.digest[:16]}{checked})"
+        )
 
 
 def _text(obj: msgspec.Struct | None) -> str:
@@ -100,8 +102,14 @@ def audit(
     decisions = 0
 
     def result(div: Divergence | None, recorded: str | None) -> AuditResult:
-        return AuditResult(inputs=state.input_seq, batches=batches, decisions=decisions, digest=state.digest(),
-                           recorded_digest=recorded, divergence=div)
+        return AuditResult(
+            inputs=state.input_seq,
+            batches=batches,
+            decisions=decisions,
+            digest=state.digest(),
+            recorded_digest=recorded,
+            divergence=div,
+        )
 
     def _audit_items(items: Iterator) -> AuditResult:
         nonlocal batches, decisions
@@ -109,17 +117,36 @@ def audit(
             if isinstance(item, DecisionBatch):
                 batches += 1
                 got = decide(state)
-                expected = DecisionBatch(basis=state.input_seq, decisions=got.decisions,
-                                         next_wakeup_ms=got.next_wakeup_ms, v=item.v)
+                expected = DecisionBatch(
+                    basis=state.input_seq,
+                    decisions=got.decisions,
+                    next_wakeup_ms=got.next_wakeup_ms,
+                    v=item.v,
+                )
                 if encode(expected) != encode(item):
                     what, e, r = first_difference(expected, item)
-                    return result(Divergence(batch=batches, basis=item.basis, what=what, expected=e, recorded=r), None)
+                    return result(
+                        Divergence(
+                            batch=batches, basis=item.basis, what=what, expected=e, recorded=r
+                        ),
+                        None,
+                    )
                 for i, d in enumerate(item.decisions):
                     try:
                         apply(state, d)
-                    except CorruptHistory as exc:  # pragma: no cover - decide's own output always folds
-                        return result(Divergence(batch=batches, basis=item.basis, what=f"decision {i + 1}",
-                                                 expected="a decision that folds", recorded=f"{_text(d)} ({exc})"), None)
+                    except (
+                        CorruptHistory
+                    ) as exc:  # pragma: no cover - decide's own output always folds
+                        return result(
+                            Divergence(
+                                batch=batches,
+                                basis=item.basis,
+                                what=f"decision {i + 1}",
+                                expected="a decision that folds",
+                                recorded=f"{_text(d)} ({exc})",
+                            ),
+                            None,
+                        )
                 decisions += len(item.decisions)
             elif isinstance(item, Malformed):
                 state.input_seq += 1
@@ -131,8 +158,16 @@ def audit(
         recorded = expected_digest or (log.end.digest if log.end is not None else None)
         digest = state.digest()
         if recorded is not None and recorded != digest:
-            return result(Divergence(batch=0, basis=state.input_seq, what="digest", expected=digest, recorded=recorded),
-                          recorded)
+            return result(
+                Divergence(
+                    batch=0,
+                    basis=state.input_seq,
+                    what="digest",
+                    expected=digest,
+                    recorded=recorded,
+                ),
+                recorded,
+            )
         return result(None, recorded)
 
     items = iter(log)

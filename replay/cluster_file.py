@@ -51,7 +51,15 @@ from apportion.schemas.events import (
 from .errors import InputFileError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d|w)\s*$")
-_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "min": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
+_UNIT_MS = {
+    "ms": 1,
+    "s": 1000,
+    "m": 60_000,
+    "min": 60_000,
+    "h": 3_600_000,
+    "d": 86_400_000,
+    "w": 604_800_000,
+}
 
 
 class ClusterSpec(msgspec.Struct, kw_only=True):
@@ -71,10 +79,10 @@ def parse_duration_ms(text: Any) -> int:
     Raises ``ValueError`` with a reason for anything else (a fractional millisecond too).
     """
     if not isinstance(text, str):
-        raise ValueError(f"expected a duration such as \"7d\", \"8h\" or \"15m\", got {text!r}")
+        raise ValueError(f'expected a duration such as "7d", "8h" or "15m", got {text!r}')
     m = _DURATION.match(text)
     if not m:
-        raise ValueError(f"expected a duration such as \"7d\", \"8h\" or \"15m\", got {text!r}")
+        raise ValueError(f'expected a duration such as "7d", "8h" or "15m", got {text!r}')
     ms = Fraction(m.group(1)) * _UNIT_MS[m.group(2)]
     if ms.denominator != 1:
         raise ValueError(f"duration {text!r} is not a whole number of milliseconds")
@@ -135,7 +143,10 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
         raise fail("cluster.name", "must be a non-empty string")
     pools = cluster.get("pool")
     if not isinstance(pools, list) or not pools:
-        raise fail("cluster.pool", "need at least one [[cluster.pool]] with prefix, count, gpus_per_node, gpu_type")
+        raise fail(
+            "cluster.pool",
+            "need at least one [[cluster.pool]] with prefix, count, gpus_per_node, gpu_type",
+        )
     events: list[Event] = []
     nodes: list[tuple[str, int, str]] = []
     seen: set[str] = set()
@@ -167,7 +178,11 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
             nodes.append((node, pool["gpus_per_node"], gpu_type))
             events.append(
                 NodeRegistered(
-                    id=f"cluster/node/{node}", at_ms=at_ms, node=node, gpus=pool["gpus_per_node"], gpu_type=gpu_type
+                    id=f"cluster/node/{node}",
+                    at_ms=at_ms,
+                    node=node,
+                    gpus=pool["gpus_per_node"],
+                    gpu_type=gpu_type,
                 )
             )
 
@@ -188,7 +203,9 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
                 continue
             ckey = f"{key}.{child}"
             if not isinstance(value, dict):
-                raise fail(ckey, "unknown key (a budget table holds weight, owner and child tables)")
+                raise fail(
+                    ckey, "unknown key (a budget table holds weight, owner and child tables)"
+                )
             cpath = f"{path}/{child}" if path else child
             weight = value.get("weight")
             if isinstance(weight, bool) or not isinstance(weight, int) or weight <= 0:
@@ -201,16 +218,28 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
 
     walk(budget_doc, "", "budget")
     if len(budget) == 1:
-        raise fail("budget", "the budget tree has no children; add [budget.NAME] tables with weight and owner")
+        raise fail(
+            "budget",
+            "the budget tree has no children; add [budget.NAME] tables with weight and owner",
+        )
     for path_, weight, owner in budget:
         events.append(
-            BudgetSet(id=f"cluster/budget/{path_}", at_ms=at_ms, path=path_, weight=weight, owner=owner, actor=root_owner)
+            BudgetSet(
+                id=f"cluster/budget/{path_}",
+                at_ms=at_ms,
+                path=path_,
+                weight=weight,
+                owner=owner,
+                actor=root_owner,
+            )
         )
 
     policy = doc.get("policy", {})
     if not isinstance(policy, dict):
         raise fail("policy", "must be a table")
-    extra = sorted(set(policy) - {"lookback", "max_min_runtime", "preemption_margin", "reservations"})
+    extra = sorted(
+        set(policy) - {"lookback", "max_min_runtime", "preemption_margin", "reservations"}
+    )
     if extra:
         raise fail(f"policy.{extra[0]}", "unknown key")
     kwargs: dict[str, Any] = {}
@@ -238,7 +267,11 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
 
 
 def _toml_key(segment: str) -> str:
-    return segment if re.fullmatch(r"[A-Za-z0-9_-]+", segment) else '"' + segment.replace('"', '\\"') + '"'
+    return (
+        segment
+        if re.fullmatch(r"[A-Za-z0-9_-]+", segment)
+        else '"' + segment.replace('"', '\\"') + '"'
+    )
 
 
 def write_cluster(
@@ -257,10 +290,23 @@ def write_cluster(
         lines.append(f"# {c}".rstrip())
     lines += ["[cluster]", f'name = "{name}"', ""]
     for prefix, count, gpn, gtype in pools:
-        lines += ["[[cluster.pool]]", f'prefix = "{prefix}"', f"count = {count}", f"gpus_per_node = {gpn}", f'gpu_type = "{gtype}"', ""]
+        lines += [
+            "[[cluster.pool]]",
+            f'prefix = "{prefix}"',
+            f"count = {count}",
+            f"gpus_per_node = {gpn}",
+            f'gpu_type = "{gtype}"',
+            "",
+        ]
     lines.append("[policy]")
-    for k, v in (policy or {"lookback": "7d", "max_min_runtime": "8h", "preemption_margin": 0.05}).items():
-        lines.append(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {str(v).lower() if isinstance(v, bool) else v}")
+    for k, v in (
+        policy or {"lookback": "7d", "max_min_runtime": "8h", "preemption_margin": 0.05}
+    ).items():
+        lines.append(
+            f'{k} = "{v}"'
+            if isinstance(v, str)
+            else f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
+        )
     lines.append("")
     for p, weight, owner in budget:
         if p == "":

@@ -144,7 +144,9 @@ class LogWriter:
             self._f.flush()
 
 
-def write_log(path: str | Path, header: Header, items: Iterable[Item], digest: str | None = None) -> LogWriter:
+def write_log(
+    path: str | Path, header: Header, items: Iterable[Item], digest: str | None = None
+) -> LogWriter:
     w = LogWriter(path, header)
     for item in items:
         w.add(item)
@@ -193,8 +195,10 @@ def _checked(log: CanonicalLog) -> Iterator[Item]:
         yield item
     end = log.end
     if end is not None and (end.inputs, end.batches) != (seq, batches):
-        raise LogError(f"{name}: the log holds {seq} inputs and {batches} batches but its end line says "
-                       f"{end.inputs} and {end.batches} (truncated?)")
+        raise LogError(
+            f"{name}: the log holds {seq} inputs and {batches} batches but its end line says "
+            f"{end.inputs} and {end.batches} (truncated?)"
+        )
 
 
 def open_log(path: str | Path) -> CanonicalLog:
@@ -226,7 +230,9 @@ def read_file(path: str | Path) -> CanonicalLog:
     if line.header is None:
         raise LogError(f'{path}:1: not an apportion log (the first line must be {{"header": ...}})')
     if line.header.version != LOG_VERSION:
-        raise LogError(f"{path}:1: log version {line.header.version}; this apportion reads version {LOG_VERSION}")
+        raise LogError(
+            f"{path}:1: log version {line.header.version}; this apportion reads version {LOG_VERSION}"
+        )
     log = CanonicalLog(line.header, (), str(path))
     log._items = _file_items(path, log)
     return log
@@ -279,10 +285,14 @@ def read_duckdb(path: str | Path) -> CanonicalLog:
     except duckdb.Error as exc:
         raise LogError(f"{path}: cannot open the database: {_short(exc)}") from None
     try:
-        names = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        names = {
+            r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()
+        }
         if not {"events", "projection_position"} <= names:
             raise LogError(f"{path}: not an apportion projection (no events table)")
-        row = con.execute("SELECT input_seq, batches, pos, state FROM projection_position").fetchone()
+        row = con.execute(
+            "SELECT input_seq, batches, pos, state FROM projection_position"
+        ).fetchone()
         if row is None:
             raise LogError(f"{path}: the projection is empty")
         n_batch_rows = (
@@ -293,14 +303,20 @@ def read_duckdb(path: str | Path) -> CanonicalLog:
                 f"{path}: the projection folded {row[1]} decision batches but records {n_batch_rows} "
                 "(written before batches were recorded); rebuild it with simulate --out or replay"
             )
-        meta = dict(con.execute("SELECT key, value FROM log_meta").fetchall()) if "log_meta" in names else {}
+        meta = (
+            dict(con.execute("SELECT key, value FROM log_meta").fetchall())
+            if "log_meta" in names
+            else {}
+        )
     except duckdb.Error as exc:
         raise LogError(f"{path}: {_short(exc)}") from None
     finally:
         con.close()
     from apportion.core.state import State
 
-    header = Header(policy=meta.get("policy", "budget"), source="duckdb", cluster=meta.get("cluster", ""))
+    header = Header(
+        policy=meta.get("policy", "budget"), source="duckdb", cluster=meta.get("cluster", "")
+    )
     log = CanonicalLog(header, (), str(path))
     end = End(inputs=row[0], batches=row[1], digest=State.from_bytes(row[3]).digest())
     log._items = _duckdb_items(path, log, end, row[2])
@@ -332,12 +348,20 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
             r[0]: Malformed(seq=r[0], at_ms=r[1], ref=r[2], reason=r[3])
             for r in con.execute("SELECT seq, at_ms, ref, reason FROM malformed_inputs").fetchall()
         }
-        batches = con.execute("SELECT basis, pos, decisions, next_wakeup_ms, v FROM batches ORDER BY batch").fetchall()
+        batches = con.execute(
+            "SELECT basis, pos, decisions, next_wakeup_ms, v FROM batches ORDER BY batch"
+        ).fetchall()
         icur, dcur = con.cursor(), con.cursor()
-        icur.execute("SELECT pos, body FROM events WHERE pos <= ? AND kind IN (SELECT unnest(?::VARCHAR[])) "
-                     "ORDER BY pos", [last_pos, kinds])
-        dcur.execute("SELECT pos, body FROM events WHERE pos <= ? AND kind NOT IN (SELECT unnest(?::VARCHAR[])) "
-                     "ORDER BY pos", [last_pos, kinds])
+        icur.execute(
+            "SELECT pos, body FROM events WHERE pos <= ? AND kind IN (SELECT unnest(?::VARCHAR[])) "
+            "ORDER BY pos",
+            [last_pos, kinds],
+        )
+        dcur.execute(
+            "SELECT pos, body FROM events WHERE pos <= ? AND kind NOT IN (SELECT unnest(?::VARCHAR[])) "
+            "ORDER BY pos",
+            [last_pos, kinds],
+        )
         inputs, decisions = _rows(icur), _rows(dcur)
         bi = 0
         for seq in range(1, end.inputs + 1):
@@ -357,14 +381,20 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                 for k in range(n):
                     row = next(decisions, None)
                     if row is None or row[0] != bpos + 1 + k:
-                        raise LogError(f"{path}: decision {k + 1} of batch {bi + 1} is not at events row {bpos + 1 + k}")
+                        raise LogError(
+                            f"{path}: decision {k + 1} of batch {bi + 1} is not at events row {bpos + 1 + k}"
+                        )
                     try:
                         got.append(decode_decision(row[1]))
                     except EventDecodeError as exc:
                         raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
                 yield DecisionBatch(basis=basis, decisions=tuple(got), next_wakeup_ms=wake, v=v)
                 bi += 1
-        if bi != len(batches) or next(inputs, None) is not None or next(decisions, None) is not None:
+        if (
+            bi != len(batches)
+            or next(inputs, None) is not None
+            or next(decisions, None) is not None
+        ):
             raise LogError(f"{path}: the batches table does not match the events table")
         log.end = end
     except duckdb.Error as exc:
@@ -387,7 +417,9 @@ async def _read_nats_async(url: str, cluster: str, timeout: float) -> list[Item]
         while len(inputs) < n_inputs:
             got = await tail.take(10_000, timeout)
             if not got:
-                raise LogError(f"nats {cluster}: INPUTS stopped at {len(inputs)} of {n_inputs} messages")
+                raise LogError(
+                    f"nats {cluster}: INPUTS stopped at {len(inputs)} of {n_inputs} messages"
+                )
             inputs.extend(got)
         await tail.close()
         batches: list[Any] = []
@@ -395,7 +427,9 @@ async def _read_nats_async(url: str, cluster: str, timeout: float) -> list[Item]
         while len(batches) < n_batches:
             got = await btail.take(10_000, timeout)
             if not got:
-                raise LogError(f"nats {cluster}: DECISIONS stopped at {len(batches)} of {n_batches} messages")
+                raise LogError(
+                    f"nats {cluster}: DECISIONS stopped at {len(batches)} of {n_batches} messages"
+                )
             batches.extend(got)
         await btail.close()
     finally:
@@ -406,13 +440,19 @@ async def _read_nats_async(url: str, cluster: str, timeout: float) -> list[Item]
         if si.event is not None:
             out.append((si.seq, si.event))
         else:
-            out.append(Malformed(seq=si.seq, at_ms=si.at_ms, ref=si.ref, reason=f"malformed input: {si.error}"))
+            out.append(
+                Malformed(
+                    seq=si.seq, at_ms=si.at_ms, ref=si.ref, reason=f"malformed input: {si.error}"
+                )
+            )
         while bi < n_batches and batches[bi].batch.basis == si.seq:
             out.append(batches[bi].batch)
             bi += 1
     if bi != n_batches:
-        raise LogError(f"nats {cluster}: decision batch {bi + 1} is based on input "
-                       f"{batches[bi].batch.basis}, not in INPUTS")
+        raise LogError(
+            f"nats {cluster}: decision batch {bi + 1} is based on input "
+            f"{batches[bi].batch.basis}, not in INPUTS"
+        )
     return out
 
 
@@ -425,5 +465,9 @@ def read_nats(url: str, cluster: str, timeout: float = 10.0) -> CanonicalLog:
     except ValueError as exc:
         raise LogError(f"nats {cluster}: {exc}") from None
     except Exception as exc:  # connection refused, no such stream, ...
-        raise LogError(f"nats {url} cluster {cluster}: {type(exc).__name__}: {_short(exc) or 'no answer'}") from None
-    return CanonicalLog(Header(policy="budget", source="nats", cluster=cluster), items, f"nats:{cluster}")
+        raise LogError(
+            f"nats {url} cluster {cluster}: {type(exc).__name__}: {_short(exc) or 'no answer'}"
+        ) from None
+    return CanonicalLog(
+        Header(policy="budget", source="nats", cluster=cluster), items, f"nats:{cluster}"
+    )

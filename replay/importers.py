@@ -65,12 +65,16 @@ class ImportReport(msgspec.Struct, kw_only=True):
     span_days: float = 0.0
 
     def lines(self) -> list[str]:
-        out = [f"{self.source}: {self.read:,} rows read, {self.duplicates} exact duplicates dropped, "
-               f"{self.outside_window:,} outside the window, {len(self.errors)} malformed"]
+        out = [
+            f"{self.source}: {self.read:,} rows read, {self.duplicates} exact duplicates dropped, "
+            f"{self.outside_window:,} outside the window, {len(self.errors)} malformed"
+        ]
         for vc, n in sorted(self.dropped_vcs.items()):
             out.append(f"dropped {n:,} jobs of virtual cluster {vc} (no capacity in the VC file)")
-        out.append(f"{self.written:,} jobs over {self.span_days:.1f} days on {self.vcs} virtual clusters, "
-                   f"{self.nodes} nodes x {GPUS_PER_NODE} = {self.gpus:,} GPUs")
+        out.append(
+            f"{self.written:,} jobs over {self.span_days:.1f} days on {self.vcs} virtual clusters, "
+            f"{self.nodes} nodes x {GPUS_PER_NODE} = {self.gpus:,} GPUs"
+        )
         out.append(f"wrote {self.cluster_path}")
         out.append(f"wrote {self.trace_path}")
         return out
@@ -111,7 +115,11 @@ def read_vc_file(path: Path) -> list[tuple[str, int]]:
         raise InputFileError(str(path), None, f"cannot read: {exc.strerror}") from None
     with fh:
         reader = csv.DictReader(fh)
-        if not reader.fieldnames or "vc" not in reader.fieldnames or "node num" not in reader.fieldnames:
+        if (
+            not reader.fieldnames
+            or "vc" not in reader.fieldnames
+            or "node num" not in reader.fieldnames
+        ):
             raise InputFileError(str(path), 1, "need columns vc, node num")
         out = []
         for rec in reader:
@@ -137,7 +145,11 @@ def import_philly(
 ) -> ImportReport:
     file = Path(file)
     vc_path = Path(vc_file) if vc_file else file.with_name(PHILLY_VC_FILE)
-    rule = min_runtime_rule if callable(min_runtime_rule) else globals()["min_runtime_rule"](min_runtime_rule)
+    rule = (
+        min_runtime_rule
+        if callable(min_runtime_rule)
+        else globals()["min_runtime_rule"](min_runtime_rule)
+    )
     if not capacity_scale > 0:
         raise ValueError("--capacity-scale must be positive")
     t_from, t_to = _date(date_from, "--from"), _date(date_to, "--to")
@@ -190,14 +202,28 @@ def import_philly(
                 continue
             jobs.append((submit, line, round(dur * 1000), gpus, vc))
     jobs.sort()
-    origin = t_from or (datetime(jobs[0][0].year, jobs[0][0].month, jobs[0][0].day) if jobs else datetime(2017, 1, 1))
+    origin = t_from or (
+        datetime(jobs[0][0].year, jobs[0][0].month, jobs[0][0].day)
+        if jobs
+        else datetime(2017, 1, 1)
+    )
     rows = []
     for submit, line, dur_ms, gpus, vc in jobs:
         delta = submit - origin
         submit_ms = (delta.days * 86_400 + delta.seconds) * 1000
-        rows.append(TraceRow(id=f"philly-{line:06d}", submit_ms=submit_ms, owner=vc, gpus=gpus, duration_ms=dur_ms,
-                             min_runtime_ms=rule(dur_ms), legacy_priority="normal", legacy_preemptible=False,
-                             line=line))
+        rows.append(
+            TraceRow(
+                id=f"philly-{line:06d}",
+                submit_ms=submit_ms,
+                owner=vc,
+                gpus=gpus,
+                duration_ms=dur_ms,
+                min_runtime_ms=rule(dur_ms),
+                legacy_priority="normal",
+                legacy_preemptible=False,
+                line=line,
+            )
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report.trace_path = str(out / "trace.csv")
@@ -208,10 +234,17 @@ def import_philly(
     report.vcs = len(vc_nodes)
     if rows:
         report.span_days = (rows[-1].submit_ms - rows[0].submit_ms) / 86_400_000
-    budget = [("", 1, "philly")] + [(vc, n * GPUS_PER_NODE, f"{vc}-admin") for vc, n in vc_nodes.items()]
+    budget = [("", 1, "philly")] + [
+        (vc, n * GPUS_PER_NODE, f"{vc}-admin") for vc, n in vc_nodes.items()
+    ]
     write_cluster(
-        report.cluster_path, name="philly", pools=[("philly-", report.nodes, GPUS_PER_NODE, "gpu")], budget=budget,
-        comment=(f"imported from {file.name} and {vc_path.name}; capacity scale {capacity_scale}; "
-                 f"window {date_from or 'start'} .. {date_to or 'end'}"),
+        report.cluster_path,
+        name="philly",
+        pools=[("philly-", report.nodes, GPUS_PER_NODE, "gpu")],
+        budget=budget,
+        comment=(
+            f"imported from {file.name} and {vc_path.name}; capacity scale {capacity_scale}; "
+            f"window {date_from or 'start'} .. {date_to or 'end'}"
+        ),
     )
     return report

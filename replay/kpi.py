@@ -46,9 +46,20 @@ import duckdb
 HOUR_MS = 3_600_000
 
 KPI_KEYS = (
-    "occupancy", "delivery_ratio", "team_delivery", "unallocated_fraction", "wait_p50_s", "wait_p90_s",
-    "debug_wait_p90_s", "large_wait_p90_s", "preemptions_per_1000_gpu_h", "drain_time_p90_s",
-    "simulated_days", "workloads", "events", "wall_s",
+    "occupancy",
+    "delivery_ratio",
+    "team_delivery",
+    "unallocated_fraction",
+    "wait_p50_s",
+    "wait_p90_s",
+    "debug_wait_p90_s",
+    "large_wait_p90_s",
+    "preemptions_per_1000_gpu_h",
+    "drain_time_p90_s",
+    "simulated_days",
+    "workloads",
+    "events",
+    "wall_s",
 )
 
 _VIEWS = """
@@ -153,7 +164,9 @@ SELECT (SELECT SUM((LEAST(COALESCE(ended_ms, $end), $end) - GREATEST(submitted_m
 
 
 def _q(con: duckdb.DuckDBPyConnection, sql: str, start: int, end: int) -> list[tuple]:
-    return con.execute(sql.replace("$start", str(int(start))).replace("$end", str(int(end)))).fetchall()
+    return con.execute(
+        sql.replace("$start", str(int(start))).replace("$end", str(int(end)))
+    ).fetchall()
 
 
 def _r(x: Any, nd: int = 4) -> Any:
@@ -177,7 +190,9 @@ def compute_kpis(
     drain = _q(con, KPI_SQL["drain"], start_ms, end_ms)[0][0]
     demand = _q(con, KPI_SQL["demand_ratio"], start_ms, end_ms)[0][0]
     n_workloads = con.execute("SELECT COUNT(*) FROM workloads").fetchone()[0]
-    n_rejected = con.execute("SELECT COUNT(*) FROM workloads WHERE status = 'rejected'").fetchone()[0]
+    n_rejected = con.execute("SELECT COUNT(*) FROM workloads WHERE status = 'rejected'").fetchone()[
+        0
+    ]
     n_events = con.execute("SELECT COUNT(*) FROM events").fetchone()[0]
     return {
         "occupancy": _r(occ),

@@ -35,9 +35,13 @@ def usage_vs_budget(sim: Any, path: Path) -> None:
     con = sim.con
     hours = max(1, (sim.end_ms - sim.start_ms) // 3_600_000)
     cap = con.execute("SELECT SUM(gpus) FROM nodes").fetchone()[0] or 1
-    teams = [r[0] for r in con.execute(
-        f"SELECT DISTINCT {TEAM_SQL.replace('w.owner', 'path')} FROM budget b WHERE path <> '' AND NOT EXISTS "
-        "(SELECT 1 FROM budget c WHERE c.path LIKE b.path || '/%') ORDER BY 1").fetchall()]
+    teams = [
+        r[0]
+        for r in con.execute(
+            f"SELECT DISTINCT {TEAM_SQL.replace('w.owner', 'path')} FROM budget b WHERE path <> '' AND NOT EXISTS "
+            "(SELECT 1 FROM budget c WHERE c.path LIKE b.path || '/%') ORDER BY 1"
+        ).fetchall()
+    ]
     shares = dict(con.execute("SELECT path, global_share FROM budget").fetchall())
     rows = con.execute(
         f"""SELECT team, h, SUM(GREATEST(0, LEAST(e, {sim.start_ms} + (h + 1) * 3600000) - GREATEST(s, {sim.start_ms} + h * 3600000)) * gpus)
@@ -45,7 +49,8 @@ def usage_vs_budget(sim: Any, path: Path) -> None:
                                      CAST(CEIL((e - {sim.start_ms}) / 3600000.0) AS BIGINT))) AS h
               FROM (SELECT {TEAM_SQL} AS team, r.gpus, r.start_ms AS s, LEAST(COALESCE(r.end_ms, {sim.end_ms}), {sim.end_ms}) AS e
                     FROM runs r JOIN workloads w USING (workload) WHERE r.allocated))
-        WHERE h < {hours} GROUP BY ALL""").fetchall()
+        WHERE h < {hours} GROUP BY ALL"""
+    ).fetchall()
     use = {t: np.zeros(hours) for t in teams}
     for team, h, gms in rows:
         if team in use and 0 <= h < hours:
@@ -54,15 +59,25 @@ def usage_vs_budget(sim: Any, path: Path) -> None:
     n = len(teams)
     cols = 4 if n > 6 else max(1, n)
     nrows = -(-n // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 2.6 * nrows), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        nrows, cols, figsize=(4 * cols, 2.6 * nrows), squeeze=False, sharex=True
+    )
     x = np.arange(hours) / 24
     for i, team in enumerate(teams):
         ax = axes[i // cols][i % cols]
         cum = np.cumsum(use[team])
-        trailing = cum - np.concatenate([np.zeros(window), cum[:-window]]) if hours > window else cum
+        trailing = (
+            cum - np.concatenate([np.zeros(window), cum[:-window]]) if hours > window else cum
+        )
         span = np.minimum(np.arange(1, hours + 1), window) * 3_600_000 * cap
         ax.plot(x, 100 * trailing / span, lw=1.2, label="used (trailing 7 d)")
-        ax.axhline(100 * float(shares.get(team, 0)), color="k", ls="--", lw=1, label="budget (global share)")
+        ax.axhline(
+            100 * float(shares.get(team, 0)),
+            color="k",
+            ls="--",
+            lw=1,
+            label="budget (global share)",
+        )
         ax.set_title(team, fontsize=9)
         ax.tick_params(labelsize=7)
     for j in range(n, nrows * cols):
@@ -83,14 +98,17 @@ def gpu_timeline(sim: Any, path: Path, window_days: float = 3.0, max_nodes: int 
     con = sim.con
     t0 = sim.start_ms
     t1 = min(sim.end_ms, t0 + int(window_days * 86_400_000))
-    nodes = con.execute("SELECT node, gpus FROM nodes ORDER BY node LIMIT ?", [max_nodes]).fetchall()
+    nodes = con.execute(
+        "SELECT node, gpus FROM nodes ORDER BY node LIMIT ?", [max_nodes]
+    ).fetchall()
     preemptible = "NOT r.allocated" if sim.policy == "budget" else "w.legacy_preemptible"
     runs = con.execute(
         f"""SELECT r.node, r.gpus, r.start_ms, LEAST(COALESCE(r.end_ms, {sim.end_ms}), {t1}), {TEAM_SQL},
                    {preemptible}, r.end_reason IN ('preempted', 'node_down'), r.workload
             FROM runs r JOIN workloads w USING (workload)
             WHERE r.start_ms < {t1} AND COALESCE(r.end_ms, {sim.end_ms}) > {t0}
-            ORDER BY r.node, r.start_ms, r.workload""").fetchall()
+            ORDER BY r.node, r.start_ms, r.workload"""
+    ).fetchall()
     teams = sorted({r[4] for r in runs})
     # tab20 and tab20b without reds, so the red preemption edges stand out
     palette = [plt.get_cmap("tab20")(i) for i in range(20) if i not in (6, 7)]
@@ -124,8 +142,11 @@ def gpu_timeline(sim: Any, path: Path, window_days: float = 3.0, max_nodes: int 
     fig, ax = plt.subplots(figsize=(14, height))
     ax.add_collection(PolyCollection(polys, facecolors=colours, edgecolors="none"))
     if hatched:
-        ax.add_collection(PolyCollection(hatched, facecolors="none", edgecolors=(1, 1, 1, 0.7), hatch="////",
-                                         linewidths=0))
+        ax.add_collection(
+            PolyCollection(
+                hatched, facecolors="none", edgecolors=(1, 1, 1, 0.7), hatch="////", linewidths=0
+            )
+        )
     if red:
         ax.add_collection(LineCollection(red, colors="red", linewidths=1.2))
     ax.set_xlim(0, (t1 - t0) / 86_400_000)
@@ -157,14 +178,23 @@ def wait_distribution(sims: dict[str, Any], path: Path) -> None:
     styles = {"budget": "-", "priority": "--"}
     for ax, (label, cond) in zip(axes, classes.items(), strict=True):
         for policy, sim in sims.items():
-            waits = [r[0] for r in sim.con.execute(
-                f"""SELECT (w.placed_ms - w.queued_ms) / 1000.0 FROM waits w JOIN workloads x USING (workload)
-                    WHERE w.placed_ms IS NOT NULL AND {cond} ORDER BY 1""").fetchall()]
+            waits = [
+                r[0]
+                for r in sim.con.execute(
+                    f"""SELECT (w.placed_ms - w.queued_ms) / 1000.0 FROM waits w JOIN workloads x USING (workload)
+                    WHERE w.placed_ms IS NOT NULL AND {cond} ORDER BY 1"""
+                ).fetchall()
+            ]
             if not waits:
                 continue
             xs = np.maximum(np.array(waits), 1.0)
-            ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", ls=styles.get(policy, "-"),
-                    label=f"{policy} (n={len(xs):,})")
+            ax.step(
+                xs,
+                np.arange(1, len(xs) + 1) / len(xs),
+                where="post",
+                ls=styles.get(policy, "-"),
+                label=f"{policy} (n={len(xs):,})",
+            )
         ax.set_xscale("log")
         ax.set_title(label)
         ax.set_xlabel("queue wait (s, log; 0 shown at 1 s)")

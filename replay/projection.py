@@ -86,8 +86,23 @@ CREATE TABLE IF NOT EXISTS log_meta(key VARCHAR, value VARCHAR);
 
 _TYPES = {
     "events": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR"),
-    "workloads": ("VARCHAR", "VARCHAR", "INTEGER", "BIGINT", "BOOLEAN", "INTEGER", "BIGINT", "BIGINT", "BIGINT",
-                  "VARCHAR", "INTEGER", "VARCHAR", "BIGINT", "VARCHAR", "BOOLEAN"),
+    "workloads": (
+        "VARCHAR",
+        "VARCHAR",
+        "INTEGER",
+        "BIGINT",
+        "BOOLEAN",
+        "INTEGER",
+        "BIGINT",
+        "BIGINT",
+        "BIGINT",
+        "VARCHAR",
+        "INTEGER",
+        "VARCHAR",
+        "BIGINT",
+        "VARCHAR",
+        "BOOLEAN",
+    ),
     "runs": ("VARCHAR", "VARCHAR", "INTEGER", "BIGINT", "BIGINT", "BOOLEAN", "VARCHAR", "INTEGER"),
     "waits": ("VARCHAR", "BIGINT", "BIGINT"),
     "nodes": ("VARCHAR", "INTEGER", "VARCHAR"),
@@ -106,7 +121,9 @@ class ProjectionOrderError(ValueError):
     """An input or batch that is not the next one in canonical order (a gap)."""
 
 
-def insert_rows(con: duckdb.DuckDBPyConnection, table: str, rows: list[list[Any]] | list[tuple]) -> None:
+def insert_rows(
+    con: duckdb.DuckDBPyConnection, table: str, rows: list[list[Any]] | list[tuple]
+) -> None:
     """Insert many rows at once (one statement, columns passed as typed lists)."""
     if not rows:
         return
@@ -124,7 +141,9 @@ class Projection:
         self.con = con
         con.execute(SCHEMA)
         self._reset_buffers()
-        row = con.execute("SELECT input_seq, batches, pos, state FROM projection_position").fetchone()
+        row = con.execute(
+            "SELECT input_seq, batches, pos, state FROM projection_position"
+        ).fetchone()
         self.live: dict[str, list[Any]] = {}
         self.open_runs: dict[str, list[list[Any]]] = {}
         self.open_waits: dict[str, list[Any]] = {}
@@ -139,15 +158,21 @@ class Projection:
         self._batches = row[1]
         self._pos = row[2]
         self._committed = (row[0], row[1])
-        for r in con.execute("SELECT * FROM workloads WHERE status IN ('pending', 'running')").fetchall():
+        for r in con.execute(
+            "SELECT * FROM workloads WHERE status IN ('pending', 'running')"
+        ).fetchall():
             self.live[r[0]] = list(r)
-        for r in con.execute("SELECT * FROM runs WHERE end_ms IS NULL ORDER BY workload, node").fetchall():
+        for r in con.execute(
+            "SELECT * FROM runs WHERE end_ms IS NULL ORDER BY workload, node"
+        ).fetchall():
             self.open_runs.setdefault(r[0], []).append(list(r))
         for r in con.execute(
             "SELECT w.* FROM waits w JOIN workloads USING (workload) WHERE placed_ms IS NULL AND status = 'pending'"
         ).fetchall():
             self.open_waits[r[0]] = list(r)
-        for (wid,) in con.execute("SELECT workload FROM workloads WHERE status = 'rejected'").fetchall():
+        for (wid,) in con.execute(
+            "SELECT workload FROM workloads WHERE status = 'rejected'"
+        ).fetchall():
             self.rejected_ids.add(wid)
 
     def _reset_buffers(self) -> None:
@@ -177,14 +202,25 @@ class Projection:
     # -- folding -----------------------------------------------------------
     def _event_row(self, event: Event, workload: str | None, node: str | None) -> None:
         self._pos += 1
-        self._events.append((self._pos, self.state.now_ms, kind_of(event), workload, node, _json.encode(event).decode()))
+        self._events.append(
+            (
+                self._pos,
+                self.state.now_ms,
+                kind_of(event),
+                workload,
+                node,
+                _json.encode(event).decode(),
+            )
+        )
 
     def add_input(self, seq: int, event: Input) -> None:
         state = self.state
         if seq <= state.input_seq:
             return  # already folded (a redelivery)
         if seq != state.input_seq + 1:
-            raise ProjectionOrderError(f"input {seq} arrived after input {state.input_seq}: a gap in the history")
+            raise ProjectionOrderError(
+                f"input {seq} arrived after input {state.input_seq}: a gap in the history"
+            )
         before = len(state.rejections)
         apply(state, event)
         rejected = len(state.rejections) > before
@@ -195,15 +231,47 @@ class Projection:
             wid = event.workload  # type: ignore[union-attr]
             e: WorkloadSubmitted = event  # type: ignore[assignment]
             if rejected:
-                if wid not in self.live and state.status_of(wid) is None and wid not in self.rejected_ids:
+                if (
+                    wid not in self.live
+                    and state.status_of(wid) is None
+                    and wid not in self.rejected_ids
+                ):
                     self.rejected_ids.add(wid)
                     self._dirty_workloads[wid] = [
-                        wid, e.owner, e.gpus, e.min_runtime_ms, e.resumable, e.priority, now, None, None,
-                        "rejected", 0, e.gpu_type, e.duration_ms, e.legacy_priority, e.legacy_preemptible,
+                        wid,
+                        e.owner,
+                        e.gpus,
+                        e.min_runtime_ms,
+                        e.resumable,
+                        e.priority,
+                        now,
+                        None,
+                        None,
+                        "rejected",
+                        0,
+                        e.gpu_type,
+                        e.duration_ms,
+                        e.legacy_priority,
+                        e.legacy_preemptible,
                     ]
                 return
-            row = [wid, e.owner, e.gpus, e.min_runtime_ms, e.resumable, e.priority, now, None, None, "pending", 0,
-                   e.gpu_type, e.duration_ms, e.legacy_priority, e.legacy_preemptible]
+            row = [
+                wid,
+                e.owner,
+                e.gpus,
+                e.min_runtime_ms,
+                e.resumable,
+                e.priority,
+                now,
+                None,
+                None,
+                "pending",
+                0,
+                e.gpu_type,
+                e.duration_ms,
+                e.legacy_priority,
+                e.legacy_preemptible,
+            ]
             self.live[wid] = row
             self._dirty_workloads[wid] = row
             self.open_waits[wid] = [wid, now, None]
@@ -230,7 +298,9 @@ class Projection:
         if seq <= state.input_seq:
             return
         if seq != state.input_seq + 1:
-            raise ProjectionOrderError(f"input {seq} arrived after input {state.input_seq}: a gap in the history")
+            raise ProjectionOrderError(
+                f"input {seq} arrived after input {state.input_seq}: a gap in the history"
+            )
         state.input_seq += 1
         if at_ms > state.now_ms:
             state.now_ms = at_ms
@@ -276,7 +346,14 @@ class Projection:
             )
         self._batches += 1
         self._batch_rows.append(
-            (self._batches, batch.basis, self._pos, len(batch.decisions), batch.next_wakeup_ms, batch.v)
+            (
+                self._batches,
+                batch.basis,
+                self._pos,
+                len(batch.decisions),
+                batch.next_wakeup_ms,
+                batch.v,
+            )
         )
         for d in batch.decisions:
             apply(state, d)
@@ -334,12 +411,15 @@ class Projection:
             insert_rows(con, "malformed_inputs", self._malformed)
             if self._dirty_workloads:
                 ids = list(self._dirty_workloads)
-                con.execute("DELETE FROM workloads WHERE workload IN (SELECT unnest($1::VARCHAR[]))", [ids])
+                con.execute(
+                    "DELETE FROM workloads WHERE workload IN (SELECT unnest($1::VARCHAR[]))", [ids]
+                )
                 insert_rows(con, "workloads", list(self._dirty_workloads.values()))
             if self._dirty_runs:
                 ids = list(self._dirty_runs)
                 con.execute(
-                    "DELETE FROM runs WHERE end_ms IS NULL AND workload IN (SELECT unnest($1::VARCHAR[]))", [ids]
+                    "DELETE FROM runs WHERE end_ms IS NULL AND workload IN (SELECT unnest($1::VARCHAR[]))",
+                    [ids],
                 )
                 rows = list(self._closed_runs)
                 for wid in ids:
@@ -348,7 +428,8 @@ class Projection:
             if self._dirty_waits:
                 ids = list(self._dirty_waits)
                 con.execute(
-                    "DELETE FROM waits WHERE placed_ms IS NULL AND workload IN (SELECT unnest($1::VARCHAR[]))", [ids]
+                    "DELETE FROM waits WHERE placed_ms IS NULL AND workload IN (SELECT unnest($1::VARCHAR[]))",
+                    [ids],
                 )
                 rows = list(self._closed_waits)
                 for wid in ids:
@@ -359,15 +440,24 @@ class Projection:
             insert_rows(con, "health", self._health)
             if self._nodes_dirty:
                 con.execute("DELETE FROM nodes")
-                insert_rows(con, "nodes", [(n.node, n.gpus, n.gpu_type) for n in state.nodes.values()])
+                insert_rows(
+                    con, "nodes", [(n.node, n.gpus, n.gpu_type) for n in state.nodes.values()]
+                )
             if self._budget_dirty:
                 con.execute("DELETE FROM budget")
                 tree = state.budget
                 insert_rows(
                     con,
                     "budget",
-                    [(p, tree.nodes[p].weight, tree.nodes[p].owner, float(tree.global_share(p)) if p != ROOT else 1.0)
-                     for p in tree.depth_first()],
+                    [
+                        (
+                            p,
+                            tree.nodes[p].weight,
+                            tree.nodes[p].owner,
+                            float(tree.global_share(p)) if p != ROOT else 1.0,
+                        )
+                        for p in tree.depth_first()
+                    ],
                 )
             con.execute("DELETE FROM projection_position")
             con.execute(

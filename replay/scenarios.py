@@ -63,7 +63,11 @@ class Scenario(msgspec.Struct, kw_only=True):
     days: int
     seed: int
     policy: dict[str, object] = msgspec.field(
-        default_factory=lambda: {"lookback": "7d", "max_min_runtime": "8h", "preemption_margin": 0.05}
+        default_factory=lambda: {
+            "lookback": "7d",
+            "max_min_runtime": "8h",
+            "preemption_margin": 0.05,
+        }
     )
 
     @property
@@ -152,15 +156,31 @@ def ai2(
     rows: list[TraceRow] = []
     counter = [0]
 
-    def add(team: str, submit: int, gpus: int, duration: int, min_rt: int, resumable: bool,
-            lp: str, lpre: bool, kind: str, user: str | None = None) -> int:
+    def add(
+        team: str,
+        submit: int,
+        gpus: int,
+        duration: int,
+        min_rt: int,
+        resumable: bool,
+        lp: str,
+        lpre: bool,
+        kind: str,
+        user: str | None = None,
+    ) -> int:
         counter[0] += 1
         owner = user or rng.choice(team_users[team])
         rows.append(
             TraceRow(
-                id=f"{kind}-{counter[0]:06d}", submit_ms=submit, owner=owner, gpus=gpus,
-                duration_ms=duration, min_runtime_ms=min_rt, resumable=resumable,
-                legacy_priority=lp, legacy_preemptible=lpre,
+                id=f"{kind}-{counter[0]:06d}",
+                submit_ms=submit,
+                owner=owner,
+                gpus=gpus,
+                duration_ms=duration,
+                min_runtime_ms=min_rt,
+                resumable=resumable,
+                legacy_priority=lp,
+                legacy_preemptible=lpre,
             )
         )
         return gpus * duration
@@ -171,17 +191,23 @@ def ai2(
         if flagship and team == biggest and 512 not in sizes:
             sizes.append(512)  # the flagship pretraining run, now and then
         gpus = _pick(rng, sizes, [8, 6, 4, 1][: len(sizes)])
-        duration = _round_to(_lognormal_ms(rng, 12 * HOUR_MS, 0.8, 3 * HOUR_MS, 72 * HOUR_MS), MINUTE_MS)
+        duration = _round_to(
+            _lognormal_ms(rng, 12 * HOUR_MS, 0.8, 3 * HOUR_MS, 72 * HOUR_MS), MINUTE_MS
+        )
         min_rt = rng.randrange(4, 17) * 30 * MINUTE_MS  # 2 h .. 8 h in half hours
         lp = "high" if rng.random() < 0.15 else "normal"
         return add(team, submit, gpus, duration, min_rt, True, lp, False, "train")
 
     def mid_job(team: str, submit: int) -> int:
         gpus = _pick(rng, [8, 16, 32], [5, 3, 2])
-        duration = _round_to(_lognormal_ms(rng, 3 * HOUR_MS, 0.9, 30 * MINUTE_MS, 12 * HOUR_MS), MINUTE_MS)
+        duration = _round_to(
+            _lognormal_ms(rng, 3 * HOUR_MS, 0.9, 30 * MINUTE_MS, 12 * HOUR_MS), MINUTE_MS
+        )
         min_rt = rng.randrange(1, 5) * 30 * MINUTE_MS
         pre = rng.random() < 1 / 3
-        return add(team, submit, gpus, duration, min_rt, True, "low" if pre else "normal", pre, "mid")
+        return add(
+            team, submit, gpus, duration, min_rt, True, "low" if pre else "normal", pre, "mid"
+        )
 
     def free_job(team: str, submit: int) -> int:
         gpus = _pick(rng, [16, 32], [3, 2])
@@ -200,7 +226,11 @@ def ai2(
         target = float(shares[team]) * day_capacity * backlog
         done = 0
         while done < target:
-            done += large_job(team, rng.randrange(0, HOUR_MS)) if rng.random() < 0.6 else mid_job(team, rng.randrange(0, HOUR_MS))
+            done += (
+                large_job(team, rng.randrange(0, HOUR_MS))
+                if rng.random() < 0.6
+                else mid_job(team, rng.randrange(0, HOUR_MS))
+            )
     # Each class keeps a running balance per team, so chunky jobs (a 512-GPU,
     # 2-day run) do not overshoot a small team's daily target.
     balance: dict[tuple[str, str], float] = {}
@@ -210,9 +240,17 @@ def ai2(
             act, act_free = activity[team][week]
             target = float(shares[team]) * day_capacity
             for cls, fraction, make in (
-                ("large", 0.6 * load * act, lambda t, d=day: large_job(t, d * DAY_MS + rng.randrange(DAY_MS))),
+                (
+                    "large",
+                    0.6 * load * act,
+                    lambda t, d=day: large_job(t, d * DAY_MS + rng.randrange(DAY_MS)),
+                ),
                 ("mid", 0.4 * load * act, lambda t, d=day: mid_job(t, _working_hours_time(rng, d))),
-                ("free", unallocated_load * act_free, lambda t, d=day: free_job(t, d * DAY_MS + rng.randrange(DAY_MS))),
+                (
+                    "free",
+                    unallocated_load * act_free,
+                    lambda t, d=day: free_job(t, d * DAY_MS + rng.randrange(DAY_MS)),
+                ),
             ):
                 key = (team, cls)
                 balance[key] = balance.get(key, 0.0) + target * fraction
@@ -243,14 +281,29 @@ def ai2(
             busy_until[node] = back + MINUTE_MS
     health = [h for h in health if h.at_ms < days * DAY_MS]
     health.sort(key=lambda h: (h.at_ms, h.node))
-    return Scenario(name="ai2", pools=[("h100-", nodes, gpn, "h100")], budget=budget, trace=rows,
-                    health=health, days=days, seed=seed)
+    return Scenario(
+        name="ai2",
+        pools=[("h100-", nodes, gpn, "h100")],
+        budget=budget,
+        trace=rows,
+        health=health,
+        days=days,
+        seed=seed,
+    )
 
 
 def debug(days: int = 3, seed: int = 1) -> Scenario:
     rng = random.Random(seed)
-    budget = [("", 1, "ops"), ("train", 3, "train-lead"), ("train/ana", 1, "ana"), ("train/ben", 1, "ben"),
-              ("dev", 1, "dev-lead"), ("dev/cy", 1, "cy"), ("dev/di", 1, "di"), ("dev/ed", 1, "ed")]
+    budget = [
+        ("", 1, "ops"),
+        ("train", 3, "train-lead"),
+        ("train/ana", 1, "ana"),
+        ("train/ben", 1, "ben"),
+        ("dev", 1, "dev-lead"),
+        ("dev/cy", 1, "cy"),
+        ("dev/di", 1, "di"),
+        ("dev/ed", 1, "ed"),
+    ]
     rows: list[TraceRow] = []
     n = 0
     # Training: each of ana and ben keeps two 64-GPU jobs queued per day.
@@ -258,25 +311,49 @@ def debug(days: int = 3, seed: int = 1) -> Scenario:
         for user in ("ana", "ben"):
             for k in range(2):
                 n += 1
-                rows.append(TraceRow(
-                    id=f"train-{n:04d}", submit_ms=day * DAY_MS + k * HOUR_MS + rng.randrange(10 * MINUTE_MS),
-                    owner=f"train/{user}", gpus=64, duration_ms=2 * DAY_MS, min_runtime_ms=8 * HOUR_MS,
-                    legacy_priority="normal", legacy_preemptible=False))
+                rows.append(
+                    TraceRow(
+                        id=f"train-{n:04d}",
+                        submit_ms=day * DAY_MS + k * HOUR_MS + rng.randrange(10 * MINUTE_MS),
+                        owner=f"train/{user}",
+                        gpus=64,
+                        duration_ms=2 * DAY_MS,
+                        min_runtime_ms=8 * HOUR_MS,
+                        legacy_priority="normal",
+                        legacy_preemptible=False,
+                    )
+                )
     users = ["cy", "di", "ed"]
     for day in range(days):
         t = day * DAY_MS + 8 * HOUR_MS
         i = 0
         while t < day * DAY_MS + 20 * HOUR_MS:
             n += 1
-            rows.append(TraceRow(
-                id=f"debug-{n:04d}", submit_ms=t + rng.randrange(MINUTE_MS), owner=f"dev/{users[i % 3]}",
-                gpus=(1, 2, 4)[i % 3], duration_ms=5 * MINUTE_MS, min_runtime_ms=10 * MINUTE_MS,
-                resumable=False, legacy_priority="high", legacy_preemptible=False))
+            rows.append(
+                TraceRow(
+                    id=f"debug-{n:04d}",
+                    submit_ms=t + rng.randrange(MINUTE_MS),
+                    owner=f"dev/{users[i % 3]}",
+                    gpus=(1, 2, 4)[i % 3],
+                    duration_ms=5 * MINUTE_MS,
+                    min_runtime_ms=10 * MINUTE_MS,
+                    resumable=False,
+                    legacy_priority="high",
+                    legacy_preemptible=False,
+                )
+            )
             t += 10 * MINUTE_MS
             i += 1
     rows.sort(key=lambda r: (r.submit_ms, r.id))
-    return Scenario(name="debug", pools=[("node-", 16, 8, "h100")], budget=budget, trace=rows, health=[],
-                    days=days, seed=seed)
+    return Scenario(
+        name="debug",
+        pools=[("node-", 16, 8, "h100")],
+        budget=budget,
+        trace=rows,
+        health=[],
+        days=days,
+        seed=seed,
+    )
 
 
 SCENARIOS: dict[str, Callable[..., Scenario]] = {"ai2": ai2, "debug": debug}
@@ -299,11 +376,19 @@ def write_scenario(scenario: Scenario, out_dir) -> dict[str, str]:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"trace": str(out / "trace.csv"), "health": str(out / "health.csv"), "cluster": str(out / "cluster.toml")}
+    paths = {
+        "trace": str(out / "trace.csv"),
+        "health": str(out / "health.csv"),
+        "cluster": str(out / "cluster.toml"),
+    }
     write_trace(paths["trace"], scenario.trace)
     write_health(paths["health"], scenario.health)
     write_cluster(
-        paths["cluster"], name=scenario.name, pools=scenario.pools, budget=scenario.budget, policy=scenario.policy,
+        paths["cluster"],
+        name=scenario.name,
+        pools=scenario.pools,
+        budget=scenario.budget,
+        policy=scenario.policy,
         comment=f"apportion scenario {scenario.name}, seed {scenario.seed}, {scenario.days} days",
     )
     return paths

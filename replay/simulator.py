@@ -107,10 +107,19 @@ def policy_decider(policy: str) -> Callable[[State], CycleResult]:
 
 def submission(row: TraceRow, at_ms: int) -> WorkloadSubmitted:
     return WorkloadSubmitted(
-        id=f"sub/{row.id}", at_ms=at_ms, workload=row.id, owner=row.owner, gpus=row.gpus,
-        min_runtime_ms=row.min_runtime_ms, gpu_type=row.gpu_type, resumable=row.resumable,
-        priority=row.priority, submitted_by=row.owner.rsplit("/", 1)[-1], duration_ms=row.duration_ms,
-        legacy_priority=row.legacy_priority, legacy_preemptible=row.legacy_preemptible,  # type: ignore[arg-type]
+        id=f"sub/{row.id}",
+        at_ms=at_ms,
+        workload=row.id,
+        owner=row.owner,
+        gpus=row.gpus,
+        min_runtime_ms=row.min_runtime_ms,
+        gpu_type=row.gpu_type,
+        resumable=row.resumable,
+        priority=row.priority,
+        submitted_by=row.owner.rsplit("/", 1)[-1],
+        duration_ms=row.duration_ms,
+        legacy_priority=row.legacy_priority,
+        legacy_preemptible=row.legacy_preemptible,  # type: ignore[arg-type]
     )
 
 
@@ -177,7 +186,9 @@ def simulate(
         nonlocal cycles, n_decisions, counter
         result = decide(state)
         cycles += 1
-        batch = DecisionBatch(basis=seq, decisions=result.decisions, next_wakeup_ms=result.next_wakeup_ms)
+        batch = DecisionBatch(
+            basis=seq, decisions=result.decisions, next_wakeup_ms=result.next_wakeup_ms
+        )
         proj.add_batch(batch)
         if sink is not None:
             sink.add_batch(batch)
@@ -225,14 +236,24 @@ def simulate(
                 wid, attempt = payload
                 w = state.running.get(wid)
                 if w is not None and w.attempt == attempt:
-                    inputs.append(WorkloadFinished(id=f"fin/{wid}/{attempt}", at_ms=t, workload=wid, attempt=attempt))
+                    inputs.append(
+                        WorkloadFinished(
+                            id=f"fin/{wid}/{attempt}", at_ms=t, workload=wid, attempt=attempt
+                        )
+                    )
             elif kind == _SUBMIT:
                 inputs.append(submission(payload, t))
             elif kind == _INPUT:
                 inputs.append(payload)
             elif kind == _HEALTH:
-                inputs.append(NodeHealthChanged(id=f"health/{payload.line or counter}/{payload.node}", at_ms=t,
-                                                node=payload.node, state=payload.state))
+                inputs.append(
+                    NodeHealthChanged(
+                        id=f"health/{payload.line or counter}/{payload.node}",
+                        at_ms=t,
+                        node=payload.node,
+                        state=payload.state,
+                    )
+                )
             else:
                 wakeups.pop(t, None)
                 ticked = True
@@ -256,6 +277,14 @@ def simulate(
     if progress is not None:
         progress(end_ms - start_ms)
     return SimResult(
-        con=con, policy=policy, start_ms=start_ms, end_ms=end_ms, wall_s=time.perf_counter() - wall0, inputs=seq,
-        decisions=n_decisions, cycles=cycles, rejected=rejected, state=state,
+        con=con,
+        policy=policy,
+        start_ms=start_ms,
+        end_ms=end_ms,
+        wall_s=time.perf_counter() - wall0,
+        inputs=seq,
+        decisions=n_decisions,
+        cycles=cycles,
+        rejected=rejected,
+        state=state,
     )

@@ -66,8 +66,11 @@ class PolicyChange(msgspec.Struct, kw_only=True):
     """``(path, weight, owner)`` parents first, root ``""`` first."""
 
     def policy_fields(self) -> dict[str, Any]:
-        return {k: v for k in ("preemption_margin_ppm", "lookback_ms", "max_min_runtime_ms", "reservations")
-                if (v := getattr(self, k)) is not None}
+        return {
+            k: v
+            for k in ("preemption_margin_ppm", "lookback_ms", "max_min_runtime_ms", "reservations")
+            if (v := getattr(self, k)) is not None
+        }
 
 
 class WhatIf(msgspec.Struct, kw_only=True):
@@ -154,18 +157,32 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
         cluster = [e for e in cluster if type(e) not in (BudgetSet, BudgetRemoved)]
         timed = [e for e in timed if type(e) not in (BudgetSet, BudgetRemoved)]
         at = cluster[-1].at_ms if cluster else start_ms
-        budget_events = [BudgetSet(id=f"whatif/budget/{p}", at_ms=at, path=p, weight=w, owner=o, actor=root_owner)
-                         for p, w, o in change.budget]
+        budget_events = [
+            BudgetSet(
+                id=f"whatif/budget/{p}", at_ms=at, path=p, weight=w, owner=o, actor=root_owner
+            )
+            for p, w, o in change.budget
+        ]
         n_nodes = sum(1 for e in cluster if type(e) is NodeRegistered)
         cluster = cluster[:n_nodes] + budget_events + cluster[n_nodes:]
-        cluster = [msgspec.structs.replace(e, actor=root_owner) if type(e) is PolicySet else e for e in cluster]
-        timed = [msgspec.structs.replace(e, actor=root_owner) if type(e) is PolicySet else e for e in timed]
+        cluster = [
+            msgspec.structs.replace(e, actor=root_owner) if type(e) is PolicySet else e
+            for e in cluster
+        ]
+        timed = [
+            msgspec.structs.replace(e, actor=root_owner) if type(e) is PolicySet else e
+            for e in timed
+        ]
     fields = change.policy_fields()
     if fields:
         if not any(type(e) is PolicySet for e in cluster):
             at = cluster[-1].at_ms if cluster else start_ms
-            cluster.append(PolicySet(id="whatif/policy", at_ms=at, actor=root_owner, **_policy_of(cluster)))
-        cluster = [msgspec.structs.replace(e, **fields) if type(e) is PolicySet else e for e in cluster]
+            cluster.append(
+                PolicySet(id="whatif/policy", at_ms=at, actor=root_owner, **_policy_of(cluster))
+            )
+        cluster = [
+            msgspec.structs.replace(e, **fields) if type(e) is PolicySet else e for e in cluster
+        ]
         timed = [msgspec.structs.replace(e, **fields) if type(e) is PolicySet else e for e in timed]
 
     # 4. re-simulate
@@ -175,10 +192,21 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
 
         baseline._KEY_CACHE.clear()
     wall0 = time.perf_counter()
-    sim: SimResult = simulate(cluster, (), (), policy=policy, start_ms=start_ms, end_ms=end_ms, timed_inputs=timed)
+    sim: SimResult = simulate(
+        cluster, (), (), policy=policy, start_ms=start_ms, end_ms=end_ms, timed_inputs=timed
+    )
     kpis = compute_kpis(sim.con, start_ms, end_ms, time.perf_counter() - wall0)
-    return WhatIf(original=original, whatif=kpis, original_policy=log.header.policy, whatif_policy=policy,
-                  start_ms=start_ms, end_ms=end_ms, submissions=submissions, dropped_no_duration=dropped, sim=sim)
+    return WhatIf(
+        original=original,
+        whatif=kpis,
+        original_policy=log.header.policy,
+        whatif_policy=policy,
+        start_ms=start_ms,
+        end_ms=end_ms,
+        submissions=submissions,
+        dropped_no_duration=dropped,
+        sim=sim,
+    )
 
 
 def load_budget(path: str | Path) -> list[tuple[str, int, str]]:
@@ -199,8 +227,13 @@ def load_budget(path: str | Path) -> list[tuple[str, int, str]]:
         raise InputFileError(str(path), None, f"TOML syntax: {exc}") from None
     if "budget" not in doc:
         raise InputFileError(str(path), "budget", "no [budget] table")
-    dummy = {"cluster": {"name": "whatif", "pool": [{"prefix": "n", "count": 1, "gpus_per_node": 1, "gpu_type": "x"}]},
-             "budget": doc["budget"]}
+    dummy = {
+        "cluster": {
+            "name": "whatif",
+            "pool": [{"prefix": "n", "count": 1, "gpus_per_node": 1, "gpu_type": "x"}],
+        },
+        "budget": doc["budget"],
+    }
     return cluster_from_dict(dummy, str(path)).budget
 
 
@@ -217,5 +250,9 @@ def _policy_of(cluster: Sequence[Event]) -> dict[str, Any]:
     for e in cluster:
         apply(state, e)
     p = state.policy
-    return {"lookback_ms": p.lookback_ms, "max_min_runtime_ms": p.max_min_runtime_ms,
-            "preemption_margin_ppm": p.preemption_margin_ppm, "reservations": p.reservations}
+    return {
+        "lookback_ms": p.lookback_ms,
+        "max_min_runtime_ms": p.max_min_runtime_ms,
+        "preemption_margin_ppm": p.preemption_margin_ppm,
+        "reservations": p.reservations,
+    }

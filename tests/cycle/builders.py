@@ -46,7 +46,9 @@ class Cluster:
 
     def team(self, path: str, weight: int, owner: str = "root") -> Cluster:
         self.events.append(
-            BudgetSet(id=self.next_id(), at_ms=0, path=path, weight=weight, owner=owner, actor="root")
+            BudgetSet(
+                id=self.next_id(), at_ms=0, path=path, weight=weight, owner=owner, actor="root"
+            )
         )
         return self
 
@@ -55,7 +57,11 @@ class Cluster:
             self._node += 1
             self.events.append(
                 NodeRegistered(
-                    id=self.next_id(), at_ms=0, node=f"{prefix}{self._node:03d}", gpus=gpus, gpu_type=gpu_type
+                    id=self.next_id(),
+                    at_ms=0,
+                    node=f"{prefix}{self._node:03d}",
+                    gpus=gpus,
+                    gpu_type=gpu_type,
                 )
             )
         return self
@@ -98,12 +104,16 @@ def tick(state: State, at_ms: int) -> State:
 
 def health(state: State, node: str, to: str, at_ms: int | None = None) -> State:
     at = state.now_ms if at_ms is None else at_ms
-    return apply(state, NodeHealthChanged(id=f"h-{node}-{state.input_seq}", at_ms=at, node=node, state=to))
+    return apply(
+        state, NodeHealthChanged(id=f"h-{node}-{state.input_seq}", at_ms=at, node=node, state=to)
+    )
 
 
 def finish(state: State, workload: str, at_ms: int | None = None) -> State:
     at = state.now_ms if at_ms is None else at_ms
-    return apply(state, WorkloadFinished(id=f"fin-{workload}-{state.input_seq}", at_ms=at, workload=workload))
+    return apply(
+        state, WorkloadFinished(id=f"fin-{workload}-{state.input_seq}", at_ms=at, workload=workload)
+    )
 
 
 def placed(result: CycleResult) -> dict[str, tuple[str, ...]]:
@@ -162,12 +172,19 @@ def drive(
             if w in started and started[w][1] == attempt:
                 start, _ = started.pop(w)
                 progress[w] = progress.get(w, 0) + now - start
-                apply(state, WorkloadFinished(id=f"fin-{w}-{attempt}", at_ms=now, workload=w, attempt=attempt))
+                apply(
+                    state,
+                    WorkloadFinished(
+                        id=f"fin-{w}-{attempt}", at_ms=now, workload=w, attempt=attempt
+                    ),
+                )
                 folded = True
         if not folded:
             apply(state, ClockTicked(id=f"tick{next(ticks)}", at_ms=now))
         result = step(state)
-        wakeup = result.next_wakeup_ms if result.next_wakeup_ms and result.next_wakeup_ms > now else None
+        wakeup = (
+            result.next_wakeup_ms if result.next_wakeup_ms and result.next_wakeup_ms > now else None
+        )
         for d in result.decisions:
             log.append((now, d))
             if isinstance(d, WorkloadPreempted) and d.workload in started:

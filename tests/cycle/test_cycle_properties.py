@@ -9,10 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from apportion.core import State, apply, fold
 from apportion.core.cycle import step
 from apportion.schemas import encode
@@ -29,6 +25,9 @@ from apportion.schemas.events import (
     WorkloadPreempted,
     WorkloadSubmitted,
 )
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 MIN = 60_000
 HOUR = 60 * MIN
@@ -39,7 +38,9 @@ NODES = [("n1", 8, "h100"), ("n2", 8, "h100"), ("n3", 8, "h100"), ("g1", 4, "a10
 def setup_events() -> list[Event]:
     ev: list[Event] = [BudgetSet(id="b", at_ms=0, path="", weight=1, owner="root", actor="root")]
     for path, weight in [("a", 3), ("a/x", 1), ("a/y", 2), ("b", 2), ("b/z", 1), ("c", 1)]:
-        ev.append(BudgetSet(id=f"b-{path}", at_ms=0, path=path, weight=weight, owner="o", actor="root"))
+        ev.append(
+            BudgetSet(id=f"b-{path}", at_ms=0, path=path, weight=weight, owner="o", actor="root")
+        )
     ev.append(PolicySet(id="p", at_ms=0, actor="root", preemption_margin_ppm=50_000))
     for name, gpus, kind in NODES:
         ev.append(NodeRegistered(id=f"n-{name}", at_ms=0, node=name, gpus=gpus, gpu_type=kind))
@@ -61,7 +62,9 @@ class CycleMachine(RuleBasedStateMachine):
     def _input(self, event: Event) -> None:
         self.inputs.append(event)
         self.log.append(event)
-        before = {w.id: (w.min_runtime_ms, w.protected_until_ms) for w in self.state.running.values()}
+        before = {
+            w.id: (w.min_runtime_ms, w.protected_until_ms) for w in self.state.running.values()
+        }
         apply(self.state, event)
         self._cycle(before)
 
@@ -147,13 +150,20 @@ class CycleMachine(RuleBasedStateMachine):
         wid = data.draw(st.sampled_from(self.ids))
         self._input(WorkloadCancelled(id=self._id(), at_ms=self.now, workload=wid))
 
-    @rule(node=st.sampled_from([n for n, _, _ in NODES]), to=st.sampled_from(["healthy", "draining", "down"]))
+    @rule(
+        node=st.sampled_from([n for n, _, _ in NODES]),
+        to=st.sampled_from(["healthy", "draining", "down"]),
+    )
     def health(self, node, to):
         self._input(NodeHealthChanged(id=self._id(), at_ms=self.now, node=node, state=to))
 
     @rule(path=st.sampled_from(["a", "b", "a/x", "c"]), weight=st.integers(1, 5))
     def reweigh(self, path, weight):
-        self._input(BudgetSet(id=self._id(), at_ms=self.now, path=path, weight=weight, owner="o", actor="root"))
+        self._input(
+            BudgetSet(
+                id=self._id(), at_ms=self.now, path=path, weight=weight, owner="o", actor="root"
+            )
+        )
 
     @invariant()
     def no_gpu_double_booked_and_capacity_never_exceeded(self):
@@ -188,7 +198,9 @@ class CycleMachine(RuleBasedStateMachine):
             apply(replay, event)
             if event.id.startswith("i") or event.id == setup_events()[-1].id:
                 decisions.extend(encode(d) for d in step(replay).decisions)
-        original = [encode(d) for d in self.log if isinstance(d, (WorkloadPlaced, WorkloadPreempted))]
+        original = [
+            encode(d) for d in self.log if isinstance(d, (WorkloadPlaced, WorkloadPreempted))
+        ]
         replayed = [d for d in decisions if b'"WorkloadPlaced"' in d or b'"WorkloadPreempted"' in d]
         assert replayed == original
         assert replay.digest() == self.state.digest()
@@ -237,7 +249,11 @@ def test_same_events_give_same_decisions_under_another_hash_seed():
     for seed in ("0", "1", "4242"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         out = subprocess.run(
-            [sys.executable, "-c", SCRIPT, root], env=env, capture_output=True, text=True, check=True
+            [sys.executable, "-c", SCRIPT, root],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         assert len(out.split()) == 2
         outputs.add(out)

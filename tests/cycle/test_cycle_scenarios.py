@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from apportion.core.cycle import decide, step
+from apportion.core.cycle import step
 from apportion.schemas.events import InputRejected, NodeDrained, WorkloadPlaced, WorkloadPreempted
 
 from .builders import HOUR, MIN, Cluster, finish, health, placed, preempted, submit, tick

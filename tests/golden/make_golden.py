@@ -54,46 +54,78 @@ def make_debug(policy: str, out: Path) -> str:
 
 def handmade_inputs() -> list[list[object]]:
     """Groups of inputs; the scheduler runs one cycle after each group."""
-    cluster = cluster_from_dict({
-        "cluster": {"name": "hand", "pool": [{"prefix": "n", "count": 4, "gpus_per_node": 8, "gpu_type": "h100"}]},
-        "policy": {"max_min_runtime": "4h", "preemption_margin": 0.05},
-        "budget": {"owner": "ops", "a": {"weight": 1, "owner": "lead-a", "u1": {"weight": 1, "owner": "u1"}},
-                   "b": {"weight": 1, "owner": "lead-b", "u2": {"weight": 1, "owner": "u2"}}},
-    }).events
+    cluster = cluster_from_dict(
+        {
+            "cluster": {
+                "name": "hand",
+                "pool": [{"prefix": "n", "count": 4, "gpus_per_node": 8, "gpu_type": "h100"}],
+            },
+            "policy": {"max_min_runtime": "4h", "preemption_margin": 0.05},
+            "budget": {
+                "owner": "ops",
+                "a": {"weight": 1, "owner": "lead-a", "u1": {"weight": 1, "owner": "u1"}},
+                "b": {"weight": 1, "owner": "lead-b", "u2": {"weight": 1, "owner": "u2"}},
+            },
+        }
+    ).events
 
     def sub(wid, t, owner, gpus, min_rt, **kw):
-        return WorkloadSubmitted(id=f"sub/{wid}", at_ms=t, workload=wid, owner=owner, gpus=gpus,
-                                 min_runtime_ms=min_rt, submitted_by=owner.rsplit("/", 1)[-1], **kw)
+        return WorkloadSubmitted(
+            id=f"sub/{wid}",
+            at_ms=t,
+            workload=wid,
+            owner=owner,
+            gpus=gpus,
+            min_runtime_ms=min_rt,
+            submitted_by=owner.rsplit("/", 1)[-1],
+            **kw,
+        )
 
     return [
         list(cluster),
         # team a fills the cluster: protected for 30 min, then preemptible
-        [sub("a1", 1 * M, "a/u1", 16, 30 * M), sub("a2", 1 * M, "a/u1", 16, 30 * M, resumable=False)],
+        [
+            sub("a1", 1 * M, "a/u1", 16, 30 * M),
+            sub("a2", 1 * M, "a/u1", 16, 30 * M, resumable=False),
+        ],
         # free work queues behind; team b asks for 8 GPUs (must wait for a's protection)
         [sub("free1", 2 * M, "a/u1", 8, 0)],
         [sub("b1", 3 * M, "b/u2", 8, 2 * H)],
         # bad input: unknown owner, not a valid gang, over the min-runtime cap, budget edit by a non-owner
-        [sub("bad-owner", 4 * M, "c/x", 8, H), sub("bad-gang", 4 * M, "b/u2", 12, H),
-         sub("bad-cap", 4 * M, "b/u2", 8, 5 * H),
-         BudgetSet(id="budget/steal", at_ms=4 * M, path="b", weight=9, owner="u1", actor="u1")],
+        [
+            sub("bad-owner", 4 * M, "c/x", 8, H),
+            sub("bad-gang", 4 * M, "b/u2", 12, H),
+            sub("bad-cap", 4 * M, "b/u2", 8, 5 * H),
+            BudgetSet(id="budget/steal", at_ms=4 * M, path="b", weight=9, owner="u1", actor="u1"),
+        ],
         # an undecodable input (as a live INPUTS stream can hold)
-        [Malformed(seq=0, at_ms=5 * M, ref="seq:malformed", reason="malformed input: invalid JSON")],
+        [
+            Malformed(
+                seq=0, at_ms=5 * M, ref="seq:malformed", reason="malformed input: invalid JSON"
+            )
+        ],
         # a whole-cluster job for b: cannot be placed, gets a reservation; a short free job may still run
         [sub("b-big", 6 * M, "b/u2", 32, H)],
         # a cancel of pending work, a stale finish of work that never ran
-        [WorkloadCancelled(id="cancel/free1", at_ms=10 * M, workload="free1", actor="u1"),
-         WorkloadFinished(id="fin/ghost", at_ms=10 * M, workload="ghost")],
+        [
+            WorkloadCancelled(id="cancel/free1", at_ms=10 * M, workload="free1", actor="u1"),
+            WorkloadFinished(id="fin/ghost", at_ms=10 * M, workload="ghost"),
+        ],
         [sub("a3", 40 * M, "a/u1", 8, 15 * M)],
         # a drain, then a node down
         [NodeHealthChanged(id="health/n003/draining", at_ms=50 * M, node="n003", state="draining")],
         # free work on the now empty n002, lost when the node goes down (requeued), later preempted
         [sub("free3", 52 * M, "a/u1", 8, 0)],
         [NodeHealthChanged(id="health/n002/down", at_ms=70 * M, node="n002", state="down")],
-        [WorkloadFinished(id="fin/b1", at_ms=2 * H + 31 * M, workload="b1", attempt=1),
-         WorkloadFinished(id="fin/b1-again", at_ms=2 * H + 31 * M, workload="b1")],
-        [NodeHealthChanged(id="health/n002/healthy", at_ms=3 * H, node="n002", state="healthy"),
-         NodeHealthChanged(id="health/n003/healthy", at_ms=3 * H, node="n003", state="healthy"),
-         NodeHealthChanged(id="health/n009/down", at_ms=3 * H, node="n009", state="down")],
+        [
+            WorkloadFinished(id="fin/b1", at_ms=2 * H + 31 * M, workload="b1", attempt=1),
+            WorkloadFinished(id="fin/b1-again", at_ms=2 * H + 31 * M, workload="b1"),
+        ],
+        [
+            NodeHealthChanged(id="health/n002/healthy", at_ms=3 * H, node="n002", state="healthy"),
+            NodeHealthChanged(id="health/n003/healthy", at_ms=3 * H, node="n003", state="healthy"),
+            NodeHealthChanged(id="health/n009/down", at_ms=3 * H, node="n009", state="down"),
+        ],
         [sub("free2", 3 * H + M, "b/u2", 4, 0), sub("b2", 3 * H + 2 * M, "b/u2", 8, 20 * M)],
     ]
 
@@ -121,10 +153,16 @@ def make_handmade(out: Path, end_ms: int = 6 * H) -> tuple[str, dict[str, int]]:
             seen["reservation"] = seen.get("reservation", 0) + 1
         plain = decide(state)
         assert plain.decisions == result.decisions and plain.next_wakeup_ms == result.next_wakeup_ms
-        batch = DecisionBatch(basis=state.input_seq, decisions=plain.decisions, next_wakeup_ms=plain.next_wakeup_ms)
+        batch = DecisionBatch(
+            basis=state.input_seq, decisions=plain.decisions, next_wakeup_ms=plain.next_wakeup_ms
+        )
         for d in batch.decisions:
             apply(state, d)
-            key = type(d).__name__ + (f":{d.reason}" if hasattr(d, "reason") and type(d).__name__ != "InputRejected" else "")
+            key = type(d).__name__ + (
+                f":{d.reason}"
+                if hasattr(d, "reason") and type(d).__name__ != "InputRejected"
+                else ""
+            )
             seen[key] = seen.get(key, 0) + 1
         w.add_batch(batch)
         return batch.next_wakeup_ms
@@ -158,15 +196,27 @@ def main() -> None:
         path = HERE / f"{name}.jsonl"
         digest = make(path)
         (HERE / f"{name}.digest").write_text(digest + "\n")
-        print(f"wrote {path.name} ({sum(1 for _ in path.open())} lines), digest {digest[:16]}", file=sys.stderr)
+        print(
+            f"wrote {path.name} ({sum(1 for _ in path.open())} lines), digest {digest[:16]}",
+            file=sys.stderr,
+        )
     _, seen = make_handmade(HERE / "handmade.jsonl")
     print("handmade:", dict(sorted(seen.items())), file=sys.stderr)
-    wanted = ("InputRejected", "NodeDrained", "WorkloadPlaced", "WorkloadPreempted:drain",
-              "WorkloadPreempted:fairshare", "WorkloadPreempted:node_down", "WorkloadPreempted:unallocated",
-              "reservation")
+    wanted = (
+        "InputRejected",
+        "NodeDrained",
+        "WorkloadPlaced",
+        "WorkloadPreempted:drain",
+        "WorkloadPreempted:fairshare",
+        "WorkloadPreempted:node_down",
+        "WorkloadPreempted:unallocated",
+        "reservation",
+    )
     missing = [k for k in wanted if not seen.get(k)]
     if missing:
-        raise SystemExit(f"handmade history no longer exercises {missing}: adjust handmade_inputs()")
+        raise SystemExit(
+            f"handmade history no longer exercises {missing}: adjust handmade_inputs()"
+        )
 
 
 if __name__ == "__main__":

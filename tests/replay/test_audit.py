@@ -25,7 +25,17 @@ from apportion.cli import main
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 NAMES = ("debug-budget-1d", "debug-priority-1d", "handmade")
 DAY = 86_400_000
-TABLES = ("events", "workloads", "runs", "waits", "nodes", "health", "budget", "batches", "malformed_inputs")
+TABLES = (
+    "events",
+    "workloads",
+    "runs",
+    "waits",
+    "nodes",
+    "health",
+    "budget",
+    "batches",
+    "malformed_inputs",
+)
 
 
 def golden(name: str) -> Path:
@@ -73,7 +83,18 @@ def test_regenerating_a_golden_log_gives_the_same_bytes(name, tmp_path):
 
 def test_cli_simulate_log_is_the_golden_log(tmp_path):
     out = tmp_path / "d.jsonl"
-    r = cli("simulate", "--scenario", "debug", "--days", "1", "--policy", "priority", "-q", "--log", str(out))
+    r = cli(
+        "simulate",
+        "--scenario",
+        "debug",
+        "--days",
+        "1",
+        "--policy",
+        "priority",
+        "-q",
+        "--log",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     assert out.read_bytes() == golden("debug-priority-1d").read_bytes()
 
@@ -91,7 +112,11 @@ def test_one_altered_decision_fails_the_audit_at_that_batch(tmp_path):
     lines = _lines("handmade")
     batches = [i for i, x in enumerate(lines) if "batch" in x]
     # the 4th batch with a placement: move it to another node
-    placed = [i for i in batches if any(d["kind"] == "WorkloadPlaced" for d in lines[i]["batch"]["decisions"])]
+    placed = [
+        i
+        for i in batches
+        if any(d["kind"] == "WorkloadPlaced" for d in lines[i]["batch"]["decisions"])
+    ]
     i = placed[3]
     n_batch = batches.index(i) + 1
     d = next(d for d in lines[i]["batch"]["decisions"] if d["kind"] == "WorkloadPlaced")
@@ -102,7 +127,11 @@ def test_one_altered_decision_fails_the_audit_at_that_batch(tmp_path):
     result = audit(open_log(path))
     assert not result.ok
     div = result.divergence
-    assert (div.batch, div.basis, div.what) == (n_batch, lines[i]["batch"]["basis"], f"decision {k}")
+    assert (div.batch, div.basis, div.what) == (
+        n_batch,
+        lines[i]["batch"]["basis"],
+        f"decision {k}",
+    )
     assert '"n009"' in div.recorded and '"n009"' not in div.expected
 
     r = cli("audit", str(path))
@@ -129,7 +158,9 @@ def test_an_altered_wakeup_or_a_dropped_decision_fails(tmp_path):
 def test_an_altered_input_changes_the_digest_or_a_decision(tmp_path):
     lines = _lines("debug-budget-1d")
     # a submission with a different duration hint: the scheduler never reads it, but the state keeps it
-    i = next(i for i, x in enumerate(lines) if x.get("input", {}).get("kind") == "WorkloadSubmitted")
+    i = next(
+        i for i, x in enumerate(lines) if x.get("input", {}).get("kind") == "WorkloadSubmitted"
+    )
     lines[i]["input"]["duration_ms"] += 1
     result = audit(open_log(_write(tmp_path / "in.jsonl", lines)))
     assert not result.ok and result.divergence.what == "digest"
@@ -147,7 +178,12 @@ def test_a_nondeterministic_tie_break_fails_the_audit(monkeypatch):
             return got
         name, g = got[0]
         free = self.free[name]
-        ties = [n for key in self._pools_for(w) for n in self.buckets[key].get(free, ()) if self._may_use(w, n)]
+        ties = [
+            n
+            for key in self._pools_for(w)
+            for n in self.buckets[key].get(free, ())
+            if self._may_use(w, n)
+        ]
         return [(max(ties), g)]
 
     monkeypatch.setattr(cycle._Cycle, "fit", fit_reversed)
@@ -173,10 +209,15 @@ def test_replay_of_a_golden_log_gives_the_tables_simulate_wrote(tmp_path):
     r = cli("replay", str(golden("debug-budget-1d")), "--out", str(rep_db))
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines()[0] == "replay: 161 inputs, 90 decision batches, 61 decisions"
-    with duckdb.connect(str(sim_db), read_only=True) as a, duckdb.connect(str(rep_db), read_only=True) as b:
+    with (
+        duckdb.connect(str(sim_db), read_only=True) as a,
+        duckdb.connect(str(rep_db), read_only=True) as b,
+    ):
         assert dump(a) == dump(b)
-        assert a.execute("SELECT input_seq, batches, pos FROM projection_position").fetchall() == \
-            b.execute("SELECT input_seq, batches, pos FROM projection_position").fetchall()
+        assert (
+            a.execute("SELECT input_seq, batches, pos FROM projection_position").fetchall()
+            == b.execute("SELECT input_seq, batches, pos FROM projection_position").fetchall()
+        )
     # and the projection file is itself a log source that audits
     r = cli("audit", str(sim_db), "--digest", golden_digest("debug-budget-1d"))
     assert r.exit_code == 0 and "all reproduced" in r.stdout
@@ -222,27 +263,51 @@ def test_whatif_with_the_same_policy_reproduces_the_kpis(name):
 def test_whatif_replays_the_history_itself_when_nothing_changes(tmp_path):
     """Same policy: the re-simulated history is the original one, decision for decision."""
     res = whatif(open_log(golden("debug-budget-1d")), PolicyChange())
-    events = res.sim.con.execute("SELECT kind, workload, node, at_ms FROM events ORDER BY pos").fetchall()
+    events = res.sim.con.execute(
+        "SELECT kind, workload, node, at_ms FROM events ORDER BY pos"
+    ).fetchall()
     con = duckdb.connect()
     replay_into(list(open_log(golden("debug-budget-1d"))), con)
-    assert events == con.execute("SELECT kind, workload, node, at_ms FROM events ORDER BY pos").fetchall()
+    assert (
+        events
+        == con.execute("SELECT kind, workload, node, at_ms FROM events ORDER BY pos").fetchall()
+    )
 
 
 def test_whatif_cli_changes_the_policy_and_prints_both_columns(tmp_path):
     budget = tmp_path / "budget.toml"
-    budget.write_text('[budget]\nowner = "ops"\n[budget.train]\nweight = 1\nowner = "t"\n'
-                      '[budget.train.ana]\nweight = 1\nowner = "ana"\n[budget.train.ben]\nweight = 1\nowner = "ben"\n'
-                      '[budget.dev]\nweight = 3\nowner = "d"\n[budget.dev.cy]\nweight = 1\nowner = "cy"\n'
-                      '[budget.dev.di]\nweight = 1\nowner = "di"\n[budget.dev.ed]\nweight = 1\nowner = "ed"\n')
-    r = cli("whatif", str(golden("debug-budget-1d")), "--margin", "0.2", "--lookback", "3d",
-            "--max-min-runtime", "8h", "--no-reservations", "--budget", str(budget), "--json")
+    budget.write_text(
+        '[budget]\nowner = "ops"\n[budget.train]\nweight = 1\nowner = "t"\n'
+        '[budget.train.ana]\nweight = 1\nowner = "ana"\n[budget.train.ben]\nweight = 1\nowner = "ben"\n'
+        '[budget.dev]\nweight = 3\nowner = "d"\n[budget.dev.cy]\nweight = 1\nowner = "cy"\n'
+        '[budget.dev.di]\nweight = 1\nowner = "di"\n[budget.dev.ed]\nweight = 1\nowner = "ed"\n'
+    )
+    r = cli(
+        "whatif",
+        str(golden("debug-budget-1d")),
+        "--margin",
+        "0.2",
+        "--lookback",
+        "3d",
+        "--max-min-runtime",
+        "8h",
+        "--no-reservations",
+        "--budget",
+        str(budget),
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert set(data) == {"original", "whatif"}
     # dev now owns 3/4 of the cluster instead of 1/4: it is owed more (its demand, not its share, limits it)
     assert data["whatif"]["team_delivery"]["dev"] != data["original"]["team_delivery"]["dev"]
-    res = whatif(open_log(golden("debug-budget-1d")), PolicyChange(budget=load_budget(budget), lookback_ms=3 * DAY))
-    assert res.sim.con.execute("SELECT weight, owner FROM budget WHERE path = 'dev'").fetchone() == (3, "d")
+    res = whatif(
+        open_log(golden("debug-budget-1d")),
+        PolicyChange(budget=load_budget(budget), lookback_ms=3 * DAY),
+    )
+    assert res.sim.con.execute(
+        "SELECT weight, owner FROM budget WHERE path = 'dev'"
+    ).fetchone() == (3, "d")
     assert res.sim.state.policy.lookback_ms == 3 * DAY
     r = cli("whatif", str(golden("debug-budget-1d")), "--policy", "priority")
     assert r.exit_code == 0, r.output
@@ -265,7 +330,9 @@ def test_reading_errors_name_the_line(tmp_path):
     with pytest.raises(LogError, match="end line says"):
         list(open_log(trunc))
     junk = tmp_path / "junk.jsonl"
-    junk.write_bytes(golden("handmade").read_bytes().replace(b'"kind":"NodeDrained"', b'"kind":"NodeExploded"'))
+    junk.write_bytes(
+        golden("handmade").read_bytes().replace(b'"kind":"NodeDrained"', b'"kind":"NodeExploded"')
+    )
     with pytest.raises(LogError, match=r"junk.jsonl:\d+: "):
         list(open_log(junk))
 
@@ -317,8 +384,11 @@ def _nats_server(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp_path / "js")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp_path / "js")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(400):
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -364,8 +434,11 @@ def test_a_live_clusters_streams_are_a_log_source(tmp_path):
                 for item in got:
                     fold_input(state, item)
                 result = decide(state)
-                batch = DecisionBatch(basis=state.input_seq, decisions=result.decisions,
-                                      next_wakeup_ms=result.next_wakeup_ms)
+                batch = DecisionBatch(
+                    basis=state.input_seq,
+                    decisions=result.decisions,
+                    next_wakeup_ms=result.next_wakeup_ms,
+                )
                 batches = await log.publish_batch(batch, batches)
                 for d in batch.decisions:
                     apply(state, d)
@@ -379,7 +452,17 @@ def test_a_live_clusters_streams_are_a_log_source(tmp_path):
         assert r.exit_code == 0, r.output
         assert r.stdout.startswith("audit: 22 inputs, 8 decision batches, all reproduced")
         out = tmp_path / "live.jsonl"
-        r = cli("replay", "--cluster", cluster, "--nats", url, "--log", str(out), "--out", str(tmp_path / "l.duckdb"))
+        r = cli(
+            "replay",
+            "--cluster",
+            cluster,
+            "--nats",
+            url,
+            "--log",
+            str(out),
+            "--out",
+            str(tmp_path / "l.duckdb"),
+        )
         assert r.exit_code == 0, r.output
         items = list(open_log(out))
         assert any(isinstance(x, Malformed) and x.ref == "garbage-1" for x in items)

@@ -48,15 +48,29 @@ def test_cluster_file_events(tmp_path):
     nodes = [e for e in spec.events if isinstance(e, NodeRegistered)]
     assert [n.node for n in nodes] == ["g000", "g001", "g002"]
     budget = [(e.path, e.weight, e.owner, e.actor) for e in spec.events if isinstance(e, BudgetSet)]
-    assert budget == [("", 1, "ops", "ops"), ("llm", 3, "lead", "ops"), ("llm/alice", 1, "alice", "ops"),
-                      ("vision", 1, "v", "ops")]
+    assert budget == [
+        ("", 1, "ops", "ops"),
+        ("llm", 3, "lead", "ops"),
+        ("llm/alice", 1, "alice", "ops"),
+        ("vision", 1, "v", "ops"),
+    ]
     (policy,) = [e for e in spec.events if isinstance(e, PolicySet)]
     assert (policy.lookback_ms, policy.max_min_runtime_ms, policy.preemption_margin_ppm) == (
-        7 * 86_400_000, 8 * 3_600_000, 50_000)
+        7 * 86_400_000,
+        8 * 3_600_000,
+        50_000,
+    )
 
 
 @pytest.mark.parametrize(
-    ("text", "ms"), [("7d", 604_800_000), ("8h", 28_800_000), ("15m", 900_000), ("1.5h", 5_400_000), ("250ms", 250)]
+    ("text", "ms"),
+    [
+        ("7d", 604_800_000),
+        ("8h", 28_800_000),
+        ("15m", 900_000),
+        ("1.5h", 5_400_000),
+        ("250ms", 250),
+    ],
 )
 def test_durations(text, ms):
     assert parse_duration_ms(text) == ms
@@ -96,17 +110,41 @@ def test_cluster_file_syntax_error(tmp_path):
 
 def test_trace_round_trip_and_fractional_seconds(tmp_path):
     rows = [
-        TraceRow(id="a", submit_ms=1500, owner="llm/alice", gpus=8, duration_ms=60_000, min_runtime_ms=0),
-        TraceRow(id="b", submit_ms=0, owner="llm/alice", gpus=16, duration_ms=1, min_runtime_ms=900_000,
-                 resumable=False, legacy_priority="low", legacy_preemptible=True),
+        TraceRow(
+            id="a", submit_ms=1500, owner="llm/alice", gpus=8, duration_ms=60_000, min_runtime_ms=0
+        ),
+        TraceRow(
+            id="b",
+            submit_ms=0,
+            owner="llm/alice",
+            gpus=16,
+            duration_ms=1,
+            min_runtime_ms=900_000,
+            resumable=False,
+            legacy_priority="low",
+            legacy_preemptible=True,
+        ),
     ]
     p = tmp_path / "t.csv"
     write_trace(p, rows)
     back, errors = read_trace(p)
     assert errors == []
-    assert [(r.id, r.submit_ms, r.gpus, r.duration_ms, r.min_runtime_ms, r.resumable, r.legacy_priority,
-             r.legacy_preemptible) for r in back] == [
-        ("b", 0, 16, 1, 900_000, False, "low", True), ("a", 1500, 8, 60_000, 0, True, "high", False)]
+    assert [
+        (
+            r.id,
+            r.submit_ms,
+            r.gpus,
+            r.duration_ms,
+            r.min_runtime_ms,
+            r.resumable,
+            r.legacy_priority,
+            r.legacy_preemptible,
+        )
+        for r in back
+    ] == [
+        ("b", 0, 16, 1, 900_000, False, "low", True),
+        ("a", 1500, 8, 60_000, 0, True, "high", False),
+    ]
 
 
 def test_trace_bad_rows_are_reported_and_skipped(tmp_path):
@@ -124,7 +162,11 @@ def test_trace_bad_rows_are_reported_and_skipped(tmp_path):
     assert [r.id for r in rows] == ["ok1", "ok2"]
     assert rows[1].submit_ms == 0 and rows[1].duration_ms == 1250  # 0.5 ms rounds half to even
     assert [(e.where, e.reason.split(" ")[0]) for e in errors] == [
-        (3, "not"), (4, "gpus"), (5, "id"), (6, "fewer")]
+        (3, "not"),
+        (4, "gpus"),
+        (5, "id"),
+        (6, "fewer"),
+    ]
     assert str(errors[0]).startswith(f"{p}:3: ")
 
 

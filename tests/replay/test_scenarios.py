@@ -25,9 +25,16 @@ def test_ai2_shape():
     train = [r for r in s.trace if r.id.startswith("train")]
     # gangs of 64-256 GPUs, never more than 1.5x the team's share; teams too small
     # for a 64-GPU gang train on 32 GPUs
-    assert all(r.gpus in (32, 64, 128, 256) and 2 * 3_600_000 <= r.min_runtime_ms <= 8 * 3_600_000 for r in train)
+    assert all(
+        r.gpus in (32, 64, 128, 256) and 2 * 3_600_000 <= r.min_runtime_ms <= 8 * 3_600_000
+        for r in train
+    )
     assert {r.gpus for r in train} >= {32, 64, 128}
-    assert all(r.gpus == 32 for r in train if r.owner.startswith(("llm/eval/", "llm/safety/", "agents/web/")))
+    assert all(
+        r.gpus == 32
+        for r in train
+        if r.owner.startswith(("llm/eval/", "llm/safety/", "agents/web/"))
+    )
     dbg = [r for r in s.trace if r.id.startswith("debug")]
     assert all(r.gpus <= 8 and 0 < r.min_runtime_ms <= 900_000 for r in dbg)
     assert {h.state for h in s.health} >= {"draining", "healthy"}

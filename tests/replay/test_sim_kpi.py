@@ -18,10 +18,19 @@ DAY = 24 * H
 
 
 def two_team_cluster(nodes: int = 1):
-    return cluster_from_dict({
-        "cluster": {"name": "t", "pool": [{"prefix": "g", "count": nodes, "gpus_per_node": 8, "gpu_type": "h100"}]},
-        "budget": {"owner": "ops", "a": {"weight": 1, "owner": "x"}, "b": {"weight": 1, "owner": "y"}},
-    }).events
+    return cluster_from_dict(
+        {
+            "cluster": {
+                "name": "t",
+                "pool": [{"prefix": "g", "count": nodes, "gpus_per_node": 8, "gpu_type": "h100"}],
+            },
+            "budget": {
+                "owner": "ops",
+                "a": {"weight": 1, "owner": "x"},
+                "b": {"weight": 1, "owner": "y"},
+            },
+        }
+    ).events
 
 
 def test_kpis_on_a_hand_computed_history():
@@ -40,28 +49,50 @@ def test_kpis_on_a_hand_computed_history():
     assert k["large_wait_p90_s"] is None and k["debug_wait_p90_s"] is None
     assert k["unallocated_fraction"] == 0.0 and k["preemptions_per_1000_gpu_h"] == 0.0
     assert k["workloads"] == 2 and k["simulated_days"] == round(2 / 24, 3)
-    runs = sim.con.execute("SELECT workload, node, gpus, start_ms, end_ms, allocated, end_reason FROM runs ORDER BY 1").fetchall()
-    assert runs == [("w1", "g000", 8, 0, H, True, "finished"), ("w2", "g000", 8, H, None, True, None)]  # its end falls on the horizon
-    assert sim.con.execute("SELECT * FROM waits ORDER BY 1").fetchall() == [("w1", 0, 0), ("w2", 0, H)]
+    runs = sim.con.execute(
+        "SELECT workload, node, gpus, start_ms, end_ms, allocated, end_reason FROM runs ORDER BY 1"
+    ).fetchall()
+    assert runs == [
+        ("w1", "g000", 8, 0, H, True, "finished"),
+        ("w2", "g000", 8, H, None, True, None),
+    ]  # its end falls on the horizon
+    assert sim.con.execute("SELECT * FROM waits ORDER BY 1").fetchall() == [
+        ("w1", 0, 0),
+        ("w2", 0, H),
+    ]
 
 
 def test_preempted_resumable_work_keeps_its_progress_and_drain_time():
     # priority policy: low preemptible w1 runs 30 min, is preempted by high w2 (1 h), resumes, needs 30 min more
     rows = [
-        TraceRow(id="w1", submit_ms=0, owner="a", gpus=8, duration_ms=H, min_runtime_ms=0, legacy_priority="low",
-                 legacy_preemptible=True),
+        TraceRow(
+            id="w1",
+            submit_ms=0,
+            owner="a",
+            gpus=8,
+            duration_ms=H,
+            min_runtime_ms=0,
+            legacy_priority="low",
+            legacy_preemptible=True,
+        ),
         TraceRow(id="w2", submit_ms=H // 2, owner="b", gpus=8, duration_ms=H, min_runtime_ms=H),
     ]
     health = [HealthRow(at_ms=3 * H, node="g000", state="draining")]
     sim = simulate(two_team_cluster(), rows, health, policy="priority", days=4 / 24)
-    runs = sim.con.execute("SELECT workload, start_ms, end_ms, end_reason FROM runs ORDER BY start_ms").fetchall()
-    assert runs == [("w1", 0, H // 2, "preempted"), ("w2", H // 2, 3 * H // 2, "finished"),
-                    ("w1", 3 * H // 2, 2 * H, "finished")]
+    runs = sim.con.execute(
+        "SELECT workload, start_ms, end_ms, end_reason FROM runs ORDER BY start_ms"
+    ).fetchall()
+    assert runs == [
+        ("w1", 0, H // 2, "preempted"),
+        ("w2", H // 2, 3 * H // 2, "finished"),
+        ("w1", 3 * H // 2, 2 * H, "finished"),
+    ]
     k = compute_kpis(sim.con, sim.start_ms, sim.end_ms)
     assert k["drain_time_p90_s"] == 0.0  # empty when it began draining
     assert k["unallocated_fraction"] == 0.5  # w1: 1 GPU-h x 8 of 2 x 8 run
-    assert sim.con.execute("SELECT status, preemptions FROM workloads WHERE workload = 'w1'").fetchone() == (
-        "succeeded", 1)
+    assert sim.con.execute(
+        "SELECT status, preemptions FROM workloads WHERE workload = 'w1'"
+    ).fetchone() == ("succeeded", 1)
 
 
 def _history(con):
@@ -93,10 +124,16 @@ def test_projection_incremental_restart_has_no_duplicates_or_gaps(tmp_path):
     s = debug(days=1, seed=2)
     s.health.append(HealthRow(at_ms=10 * H, node="node-003", state="down"))
     s.health.append(HealthRow(at_ms=12 * H, node="node-003", state="healthy"))
-    events = cluster_from_dict({
-        "cluster": {"name": "d", "pool": [{"prefix": "node-", "count": 16, "gpus_per_node": 8, "gpu_type": "h100"}]},
-        "budget": {"owner": "ops", **{p.split("/")[0]: {} for p, _, _ in s.budget[1:]}},
-    } | {"budget": _budget_doc(s.budget)}).events
+    events = cluster_from_dict(
+        {
+            "cluster": {
+                "name": "d",
+                "pool": [{"prefix": "node-", "count": 16, "gpus_per_node": 8, "gpu_type": "h100"}],
+            },
+            "budget": {"owner": "ops", **{p.split("/")[0]: {} for p, _, _ in s.budget[1:]}},
+        }
+        | {"budget": _budget_doc(s.budget)}
+    ).events
     sim = simulate(events, s.trace, s.health, policy="priority", days=1)
     history = _history(sim.con)
     reference = _dump(sim.con)
@@ -144,10 +181,15 @@ def _budget_doc(budget):
 @pytest.mark.parametrize("policy", ["priority", "budget"])
 def test_simulator_end_to_end_small_scenario(policy):
     s = debug(days=2, seed=1)
-    events = cluster_from_dict({
-        "cluster": {"name": "d", "pool": [{"prefix": "node-", "count": 16, "gpus_per_node": 8, "gpu_type": "h100"}]},
-        "budget": _budget_doc(s.budget),
-    }).events
+    events = cluster_from_dict(
+        {
+            "cluster": {
+                "name": "d",
+                "pool": [{"prefix": "node-", "count": 16, "gpus_per_node": 8, "gpu_type": "h100"}],
+            },
+            "budget": _budget_doc(s.budget),
+        }
+    ).events
     a = simulate(events, s.trace, s.health, policy=policy, days=2)
     b = simulate(events, s.trace, s.health, policy=policy, days=2)
     assert _dump(a.con) == _dump(b.con)  # deterministic
@@ -159,6 +201,8 @@ def test_simulator_end_to_end_small_scenario(policy):
     over = a.con.execute("""
         SELECT COUNT(*) FROM (SELECT r.node, r.workload, r.attempt, SUM(o.gpus) AS used FROM runs r JOIN runs o
             ON o.node = r.node AND o.start_ms <= r.start_ms AND COALESCE(o.end_ms, 1e18) > r.start_ms
-            GROUP BY r.node, r.workload, r.attempt) x JOIN nodes n USING (node) WHERE used > n.gpus""").fetchone()[0]
+            GROUP BY r.node, r.workload, r.attempt) x JOIN nodes n USING (node) WHERE used > n.gpus""").fetchone()[
+        0
+    ]
     assert over == 0
     assert a.con.execute("SELECT COUNT(*) FROM workloads").fetchone()[0] == len(s.trace)

@@ -10,6 +10,7 @@ from fractions import Fraction
 from typing import Any
 
 from apportion.core.budget import ROOT
+from apportion.core.cycle import decide
 from apportion.core.ordering import FairShareView, queue_order
 from apportion.core.state import State, Workload
 from apportion.schemas.events import (
@@ -254,6 +255,19 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
         reasons.append(
             f"{len(ahead)} workloads rank ahead of it, needing {sum(a.gpus for a in ahead)} GPUs"
         )
+    reservation = decide(state, report_reservation=True).reservation
+    if reservation is not None and w.allocated:
+        nodes = ", ".join(reservation.nodes)
+        if reservation.workload == workload:
+            reasons.append(
+                f"holds a reservation: {nodes} become free or preemptible for it at "
+                f"{reservation.start_ms}; until then only work preemptible by then may use them"
+            )
+        elif state.now_ms + w.min_runtime_ms > reservation.start_ms:
+            reasons.append(
+                f"may not use {nodes}: reserved for {reservation.workload} from "
+                f"{reservation.start_ms}, and it would still be protected then"
+            )
     out["position"] = pos
     out["reasons"] = reasons
     return out

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import insort
+from collections.abc import Iterable
 from fractions import Fraction
 
 import msgspec
@@ -111,8 +112,9 @@ class _Cycle:
         self.view = FairShareView(state)
         self.usage = dict(self.view.usage)  # working usage, with projected charges
         self.weight = self.view.weight
-        self.node_ids = sorted(state.nodes)
-        self.free = {name: state.nodes[name].free for name in self.node_ids}
+        index = state.node_index
+        self.node_ids = index.node_ids  # read only: the fold's index, sorted by id
+        self.free = _FreeGPUs(state)  # free GPUs per node as this cycle changes them
         self.gone: dict[str, str] = {}  # workload -> why it left a node this cycle
         self.added: dict[str, list[tuple[Workload, int]]] = {}  # node -> placed this cycle
         self.requeued: list[Workload] = []  # by steps 1-2, placed again this cycle
@@ -141,23 +143,16 @@ class _Cycle:
         self.pool_free: dict[tuple[str, int], int] = {}
         self.pool_unalloc: dict[tuple[str, int], int] = {}
         self.pool_expired: dict[tuple[str, int], dict[str, int]] = {}
-        for w in state.running.values():
-            if w.min_runtime_ms == 0 or self.t >= w.protected_until_ms:
-                for slot in w.placement:
-                    self.victimable.setdefault(slot.node, []).append(w)
-                self._count_victimable(w, +1)
-        # free-GPU buckets: (gpu_type, node size) -> free -> node ids, sorted
-        self.buckets: dict[tuple[str, int], dict[int, list[str]]] = {}
-        self.pool_nodes: dict[tuple[str, int], list[str]] = {}
-        self.pool_nodes_set: dict[tuple[str, int], dict[str, None]] = {}
-        for name in self.node_ids:
-            node = state.nodes[name]
-            if node.schedulable:
-                key = (node.gpu_type, node.gpus)
-                self.buckets.setdefault(key, {}).setdefault(self.free[name], []).append(name)
-                self.pool_nodes.setdefault(key, []).append(name)
-                self.pool_nodes_set.setdefault(key, {})[name] = None
-                self.pool_free[key] = self.pool_free.get(key, 0) + self.free[name]
+        self._victims_ready = False  # built on the first preemption search
+        # free-GPU buckets: (gpu_type, node size) -> free -> node ids, sorted;
+        # the fold's, copied per pool on the first change (see _set_free)
+        self.buckets: dict[tuple[str, int], dict[int, list[str]]] = index.buckets
+        self._own_buckets: dict[tuple[str, int], None] = {}
+        self.pool_nodes = index.pool_nodes  # read only
+        self._pool_sets: dict[tuple[str, int], frozenset[str]] = {}
+        self.pool_free.update(index.pool_free)
+        self.down_nodes = index.down  # read only
+        self.draining_nodes = index.draining  # read only
 
     # ------------------------------------------------------------------
     def run(self, report_reservation: bool = False) -> CycleResult:
@@ -183,19 +178,17 @@ class _Cycle:
     # -- steps 1 and 2 ---------------------------------------------------
     def _lose_down_nodes(self) -> None:
         state = self.state
-        for name in self.node_ids:
+        for name in self.down_nodes:
             node = state.nodes[name]
-            if node.health == "down":
+            if node.workloads:
                 for wid in list(node.workloads):
                     if wid not in self.gone:
                         self._preempt(state.running[wid], "node_down", None, requeue_now=True)
 
     def _drain(self) -> None:
         state = self.state
-        for name in self.node_ids:
+        for name in self.draining_nodes:
             node = state.nodes[name]
-            if node.health != "draining":
-                continue
             for wid in list(node.workloads):
                 w = state.running[wid]
                 if wid not in self.gone and (
@@ -206,6 +199,19 @@ class _Cycle:
                 self._emit(NodeDrained, node=name)
 
     # -- scratch bookkeeping ----------------------------------------------
+    def _index_victims(self) -> None:
+        """Who could be a victim at all (unallocated work, and allocated work past
+        its protection), per node and pool; built once, on the first search."""
+        if self._victims_ready:
+            return
+        self._victims_ready = True
+        gone = self.gone
+        for w in self.state.running.values():
+            if w.id not in gone and (w.min_runtime_ms == 0 or self.t >= w.protected_until_ms):
+                for slot in w.placement:
+                    self.victimable.setdefault(slot.node, []).append(w)
+                self._count_victimable(w, +1)
+
     def _count_victimable(self, w: Workload, sign: int) -> None:
         """Add (or remove) ``w``'s GPUs to the per-node and per-pool victim totals."""
         self.changes += 1
@@ -238,6 +244,11 @@ class _Cycle:
         if not node.schedulable:
             return
         key = (node.gpu_type, node.gpus)
+        if key not in self._own_buckets:
+            if not self._own_buckets:
+                self.buckets = dict(self.buckets)
+            self.buckets[key] = {f: list(names) for f, names in self.buckets[key].items()}
+            self._own_buckets[key] = None
         pool = self.buckets[key]
         pool[old].remove(name)
         insort(pool.setdefault(free, []), name)
@@ -246,7 +257,7 @@ class _Cycle:
     def _preempt(
         self, w: Workload, reason: str, for_workload: str | None, requeue_now: bool = False
     ) -> None:
-        if w.min_runtime_ms == 0 or self.t >= w.protected_until_ms:
+        if self._victims_ready and (w.min_runtime_ms == 0 or self.t >= w.protected_until_ms):
             self._count_victimable(w, -1)
         self.gone[w.id] = reason
         self.freed += 1
@@ -423,7 +434,9 @@ class _Cycle:
             if room < want:
                 break
             found[n] = None
-        pool = self.pool_nodes_set[key]
+        pool = self._pool_sets.get(key)
+        if pool is None:
+            pool = self._pool_sets[key] = frozenset(self.pool_nodes[key])
         for p in (c.owner, *subtrees):
             for n in self.path_nodes.get(p, ()):
                 if n in pool:
@@ -459,6 +472,7 @@ class _Cycle:
         the most over-served owners (the least over-served victim as
         over-served as possible), fewest GPUs freed beyond need, victim ids,
         node ids."""
+        self._index_victims()
         g = c.gpus
         subtrees = self.victim_subtrees(c.owner)
         best: tuple[tuple, list[Workload], list[tuple[str, int]]] | None = None
@@ -692,13 +706,15 @@ class _Cycle:
             for w, r in self.gone.items()
         )
         out = self.reservation.start_ms if self.reservation else None
-        for w in self.state.running.values():
+        if waiting:
+            watched: Iterable[Workload] = self.state.running.values()
+        else:  # only protections on draining nodes can change a decision
+            running = self.state.running
+            watched = [running[wid] for n in self.draining_nodes for wid in self.state.nodes[n].workloads]
+        for w in watched:
             if w.id in self.gone or w.protected_until_ms <= t:
                 continue
-            relevant = waiting or any(
-                self.state.nodes[s.node].health == "draining" for s in w.placement
-            )
-            if relevant and (out is None or w.protected_until_ms < out):
+            if out is None or w.protected_until_ms < out:
                 out = w.protected_until_ms
         if waiting:
             for entries in self.added.values():
@@ -707,6 +723,17 @@ class _Cycle:
                     if end > t and (out is None or end < out):
                         out = end
         return out
+
+
+class _FreeGPUs(dict):
+    """Free GPUs per node: what this cycle set, else what the state holds."""
+
+    def __init__(self, state: State) -> None:
+        super().__init__()
+        self.nodes = state.nodes
+
+    def __missing__(self, name: str) -> int:
+        return self.nodes[name].free
 
 
 class _FairShareWalk:

@@ -45,6 +45,7 @@ from apportion.schemas.events import (
 )
 
 from .budget import ROOT, BudgetNode, BudgetTree, parent_of, path_error
+from .nodeindex import NodeIndex
 from .usage import MAX_LOOKBACK_MS, change_rates
 
 Status = Literal["pending", "running", "succeeded", "failed", "cancelled", "preempted", "rejected"]
@@ -154,6 +155,7 @@ class State:
         "rejections",
         "pools",
         "gang_errors",
+        "node_index",
         "active_by_owner",
     )
 
@@ -176,6 +178,8 @@ class State:
         # derived, rebuilt on restore:
         self.pools: dict[tuple[str, int], int] = {}
         """``(gpu_type, gpus_per_node) -> number of nodes``."""
+        self.node_index = NodeIndex()
+        """Nodes by pool, health and free GPUs (:mod:`apportion.core.nodeindex`)."""
         self.gang_errors: dict[tuple[str, int], str | None] = {}
         """Cache of :func:`_gang_error` by ``(gpu_type, gpus)``; cleared when pools change."""
         self.active_by_owner: dict[str, int] = {}
@@ -230,8 +234,7 @@ class State:
         state.ended = dict(snap.ended)
         state.rejections = [tuple(r) for r in snap.rejections]  # type: ignore[misc]
         for n in state.nodes.values():
-            key = (n.gpu_type, n.gpus)
-            state.pools[key] = state.pools.get(key, 0) + 1
+            _add_pool(state, n)
         for w in state.workloads.values():
             state.active_by_owner[w.owner] = state.active_by_owner.get(w.owner, 0) + 1
         return state
@@ -311,9 +314,15 @@ def _node_registered(state: State, e: NodeRegistered) -> None:
 
 
 def _add_pool(state: State, node: ClusterNode) -> None:
+    """Count ``node`` in its pool and index it (a new node, or one changing size)."""
     state.gang_errors.clear()
     key = (node.gpu_type, node.gpus)
     state.pools[key] = state.pools.get(key, 0) + 1
+    index = state.node_index
+    index.register(node.node)
+    index.set_health(node.node, "healthy", node.health)
+    if node.schedulable:
+        index.add_healthy(node.node, key, node.free)
 
 
 def _remove_pool(state: State, node: ClusterNode) -> None:
@@ -322,6 +331,11 @@ def _remove_pool(state: State, node: ClusterNode) -> None:
     state.pools[key] -= 1
     if not state.pools[key]:
         del state.pools[key]
+    index = state.node_index
+    index.node_ids.remove(node.node)
+    index.set_health(node.node, node.health, "healthy")
+    if node.schedulable:
+        index.remove_healthy(node.node, key, node.free)
 
 
 def _node_health_changed(state: State, e: NodeHealthChanged) -> None:
@@ -331,8 +345,14 @@ def _node_health_changed(state: State, e: NodeHealthChanged) -> None:
         return _reject(state, e, f"unknown node {e.node!r}")
     if node.health == e.state:
         return _reject(state, e, f"node {e.node!r} is already {e.state} (no change)")
+    index, key = state.node_index, (node.gpu_type, node.gpus)
+    if node.schedulable:
+        index.remove_healthy(node.node, key, node.free)
+    index.set_health(node.node, node.health, e.state)
     node.health = e.state
     node.drained = False
+    if node.schedulable:
+        index.add_healthy(node.node, key, node.free)
     return None
 
 
@@ -545,8 +565,11 @@ def _end_run(state: State, w: Workload) -> None:
     """Stop ``w``'s current run at ``now``: free its GPUs, stop its charge, keep its progress."""
     now = state.now_ms
     nodes = state.nodes
+    index = state.node_index
     for slot in w.placement:
         node = nodes[slot.node]
+        if node.health == "healthy":
+            index.move(node.node, (node.gpu_type, node.gpus), node.free, node.free + slot.gpus)
         node.free += slot.gpus
         del node.workloads[w.id]
     if w.min_runtime_ms > 0:
@@ -600,8 +623,10 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
             )
         if w.gpu_type != ANY_GPU_TYPE and node.gpu_type != w.gpu_type:
             raise CorruptHistory(f"placed {e.workload!r} on {slot.node!r} of the wrong GPU type")
+    index = state.node_index
     for slot in e.placement:
         node = nodes[slot.node]
+        index.move(node.node, (node.gpu_type, node.gpus), node.free, node.free - slot.gpus)
         node.free -= slot.gpus
         node.workloads[w.id] = slot.gpus
     if w.min_runtime_ms > 0:

@@ -180,6 +180,19 @@ class CycleMachine(RuleBasedStateMachine):
             assert sum(node.workloads.values()) == held.get(name, 0)
 
     @invariant()
+    def node_index_matches_the_nodes(self):
+        s = self.state
+        index = s.node_index
+        rebuilt = State.from_bytes(s.to_bytes()).node_index
+        for field in ("node_ids", "buckets", "pool_nodes", "pool_free", "down", "draining"):
+            assert getattr(index, field) == getattr(rebuilt, field), field
+        for pool, by_free in index.buckets.items():
+            for free, names in by_free.items():
+                assert names == sorted(names)
+                assert all(s.nodes[n].free == free and s.nodes[n].health == "healthy" for n in names)
+                assert all((s.nodes[n].gpu_type, s.nodes[n].gpus) == pool for n in names)
+
+    @invariant()
     def unallocated_time_is_never_charged(self):
         s = self.state
         # the root's charge rate is exactly the allocated GPUs running

@@ -55,6 +55,7 @@ from apportion.schemas.events import (
 
 from .budget import ROOT, ancestors_of, parent_of
 from .ordering import FairShareView
+from .pendingindex import FreeKey, LeafKey, free_key, leaf_key
 from .ratio import clearly_below_pair, ratio
 from .state import ClusterNode, State, Workload, apply
 
@@ -686,15 +687,31 @@ class _Cycle:
             self.reserve(w)
 
     def _schedule_unallocated(self) -> None:
-        """Unallocated work by submit time, then id, while any GPU is free (it never preempts)."""
+        """Unallocated work by submit time, then id, while any GPU is free.
+
+        It never preempts, so GPUs only get fewer: once ``g`` GPUs of a type did
+        not fit, no request of that type for ``g`` or more will (the same rule as
+        :meth:`_try`'s memo, checked here without a call per workload)."""
         if not any(self.pool_free.values()):
             return
-        waiting = [w for w in self.state.pending.values() if w.min_runtime_ms == 0]
-        waiting += [w for w in self.requeued if w.min_runtime_ms == 0]
-        for w in sorted(waiting, key=lambda w: (w.submitted_ms, w.id)):
-            self._try(w)
-            if not any(self.pool_free.values()):
-                return
+        pending = self.state.pending
+        keys: Iterable[FreeKey] = self.state.pending_index.free
+        requeued = {w.id: w for w in self.requeued if w.min_runtime_ms == 0}
+        if requeued:
+            keys = heapq.merge(keys, sorted(free_key(w) for w in requeued.values()))
+        smallest_failed: dict[str, int] = {}
+        for _, wid in keys:
+            w = pending.get(wid) or requeued[wid]
+            failed = smallest_failed.get(w.gpu_type)
+            if failed is not None and w.gpus >= failed:
+                continue
+            if self._try(w):
+                if not any(self.pool_free.values()):
+                    return
+            else:
+                smallest_failed[w.gpu_type] = w.gpus
+                if smallest_failed.get(ANY_GPU_TYPE) == 1:
+                    return  # not one GPU free anywhere that this cycle may use
 
     # -- next wake-up -----------------------------------------------------------
     def _next_wakeup(self) -> int | None:
@@ -747,16 +764,17 @@ class _FairShareWalk:
 
     def __init__(self, cycle: _Cycle) -> None:
         self.cycle = cycle
-        tree = cycle.state.budget
-        self.queues: dict[str, list[Workload]] = {}
-        for w in [*cycle.state.pending.values(), *cycle.requeued]:
-            if w.min_runtime_ms > 0:
-                self.queues.setdefault(w.owner, []).append(w)
-        for q in self.queues.values():
-            q.sort(
-                key=lambda w: (-w.priority, w.submitted_ms, w.id), reverse=True
-            )  # pop() from the end
-        self.current: list[Workload] | None = None  # the leaf queue being walked
+        state = cycle.state
+        self.workloads = state.pending
+        # each leaf's keys in order (the fold's lists, read only) and a cursor
+        self.queues: dict[str, list[LeafKey]] = dict(state.pending_index.by_leaf)
+        requeued = [w for w in cycle.requeued if w.min_runtime_ms > 0]
+        if requeued:
+            self.workloads = {**state.pending, **{w.id: w for w in requeued}}
+            for w in requeued:
+                self.queues[w.owner] = sorted([*self.queues.get(w.owner, ()), leaf_key(w)])
+        self.pos: dict[str, int] = dict.fromkeys(self.queues, 0)
+        self.current: str | None = None  # the leaf being walked
         self.version: dict[str, int] = {}
         self.heaps: dict[str, list[tuple[int, int, str, int]]] = {}
         self.scale = cycle.view.scale
@@ -772,7 +790,6 @@ class _FairShareWalk:
             self.heaps.setdefault(parent, []).append(self._entry(path))
         for heap in self.heaps.values():
             heapq.heapify(heap)
-        self.tree = tree
 
     def _entry(self, path: str) -> tuple[int, int, str, int]:
         c = self.cycle
@@ -782,18 +799,25 @@ class _FairShareWalk:
         """The next workload in fair-share order. While nothing was charged since
         the last one, the order has not changed and the next workload is the
         next one of the same leaf (a leaf's workloads are consecutive)."""
-        queue = self.current
-        if queue:
-            return queue.pop()
+        if self.current is not None:
+            w = self._take(self.current)
+            if w is not None:
+                return w
         return self._best(ROOT)
 
+    def _take(self, leaf: str) -> Workload | None:
+        """The next workload of ``leaf``, or ``None`` when it has none left."""
+        queue = self.queues[leaf]
+        i = self.pos[leaf]
+        if i == len(queue):
+            return None
+        self.pos[leaf] = i + 1
+        self.current = leaf
+        return self.workloads[queue[i][2]]
+
     def _best(self, path: str) -> Workload | None:
-        queue = self.queues.get(path)
-        if queue is not None:
-            if not queue:
-                return None
-            self.current = queue
-            return queue.pop()
+        if path in self.queues:
+            return self._take(path)
         heap = self.heaps.get(path)
         while heap:
             _, _, child, version = heap[0]

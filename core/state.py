@@ -46,6 +46,7 @@ from apportion.schemas.events import (
 
 from .budget import ROOT, BudgetNode, BudgetTree, parent_of, path_error
 from .nodeindex import NodeIndex
+from .pendingindex import PendingIndex
 from .usage import MAX_LOOKBACK_MS, change_rates
 
 Status = Literal["pending", "running", "succeeded", "failed", "cancelled", "preempted", "rejected"]
@@ -156,6 +157,7 @@ class State:
         "pools",
         "gang_errors",
         "node_index",
+        "pending_index",
         "active_by_owner",
     )
 
@@ -178,6 +180,8 @@ class State:
         # derived, rebuilt on restore:
         self.pools: dict[tuple[str, int], int] = {}
         """``(gpu_type, gpus_per_node) -> number of nodes``."""
+        self.pending_index = PendingIndex()
+        """Pending work in walk order (:mod:`apportion.core.pendingindex`)."""
         self.node_index = NodeIndex()
         """Nodes by pool, health and free GPUs (:mod:`apportion.core.nodeindex`)."""
         self.gang_errors: dict[tuple[str, int], str | None] = {}
@@ -230,6 +234,8 @@ class State:
         state.nodes = {n.node: n for n in snap.nodes}
         state.workloads = {w.id: w for w in snap.workloads}
         state.pending = {i: state.workloads[i] for i in snap.pending}
+        for w in state.pending.values():
+            state.pending_index.add(w)
         state.running = {i: state.workloads[i] for i in snap.running}
         state.ended = dict(snap.ended)
         state.rejections = [tuple(r) for r in snap.rejections]  # type: ignore[misc]
@@ -510,6 +516,7 @@ def _workload_submitted(state: State, e: WorkloadSubmitted) -> None:
     )
     state.workloads[w.id] = w
     state.pending[w.id] = w
+    state.pending_index.add(w)
     state.active_by_owner[w.owner] = state.active_by_owner.get(w.owner, 0) + 1
     return None
 
@@ -530,6 +537,7 @@ def _workload_cancelled(state: State, e: WorkloadCancelled) -> None:
         _end_run(state, w)
     else:
         del state.pending[w.id]
+        state.pending_index.remove(w)
     _end(state, w, "cancelled")
     return None
 
@@ -632,6 +640,7 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
     if w.min_runtime_ms > 0:
         change_rates(state.budget.chain(w.owner), now, w.gpus)
     del state.pending[w.id]
+    state.pending_index.remove(w)
     state.running[w.id] = w
     w.status = "running"
     w.placement = e.placement
@@ -655,6 +664,7 @@ def _workload_preempted(state: State, e: WorkloadPreempted) -> None:
         w.status = "pending"
         w.queued_ms = state.now_ms
         state.pending[w.id] = w
+        state.pending_index.add(w)
     else:
         _end(state, w, "preempted")
 

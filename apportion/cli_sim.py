@@ -217,21 +217,25 @@ def _policy_path(path: Path | None, policy: str, compare: bool, suffix: str) -> 
     return path
 
 
-def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool, log: Path | None = None):
+def _fresh_database(out: Path):
+    """A new DuckDB file at ``out`` (an existing one, and its WAL, is replaced)."""
     import duckdb
+
+    for p in (out, Path(str(out) + ".wal")):
+        if p.exists():
+            p.unlink()
+    try:
+        return duckdb.connect(str(out))
+    except duckdb.Error as exc:
+        raise UserError(f"{out}: cannot create the database: {exc}") from None
+
+
+def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool, log: Path | None = None):
 
     from apportion.replay.kpi import compute_kpis
     from apportion.replay.simulator import simulate
 
-    con = None
-    if out is not None:
-        for p in (out, Path(str(out) + ".wal")):
-            if p.exists():
-                p.unlink()
-        try:
-            con = duckdb.connect(str(out))
-        except duckdb.Error as exc:
-            raise UserError(f"{out}: cannot create the database: {exc}") from None
+    con = _fresh_database(out) if out is not None else None
     days = inp.days
     if days is None:
         last = max([r.submit_ms for r in inp.trace] + [h.at_ms for h in inp.health] + [0])
@@ -574,15 +578,7 @@ def replay_cmd(log, nats_url, cluster_name, out, log_out, until) -> None:
     if out is None and log_out is None:
         raise UserError("nothing to write: give --out FILE.duckdb and/or --log FILE.jsonl")
     source = _open_source(log, nats_url, cluster_name)
-    con = None
-    if out is not None:
-        for p in (out, Path(str(out) + ".wal")):
-            if p.exists():
-                p.unlink()
-        try:
-            con = duckdb.connect(str(out))
-        except duckdb.Error as exc:
-            raise UserError(f"{out}: cannot create the database: {exc}") from None
+    con = _fresh_database(out) if out is not None else None
     proj = Projection(
         con if con is not None else duckdb.connect()
     )  # in memory: only for the digest

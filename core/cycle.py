@@ -727,7 +727,9 @@ class _Cycle:
             watched: Iterable[Workload] = self.state.running.values()
         else:  # only protections on draining nodes can change a decision
             running = self.state.running
-            watched = [running[wid] for n in self.draining_nodes for wid in self.state.nodes[n].workloads]
+            watched = [
+                running[wid] for n in self.draining_nodes for wid in self.state.nodes[n].workloads
+            ]
         for w in watched:
             if w.id in self.gone or w.protected_until_ms <= t:
                 continue

@@ -133,6 +133,27 @@ def insert_rows(
     con.execute(f"INSERT INTO {table} SELECT {select}", cols)
 
 
+def _workload_row(e: WorkloadSubmitted, now: int, status: str) -> list:
+    """A new ``workloads`` row (not yet placed or ended) for a submission."""
+    return [
+        e.workload,
+        e.owner,
+        e.gpus,
+        e.min_runtime_ms,
+        e.resumable,
+        e.priority,
+        now,
+        None,
+        None,
+        status,
+        0,
+        e.gpu_type,
+        e.duration_ms,
+        e.legacy_priority,
+        e.legacy_preemptible,
+    ]
+
+
 class Projection:
     """DESIGN's DuckDB tables built incrementally from the canonical history
     (input 1, decisions based on 1, input 2, ...)."""
@@ -237,41 +258,9 @@ class Projection:
                     and wid not in self.rejected_ids
                 ):
                     self.rejected_ids.add(wid)
-                    self._dirty_workloads[wid] = [
-                        wid,
-                        e.owner,
-                        e.gpus,
-                        e.min_runtime_ms,
-                        e.resumable,
-                        e.priority,
-                        now,
-                        None,
-                        None,
-                        "rejected",
-                        0,
-                        e.gpu_type,
-                        e.duration_ms,
-                        e.legacy_priority,
-                        e.legacy_preemptible,
-                    ]
+                    self._dirty_workloads[wid] = _workload_row(e, now, "rejected")
                 return
-            row = [
-                wid,
-                e.owner,
-                e.gpus,
-                e.min_runtime_ms,
-                e.resumable,
-                e.priority,
-                now,
-                None,
-                None,
-                "pending",
-                0,
-                e.gpu_type,
-                e.duration_ms,
-                e.legacy_priority,
-                e.legacy_preemptible,
-            ]
+            row = _workload_row(e, now, "pending")
             self.live[wid] = row
             self._dirty_workloads[wid] = row
             self.open_waits[wid] = [wid, now, None]

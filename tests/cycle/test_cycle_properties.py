@@ -189,7 +189,9 @@ class CycleMachine(RuleBasedStateMachine):
         for pool, by_free in index.buckets.items():
             for free, names in by_free.items():
                 assert names == sorted(names)
-                assert all(s.nodes[n].free == free and s.nodes[n].health == "healthy" for n in names)
+                assert all(
+                    s.nodes[n].free == free and s.nodes[n].health == "healthy" for n in names
+                )
                 assert all((s.nodes[n].gpu_type, s.nodes[n].gpus) == pool for n in names)
 
     @invariant()

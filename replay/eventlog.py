@@ -403,6 +403,20 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
         con.close()
 
 
+async def _read_all(tail: Any, n: int, timeout: float, what: str) -> list[Any]:
+    """The first ``n`` messages of a stream tail, then close it."""
+    got: list[Any] = []
+    try:
+        while len(got) < n:
+            more = await tail.take(10_000, timeout)
+            if not more:
+                raise LogError(f"{what} stopped at {len(got)} of {n} messages")
+            got.extend(more)
+    finally:
+        await tail.close()
+    return got
+
+
 async def _read_nats_async(url: str, cluster: str, timeout: float) -> list[Item]:
     from apportion.services.bus import JetStreamLog, StoredInput, connect
 
@@ -412,26 +426,12 @@ async def _read_nats_async(url: str, cluster: str, timeout: float) -> list[Item]
         log = JetStreamLog(js, cluster)
         n_batches = await log.last_batch_seq()
         n_inputs = await log.last_input_seq()
-        inputs: list[StoredInput] = []
-        tail = log.tail_inputs(1)
-        while len(inputs) < n_inputs:
-            got = await tail.take(10_000, timeout)
-            if not got:
-                raise LogError(
-                    f"nats {cluster}: INPUTS stopped at {len(inputs)} of {n_inputs} messages"
-                )
-            inputs.extend(got)
-        await tail.close()
-        batches: list[Any] = []
-        btail = log.tail_batches(1)
-        while len(batches) < n_batches:
-            got = await btail.take(10_000, timeout)
-            if not got:
-                raise LogError(
-                    f"nats {cluster}: DECISIONS stopped at {len(batches)} of {n_batches} messages"
-                )
-            batches.extend(got)
-        await btail.close()
+        inputs: list[StoredInput] = await _read_all(
+            log.tail_inputs(1), n_inputs, timeout, f"nats {cluster}: INPUTS"
+        )
+        batches: list[Any] = await _read_all(
+            log.tail_batches(1), n_batches, timeout, f"nats {cluster}: DECISIONS"
+        )
     finally:
         await nc.close()
     out: list[Item] = []

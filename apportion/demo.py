@@ -1,11 +1,13 @@
-"""``apportion demo`` (``make run``): fold a small history through the core and show the result.
+"""``apportion demo``: fold a small history through the core and show the result.
 
+A walkthrough of the fold alone (``make run`` runs the simulator instead).
 Everything printed is computed by :mod:`apportion.core` from the events below:
 a three-level budget tree, six nodes, three days of work by several teams
-(placements and a preemption written out by hand, as the scheduler would
-publish them; the scheduling cycle itself is the next issue), then a queue of
-pending workloads in fair-share order with each one's path ratios, the usage of
-every budget node over the 7-day window, and the inputs the fold rejected.
+(placements and a preemption written out by hand, as decisions the fold
+accepts, so that the demo shows charging and ordering without the cycle), then
+a queue of pending workloads in fair-share order with each one's path ratios,
+the usage of every budget node over the 7-day window, and the inputs the fold
+rejected.
 """
 
 from __future__ import annotations

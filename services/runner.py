@@ -8,6 +8,7 @@ projector per DuckDB file), all pointed at the same NATS cluster.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 from pathlib import Path
@@ -17,6 +18,37 @@ from . import logs
 from .bus import JetStreamLog, connect
 
 KINDS = ("scheduler", "projector", "gateway", "executor")
+
+
+def transient_errors() -> tuple[type[BaseException], ...]:
+    """Errors a NATS (cluster) outage raises: no responders, no stream leader, timeouts, resets."""
+    import nats.errors
+
+    return (nats.errors.Error, TimeoutError, OSError)
+
+
+async def supervise_scheduler(scheduler: Any, stop: asyncio.Event, retry_s: float = 0.5) -> None:
+    """``scheduler.run(stop)``, started again after a transient NATS error.
+
+    A stream or KV leader lost in a cluster (a node killed) makes a publish or a
+    lease renewal fail until a new leader is elected. That is no reason to stop
+    scheduling: run again, which recovers from the snapshot and the log (a batch
+    whose acknowledgement was lost is found there; fencing keeps the log right).
+    """
+    transient = transient_errors()
+    while True:
+        try:
+            await scheduler.run(stop)
+            return
+        except transient as exc:
+            if stop.is_set():
+                return  # stopping anyway; an unreleased lease just expires
+            scheduler.logger.warning(
+                "interrupted; recovering", error=f"{type(exc).__name__}: {exc}"
+            )
+            scheduler.leading.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), retry_s)
 
 
 async def serve(
@@ -59,7 +91,7 @@ async def serve(
                 await log.lease(holder=f"{socket.gethostname()}-{id(log)}"),
                 snapshot_every=snapshot_every,
             )
-            task = service.run(stop)
+            task = supervise_scheduler(service, stop)
         elif kind == "projector":
             from .projector import Projector, open_projection
 

@@ -10,7 +10,10 @@ the scheduler, projector, gateway and executor emulator until stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +27,7 @@ from .bus import JetStreamLog, connect
 from .executor import Executor
 from .gateway import Gateway
 from .projector import Projector, open_projection
+from .runner import supervise_scheduler
 from .scheduler import Scheduler
 
 DEMO_CLUSTER_TOML = """\
@@ -100,6 +104,7 @@ class NatsProcess:
         self.proc = proc
         self.url = url
         self.log_path = log_path
+        self.pid_file = log_path.parent / PID_FILE
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -109,12 +114,69 @@ class NatsProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.pid_file.unlink(missing_ok=True)
+
+
+PID_FILE = "nats-server.pid"
+
+
+def _nats_server_argv(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    if state == "Z":
+        return None
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def stop_stale_nats_server(data_dir: Path, timeout: float = 10.0) -> int | None:
+    """Stop the nats-server a killed ``apportion up`` left running on ``data_dir``.
+
+    ``<data_dir>/nats-server.pid`` names it; it is stopped (SIGTERM, then SIGKILL)
+    only if that pid still is a ``nats-server`` whose store is
+    ``<data_dir>/jetstream`` (checked in ``/proc/<pid>/cmdline``), never some
+    other process that reused the pid. Returns the pid stopped, if any.
+    """
+    pid_file = data_dir / PID_FILE
+    try:
+        pid = int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    store = str((data_dir / "jetstream").resolve())
+    argv = _nats_server_argv(pid)
+    stale = (
+        argv is not None
+        and Path(argv[0]).name == "nats-server"
+        and "-sd" in argv[:-1]
+        and argv[argv.index("-sd") + 1] == store
+    )
+    if not stale:
+        pid_file.unlink(missing_ok=True)
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _nats_server_argv(pid) is not None:
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + timeout
+        time.sleep(0.05)
+    pid_file.unlink(missing_ok=True)
+    return pid
 
 
 def start_nats_server(
     data_dir: Path, port: int | None = None, timeout: float = 20.0
 ) -> NatsProcess:
+    """nats-server with its store in ``<data_dir>/jetstream`` and its pid in
+    ``<data_dir>/nats-server.pid``; a server left behind by a killed ``up`` on the
+    same ``data_dir`` is stopped first (:func:`stop_stale_nats_server`)."""
+    data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
+    stop_stale_nats_server(data_dir)
     port = port or free_port()
     log_path = data_dir / "nats-server.log"
     with open(log_path, "ab") as out:
@@ -133,9 +195,11 @@ def start_nats_server(
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C stops the services first; we stop the server after them
         )
+    (data_dir / PID_FILE).write_text(f"{proc.pid}\n")
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
+            (data_dir / PID_FILE).unlink(missing_ok=True)
             raise RuntimeError(f"nats-server exited with {proc.returncode}; see {log_path}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -143,6 +207,8 @@ def start_nats_server(
         except OSError:
             if time.monotonic() > deadline:
                 proc.kill()
+                proc.wait()
+                (data_dir / PID_FILE).unlink(missing_ok=True)
                 raise RuntimeError(
                     f"nats-server did not start on port {port}; see {log_path}"
                 ) from None
@@ -199,7 +265,7 @@ class Stack:
             )
             self.gateway = Gateway(log)
             tasks = [
-                asyncio.create_task(self.scheduler.run(stop), name="scheduler"),
+                asyncio.create_task(supervise_scheduler(self.scheduler, stop), name="scheduler"),
                 asyncio.create_task(self.gateway.serve(stop, self.host, self.port), name="gateway"),
             ]
             if self.with_projector:

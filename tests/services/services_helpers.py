@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from apportion.schemas.events import (
     BudgetSet,
@@ -58,3 +64,53 @@ async def eventually(
         if loop.time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+# -- processes (subprocess-based tests: crash failover, clusters, `apportion up`) --
+
+APPORTION_CMD = [sys.executable, "-m", "apportion"]
+
+
+def audit_live(url: str, cluster: str) -> subprocess.CompletedProcess[str]:
+    """``apportion audit --cluster NAME --nats URL`` as a user runs it."""
+    return subprocess.run(
+        [*APPORTION_CMD, "audit", "--cluster", cluster, "--nats", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def processes_with_arg(arg: str) -> list[int]:
+    """Pids of live processes whose command line has ``arg`` as one argument (Linux /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and arg.encode() in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_and_reap(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    proc.wait(30)
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Wait until something listens on loopback ``port``; fail if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"process exited with {proc.returncode}"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {port}"
+            time.sleep(0.05)

@@ -87,6 +87,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """SIGTERM ``proc`` if it still runs, SIGKILL it after ``timeout`` s, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def nats_server_binary() -> str:
     here = Path(sys.executable).parent / "nats-server"
     if here.exists():
@@ -107,13 +118,7 @@ class NatsProcess:
         self.pid_file = log_path.parent / PID_FILE
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.pid_file.unlink(missing_ok=True)
 
 

@@ -11,32 +11,26 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from apportion.services import logs
+from apportion.services import logs, stack
+from apportion.services.stack import free_port
 
 pytestmark = pytest.mark.nats
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def nats_server_binary() -> str | None:
-    here = Path(sys.executable).parent / "nats-server"
-    if here.exists():
-        return str(here)
-    return shutil.which("nats-server")
+    """The venv's (or PATH's) nats-server, or ``None`` (then testcontainers, where Docker is)."""
+    try:
+        return stack.nats_server_binary()
+    except FileNotFoundError:
+        return None
 
 
 def _wait_port(port: int, proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
@@ -79,12 +73,7 @@ class NatsServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stack.stop_process(self.proc)
             self.proc = None
 
 

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow bench lint venv clean
+.PHONY: run test test-slow bench lint typecheck venv clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,10 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/typecheck.py
+
+typecheck: $(STAMP)
+	$(PY) scripts/typecheck.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

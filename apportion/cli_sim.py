@@ -10,202 +10,53 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 
 from apportion.cli import UserError, main
+from apportion.replay.run import DEFAULT_DAYS, DEFAULT_SCENARIO
 
-DEFAULT_SCENARIO = "ai2"
-DEFAULT_DAYS = 30
-WARMUP_DAYS = {"ai2": 2}
-"""The ai2 scenario starts from an empty cluster and a backlog; its first two
-days are simulated and left out of the KPIs, as simulation studies do with a
-warm-up period (``simulated_days`` counts the measured days)."""
 DEFAULT_SEED = 1
 MAX_REPORTED = 20
-
-_KPI_ROWS = (
-    ("occupancy", "occupancy", "pct"),
-    ("delivery_ratio", "delivered / owed", "pct"),
-    ("worst_team", "worst team delivered / owed", "pct"),
-    ("teams_ge_95", "teams >= 95% delivered", "int"),
-    ("unallocated_fraction", "unallocated GPU time", "pct"),
-    ("wait_p50_s", "wait p50", "dur"),
-    ("wait_p90_s", "wait p90", "dur"),
-    ("debug_wait_p90_s", "debug wait p90", "dur"),
-    ("debug_allocated_wait_p90_s", "debug (min runtime > 0) wait p90", "dur"),
-    ("large_wait_p90_s", "large (>= 64 GPUs) wait p90", "dur"),
-    ("open_waits", "still waiting at the end", "int"),
-    ("preemptions_per_1000_gpu_h", "preemptions / 1000 GPU-h", "num"),
-    ("drain_time_p90_s", "drain time p90", "dur"),
-    ("demand_ratio", "allocated demand / capacity", "num"),
-    ("simulated_days", "simulated days", "num"),
-    ("workloads", "workloads", "int"),
-    ("events", "events", "int"),
-    ("wall_s", "wall time (s)", "num"),
-)
 
 
 def _warn(message: str) -> None:
     click.echo(f"apportion: {message}", err=True)
 
 
-def _fmt(value: Any, kind: str) -> str:
-    if value is None:
-        return "-"
-    if kind == "pct":
-        return f"{100 * value:.1f}%"
-    if kind == "int":
-        return f"{int(value):,}"
-    if kind == "dur":
-        v = float(value)
-        if v < 120:
-            return f"{v:.0f} s"
-        if v < 7200:
-            return f"{v / 60:.1f} min"
-        return f"{v / 3600:.1f} h"
-    return f"{value:,.2f}" if isinstance(value, float) else str(value)
-
-
-def _derived(k: dict[str, Any]) -> dict[str, Any]:
-    td = [v for v in k["team_delivery"].values() if v is not None]
-    return {
-        **k,
-        "worst_team": min(td) if td else None,
-        "teams_ge_95": sum(1 for v in td if v >= 0.95),
-    }
-
-
-def kpi_table(results: dict[str, dict[str, Any]], teams: bool = True) -> str:
-    """The KPI table; with two policies, side by side with the change."""
-    names = list(results)
-    rows: list[list[str]] = [["KPI", *names]]
-    if len(names) == 2:
-        rows[0].append("change")
-    data = {n: _derived(results[n]) for n in names}
-    for key, label, kind in _KPI_ROWS:
-        row = [label, *(_fmt(data[n].get(key), kind) for n in names)]
-        if len(names) == 2:
-            a, b = data[names[0]].get(key), data[names[1]].get(key)
-            if (
-                isinstance(a, int | float)
-                and isinstance(b, int | float)
-                and key not in ("simulated_days",)
-            ):
-                if kind == "pct":
-                    row.append(f"{100 * (a - b):+.1f} pt")
-                elif b:
-                    row.append(f"{a / b:.2f}x")
-                else:
-                    row.append("")
-            else:
-                row.append("")
-        rows.append(row)
-    if teams:
-        all_teams = sorted({t for n in names for t in results[n]["team_delivery"]})
-        for t in all_teams:
-            vals = [results[n]["team_delivery"].get(t) for n in names]
-            row = [f"  {t}", *(_fmt(v, "pct") for v in vals)]
-            if len(names) == 2:
-                row.append(f"{100 * (vals[0] - vals[1]):+.1f} pt" if None not in vals else "")
-            rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for i, r in enumerate(rows):
-        lines.append(
-            "  ".join(c.ljust(widths[0]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(r))
-        )
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _report_errors(errors: list, what: str) -> None:
+def _report_errors(errors: list[str], what: str) -> None:
     for err in errors[:MAX_REPORTED]:
-        _warn(str(err))
+        _warn(err)
     if len(errors) > MAX_REPORTED:
         _warn(f"... and {len(errors) - MAX_REPORTED} more {what} problems")
 
 
-class _Inputs:
-    def __init__(self) -> None:
-        self.cluster_events: list = []
-        self.trace: list = []
-        self.health: list = []
-        self.days: float | None = None
-        self.warmup_days = 0
-        """Simulated first and left out of the KPIs (the cluster starts empty)."""
-        self.label = ""
-        self.trace_file = "<generated>"
-        self.health_file = "<generated>"
-        self.bad_rows = 0
-
-
-def _load_inputs(cluster, trace, health, seed, days, scenario) -> _Inputs:
-    from apportion.replay.cluster_file import cluster_from_dict, load_cluster
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Errors a user can fix (bad files, bad values, a log that does not read) as one line."""
+    from apportion.core.state import CorruptHistory
     from apportion.replay.errors import InputFileError
-    from apportion.replay.trace import read_health, read_trace
+    from apportion.replay.eventlog import LogError
 
-    inp = _Inputs()
     try:
-        if trace is None:
-            if cluster is not None or health is not None:
-                raise UserError(
-                    "--cluster and --health go with --trace (or leave all three out for a bundled scenario)"
-                )
-            from apportion.replay.scenarios import generate
-
-            try:
-                inp.warmup_days = WARMUP_DAYS.get(scenario, 0)
-                sc = generate(scenario, days=int(days or DEFAULT_DAYS) + inp.warmup_days, seed=seed)
-            except ValueError as exc:
-                raise UserError(str(exc)) from None
-            doc = _scenario_cluster_doc(sc)
-            inp.cluster_events = cluster_from_dict(doc, f"<scenario {sc.name}>").events
-            inp.trace, inp.health, inp.days = sc.trace, sc.health, sc.days
-            inp.label = f"scenario {sc.name}, seed {seed}, {sc.days} days"
-            return inp
-        if cluster is None:
-            raise UserError("--trace needs --cluster FILE (nodes, budget tree and policy)")
-        inp.cluster_events = load_cluster(cluster).events
-        rows, errors = read_trace(trace)
-        _report_errors(errors, "trace")
-        inp.bad_rows += len(errors)
-        inp.trace, inp.trace_file = rows, str(trace)
-        if health is not None:
-            hrows, herrors = read_health(health)
-            _report_errors(herrors, "health")
-            inp.bad_rows += len(herrors)
-            inp.health, inp.health_file = hrows, str(health)
-        if not rows:
-            raise UserError(f"{trace}: no valid rows to simulate")
-        inp.days = days
-        inp.label = f"{trace}"
-        return inp
-    except InputFileError as exc:
+        yield
+    except (InputFileError, LogError, ValueError) as exc:
         raise UserError(str(exc)) from None
+    except CorruptHistory as exc:
+        raise UserError(f"corrupt history: {exc}") from None
 
 
-def _scenario_cluster_doc(sc) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "cluster": {
-            "name": sc.name,
-            "pool": [
-                {"prefix": p, "count": c, "gpus_per_node": g, "gpu_type": t}
-                for p, c, g, t in sc.pools
-            ],
-        },
-        "policy": dict(sc.policy),
-        "budget": {"owner": sc.budget[0][2]},
-    }
-    for path, weight, owner in sc.budget[1:]:
-        table = doc["budget"]
-        for seg in path.split("/"):
-            table = table.setdefault(seg, {})
-        table["weight"], table["owner"] = weight, owner
-    return doc
+_knob_option = click.option(
+    "--set",
+    "knobs",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="a knob of the family scenario (repeatable; docs/simulator.md lists them)",
+)
 
 
 def _policy_path(path: Path | None, policy: str, compare: bool, suffix: str) -> Path | None:
@@ -217,42 +68,19 @@ def _policy_path(path: Path | None, policy: str, compare: bool, suffix: str) -> 
     return path
 
 
-def _fresh_database(out: Path):
-    """A new DuckDB file at ``out`` (an existing one, and its WAL, is replaced)."""
-    import duckdb
+def _run_with_progress(inp: Any, policy: str, quiet: bool, **kw: Any) -> tuple[Any, dict[str, Any]]:
+    from apportion.replay.run import run_policy
 
-    for p in (out, Path(str(out) + ".wal")):
-        if p.exists():
-            p.unlink()
-    try:
-        return duckdb.connect(str(out))
-    except duckdb.Error as exc:
-        raise UserError(f"{out}: cannot create the database: {exc}") from None
-
-
-def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool, log: Path | None = None):
-
-    from apportion.replay.kpi import compute_kpis
-    from apportion.replay.simulator import simulate
-
-    con = _fresh_database(out) if out is not None else None
-    days = inp.days
-    if days is None:
-        last = max([r.submit_ms for r in inp.trace] + [h.at_ms for h in inp.health] + [0])
-        days = -(-(last + 1) // 86_400_000)
-    total_h = max(1, int(days * 24))
-    show = not quiet and sys.stderr.isatty()
-    with (
-        click.progressbar(
-            length=total_h,
-            label=f"simulating {policy:8s}",
-            file=sys.stderr,
-            show_pos=False,
-            show_percent=True,
-        )
-        if show
-        else _NoBar() as bar
-    ):
+    total_h = max(1, int(inp.horizon_days() * 24))
+    if quiet or not sys.stderr.isatty():
+        return run_policy(inp, policy, **kw)
+    with click.progressbar(
+        length=total_h,
+        label=f"simulating {policy:8s}",
+        file=sys.stderr,
+        show_pos=False,
+        show_percent=True,
+    ) as bar:
         done = [0]
 
         def progress(ms: int) -> None:
@@ -261,61 +89,7 @@ def run_policy(inp: _Inputs, policy: str, out: Path | None, quiet: bool, log: Pa
                 bar.update(h - done[0])
                 done[0] = h
 
-        writer = None
-        if log is not None:
-            from apportion.replay.eventlog import Header, LogWriter
-
-            try:
-                writer = LogWriter(log, Header(policy=policy, source="simulate"))
-            except OSError as exc:
-                raise UserError(f"{log}: cannot write the log: {exc.strerror}") from None
-        result = simulate(
-            inp.cluster_events,
-            inp.trace,
-            inp.health,
-            policy=policy,
-            days=days,
-            con=con,
-            progress=progress,
-            sink=writer,
-        )
-        if writer is not None:
-            writer.close(result.state.digest())
-    kpis = compute_kpis(
-        result.con, result.start_ms + inp.warmup_days * 86_400_000, result.end_ms, result.wall_s
-    )
-    return result, kpis
-
-
-class _NoBar:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a) -> None:
-        return None
-
-    def update(self, n: int) -> None:
-        return None
-
-
-def _report_rejections(inp: _Inputs, result) -> int:
-    lines = {r.id: r.line for r in inp.trace}
-    msgs = []
-    for ref, reason in result.rejected:
-        if ref.startswith("sub/"):
-            wid = ref[4:]
-            msgs.append(
-                f"{inp.trace_file}:{lines.get(wid, 0)}: {reason}"
-                if lines.get(wid)
-                else f"{inp.trace_file}: workload {wid}: {reason}"
-            )
-        elif ref.startswith("health/"):
-            line = ref.split("/")[1]
-            msgs.append(f"{inp.health_file}:{line}: {reason}")
-        elif not ref.startswith(("fin/", "tick/")):
-            msgs.append(f"{ref}: {reason}")
-    _report_errors(msgs, "input")
-    return len(msgs)
+        return run_policy(inp, policy, progress=progress, **kw)
 
 
 @main.command()
@@ -361,33 +135,56 @@ def _report_rejections(inp: _Inputs, result) -> int:
     type=click.Path(file_okay=False, path_type=Path),
     help="write PNG charts into this directory",
 )
+@_knob_option
 @click.option("--quiet", "-q", is_flag=True, help="no progress bar")
 def simulate(
-    cluster, trace, health, scenario, policy, compare, out, log, as_json, seed, days, plot, quiet
+    cluster,
+    trace,
+    health,
+    scenario,
+    policy,
+    compare,
+    out,
+    log,
+    as_json,
+    seed,
+    days,
+    plot,
+    knobs,
+    quiet,
 ) -> None:
     """Simulate a trace (or the bundled ai2 scenario) with no server and print the KPIs."""
+    from apportion.replay.report import kpi_table
+    from apportion.replay.run import load_inputs, rejection_messages
+
     if days is not None and days <= 0:
         raise UserError("--days must be positive")
-    inp = _load_inputs(cluster, trace, health, seed, days, scenario)
+    with _user_errors():
+        inp = load_inputs(cluster, trace, health, seed, days, scenario, list(knobs))
+    _report_errors(inp.problems, "input file")
     policies = ["budget", "priority"] if compare else [policy]
     results: dict[str, dict[str, Any]] = {}
     sims = {}
     rejected = 0
     for p in policies:
-        result, kpis = run_policy(
-            inp,
-            p,
-            _policy_path(out, p, compare, ".duckdb"),
-            quiet or as_json and not sys.stderr.isatty(),
-            _policy_path(log, p, compare, ".jsonl"),
-        )
+        with _user_errors():
+            result, kpis = _run_with_progress(
+                inp,
+                p,
+                quiet,
+                out=_policy_path(out, p, compare, ".duckdb"),
+                log=_policy_path(log, p, compare, ".jsonl"),
+            )
         if p == policies[0]:
-            rejected = _report_rejections(inp, result)
+            refused = rejection_messages(inp, result)
+            _report_errors(refused, "input")
+            rejected = len(refused)
         results[p] = kpis
         sims[p] = result
-    if inp.bad_rows or rejected:
+    bad_rows = len(inp.problems)
+    if bad_rows or rejected:
         _warn(
-            f"{inp.bad_rows + rejected} input rows rejected ({inp.bad_rows} malformed, {rejected} refused by the scheduler); the valid rows ran"
+            f"{bad_rows + rejected} input rows rejected ({bad_rows} malformed, {rejected} refused by the scheduler); the valid rows ran"
         )
     if plot is not None:
         from apportion.replay.plots import write_plots
@@ -413,22 +210,27 @@ def trace() -> None:
 
 
 @trace.command("generate")
-@click.option("--scenario", default=DEFAULT_SCENARIO, show_default=True, help="ai2 or debug")
-@click.option("--days", type=int, default=None, help="[ai2: 30, debug: 3]")
+@click.option(
+    "--scenario",
+    type=click.Choice(["ai2", "debug", "family"]),
+    default=DEFAULT_SCENARIO,
+    show_default=True,
+)
+@click.option("--days", type=int, default=None, help="[ai2: 30, family: 10, debug: 3]")
 @click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True)
+@_knob_option
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
-def trace_generate(scenario, days, seed, out_dir) -> None:
+def trace_generate(scenario, days, seed, knobs, out_dir) -> None:
     """Write trace.csv, health.csv and cluster.toml for a synthetic scenario."""
+    from apportion.replay.run import DEFAULT_DAYS_OF
     from apportion.replay.scenarios import generate, write_scenario
 
     if days is None:
-        days = DEFAULT_DAYS if scenario == "ai2" else 3
+        days = DEFAULT_DAYS_OF.get(scenario, DEFAULT_DAYS)
     if days <= 0:
         raise UserError("--days must be positive")
-    try:
-        sc = generate(scenario, days=days, seed=seed)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    with _user_errors():
+        sc = generate(scenario, days, seed, list(knobs))
     try:
         paths = write_scenario(sc, out_dir)
     except OSError as exc:
@@ -519,37 +321,25 @@ def _source_options(f):
     return click.argument("log", required=False, type=click.Path(dir_okay=False, path_type=Path))(f)
 
 
-def _open_source(log: Path | None, nats_url: str | None, cluster_name: str | None):
+def _open_source(log: Path | None, nats_url: str | None, cluster_name: str | None) -> Any:
     """A log file, a DuckDB projection, or a live cluster's streams."""
-    from apportion.replay.eventlog import LogError, open_log, read_nats
+    from apportion.replay.eventlog import open_log
 
-    try:
+    if log is not None and cluster_name is not None:
+        raise UserError("give LOG or --cluster NAME (a live cluster), not both")
+    if log is None and cluster_name is None:
+        raise UserError(
+            "give LOG (a log file or a projection .duckdb) or --cluster NAME --nats URL"
+        )
+    if log is None and not nats_url:
+        raise UserError("--cluster needs --nats URL (or NATS_URL)")
+    with _user_errors():
         if log is not None:
-            if cluster_name is not None:
-                raise UserError("give LOG or --cluster NAME (a live cluster), not both")
             return open_log(log)
-        if cluster_name is None:
-            raise UserError(
-                "give LOG (a log file or a projection .duckdb) or --cluster NAME --nats URL"
-            )
-        if not nats_url:
-            raise UserError("--cluster needs --nats URL (or NATS_URL)")
+        from apportion.services.canonical import read_nats
+
+        assert nats_url is not None and cluster_name is not None  # checked above
         return read_nats(nats_url, cluster_name)
-    except LogError as exc:
-        raise UserError(str(exc)) from None
-
-
-def _guard_log_errors(fn, *args, **kw):
-    from apportion.core.state import CorruptHistory
-    from apportion.replay.eventlog import LogError
-    from apportion.replay.projection import ProjectionOrderError
-
-    try:
-        return fn(*args, **kw)
-    except (LogError, ProjectionOrderError) as exc:
-        raise UserError(str(exc)) from None
-    except CorruptHistory as exc:
-        raise UserError(f"corrupt history: {exc}") from None
 
 
 @main.command("replay")
@@ -557,7 +347,7 @@ def _guard_log_errors(fn, *args, **kw):
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="write DESIGN's projection tables to this DuckDB file (replaced if it exists)",
+    help="write the projection tables to this DuckDB file (replaced if it exists)",
 )
 @click.option(
     "--log",
@@ -570,70 +360,21 @@ def _guard_log_errors(fn, *args, **kw):
 )
 def replay_cmd(log, nats_url, cluster_name, out, log_out, until) -> None:
     """Rebuild the projection tables (and/or a log file) from an event log."""
-    import duckdb
-
-    from apportion.replay.eventlog import DecisionBatch, Header, LogWriter, Malformed
-    from apportion.replay.projection import Projection
+    from apportion.replay.run import rebuild
 
     if out is None and log_out is None:
         raise UserError("nothing to write: give --out FILE.duckdb and/or --log FILE.jsonl")
     source = _open_source(log, nats_url, cluster_name)
-    con = _fresh_database(out) if out is not None else None
-    proj = Projection(
-        con if con is not None else duckdb.connect()
-    )  # in memory: only for the digest
-    proj.set_meta("policy", source.header.policy)
-    writer = None
-    if log_out is not None:
-        try:
-            writer = LogWriter(
-                log_out,
-                Header(
-                    policy=source.header.policy,
-                    source=source.header.source or "replay",
-                    cluster=source.header.cluster,
-                ),
-            )
-        except OSError as exc:
-            raise UserError(f"{log_out}: cannot write the log: {exc.strerror}") from None
-    counts = {"inputs": 0, "batches": 0, "decisions": 0}
-
-    def run() -> None:
-        for item in source:
-            if isinstance(item, DecisionBatch):
-                counts["batches"] += 1
-                counts["decisions"] += len(item.decisions)
-                proj.add_batch(item)
-            else:
-                seq = item.seq if isinstance(item, Malformed) else item[0]
-                if until is not None and seq > until:
-                    break
-                counts["inputs"] += 1
-                if isinstance(item, Malformed):
-                    proj.add_undecodable(item.seq, item.at_ms, item.ref, item.reason)
-                else:
-                    proj.add_input(*item)
-            if writer is not None:
-                writer.add(item)
-
-    _guard_log_errors(run)
-    if con is not None:
-        proj.commit()
-    if writer is not None:
-        writer.close(proj.state.digest())
+    with _user_errors():
+        done = rebuild(source, out, log_out, until)
     click.echo(
-        f"replay: {counts['inputs']:,} inputs, {counts['batches']:,} decision batches, "
-        f"{counts['decisions']:,} decisions"
-        + (f" (until input {until})" if until is not None else "")
+        f"replay: {done.inputs:,} inputs, {done.batches:,} decision batches, "
+        f"{done.decisions:,} decisions" + (f" (until input {until})" if until is not None else "")
     )
-    if con is not None:
-        tables = ("events", "workloads", "runs", "waits", "nodes", "health", "budget")
-        sizes = ", ".join(
-            f"{t} {con.execute(f'SELECT COUNT(*) FROM {t}').fetchone()[0]:,}" for t in tables
-        )
-        con.close()
+    if out is not None:
+        sizes = ", ".join(f"{t} {n:,}" for t, n in done.table_sizes.items())
         click.echo(f"wrote {out}: {sizes}")
-    if writer is not None:
+    if log_out is not None:
         click.echo(f"wrote {log_out}")
 
 
@@ -661,7 +402,8 @@ def audit_cmd(log, nats_url, cluster_name, expected_digest, policy) -> None:
     source = _open_source(log, nats_url, cluster_name)
     if policy is not None:
         source.header.policy = policy
-    result = _guard_log_errors(audit, source, expected_digest=expected_digest)
+    with _user_errors():
+        result = audit(source, expected_digest=expected_digest)
     click.echo(result.verdict())
     if not result.ok:
         sys.exit(1)
@@ -706,7 +448,7 @@ def whatif_cmd(
 ) -> None:
     """Re-simulate a log's submissions, health and budget changes under a changed policy; compare KPIs."""
     from apportion.replay.cluster_file import margin_ppm, parse_duration_ms
-    from apportion.replay.errors import InputFileError
+    from apportion.replay.report import kpi_table
     from apportion.replay.whatif import PolicyChange, load_budget, whatif
 
     change = PolicyChange(policy=policy, reservations=False if no_reservations else None)
@@ -721,15 +463,11 @@ def whatif_cmd(
             except ValueError as exc:
                 raise UserError(f"{opt} {value}: {exc}") from None
     if budget_file is not None:
-        try:
+        with _user_errors():
             change.budget = load_budget(budget_file)
-        except InputFileError as exc:
-            raise UserError(str(exc)) from None
     source = _open_source(log, nats_url, cluster_name)
-    try:
-        res = _guard_log_errors(whatif, source, change)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    with _user_errors():
+        res = whatif(source, change)
     if res.dropped_no_duration:
         _warn(
             f"{res.dropped_no_duration} submissions have no duration_ms and never finished in the log; left out"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from apportion.core import ROOT, FairShareView, State, apply, queue_order
 from apportion.schemas.events import (
+    ANY_GPU_TYPE,
     DAY_MS,
     HOUR_MS,
     MINUTE_MS,
@@ -58,7 +59,15 @@ class _History:
     def fold(self, event: Event) -> None:
         apply(self.state, event)
 
-    def submit(self, wid: str, owner: str, gpus: int, min_runtime_ms: int, **kw: object) -> None:
+    def submit(
+        self,
+        wid: str,
+        owner: str,
+        gpus: int,
+        min_runtime_ms: int,
+        gpu_type: str = ANY_GPU_TYPE,
+        priority: int = 0,
+    ) -> None:
         self.fold(
             WorkloadSubmitted(
                 id=self._id(),
@@ -68,9 +77,10 @@ class _History:
                 gpus=gpus,
                 min_runtime_ms=min_runtime_ms,
                 submitted_by=owner.rsplit("/", 1)[-1],
-                **kw,
+                gpu_type=gpu_type,
+                priority=priority,
             )
-        )  # type: ignore[arg-type]
+        )
 
     def place(self, wid: str, *slots: tuple[str, int]) -> None:
         w = self.state.pending[wid]

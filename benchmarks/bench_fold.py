@@ -9,7 +9,7 @@
     of charge history: ``FairShareView`` construction, every sort key, and the
     sort (``queue_order``), repeated; median and p99.
 
-Targets (DESIGN/issue 2): >= 200,000 events/s; all 10,000 keys in <= 20 ms.
+Targets (issue 2): >= 200,000 events/s; all 10,000 keys in <= 20 ms.
 Run with ``make bench`` (or ``make bench ARGS=--quick``).
 """
 

@@ -186,9 +186,11 @@ def main(quick: bool = False) -> None:
     samples = 30 if quick else 300
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
+        server = None
         url = os.environ.get("NATS_URL")
-        server = None if url else start_nats_server(tmp / "nats")
-        url = url or server.url  # type: ignore[union-attr]
+        if not url:
+            server = start_nats_server(tmp / "nats")
+            url = server.url
         try:
             rate, n = asyncio.run(_throughput(url, n_inputs, tmp))
             print(

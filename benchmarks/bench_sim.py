@@ -40,6 +40,24 @@ def _run(name: str, events, rows, health, policy: str, days: float) -> None:
     )
 
 
+def _observer_cost(events, rows, health, days: float) -> None:
+    """The same simulation with no observer (the fold and the cycles alone) and with
+    the DuckDB projection observing: what writing the tables costs, in CPU seconds."""
+    from apportion.replay.simulator import run_simulation, simulate
+
+    cpu: dict[str, float] = {}
+    for name, run in (("no observer", run_simulation), ("projection", simulate)):
+        t0 = time.process_time()
+        run(events, rows, health, policy="budget", days=days)
+        cpu[name] = time.process_time() - t0
+    print(
+        f"ai2 {days:g}d observers        no observer {cpu['no observer']:6.1f} cpu s  "
+        f"projection {cpu['projection']:6.1f} cpu s  "
+        f"(projection costs {cpu['projection'] / cpu['no observer'] - 1:+.0%})",
+        flush=True,
+    )
+
+
 def main(quick: bool) -> None:
     from apportion.replay.cluster_file import load_cluster
     from apportion.replay.importers import import_philly
@@ -54,6 +72,7 @@ def main(quick: bool) -> None:
         health, _ = read_health(paths["health"])
         for policy in ("budget", "priority"):
             _run(f"ai2 {days}d", events, rows, health, policy, days)
+        _observer_cost(events, rows, health, days)
         if not PHILLY.exists():
             print("philly: trace not available, skipped")
             return

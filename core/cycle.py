@@ -10,25 +10,31 @@ these steps over a scratch copy of the free GPUs and never changes ``state``:
 2. **Draining nodes**: unallocated work is preempted at once, allocated work as
    each reaches ``protected_until`` (``drain``); an empty draining node gets one
    ``NodeDrained``.
-3. **Allocated work in fair-share order** (:mod:`apportion.core.ordering`), the
-   order recomputed as the cycle goes: each placement adds its projected charge
+3. **Allocated work in fair-share order**
+   (:class:`~apportion.core.ordering.FairShareWalk`), the order recomputed as
+   the cycle goes: each placement adds its projected charge
    ``gpus * min_runtime`` to its path before the next workload is ranked. For
    each workload:
 
-   a. place it if it fits (:meth:`_Cycle.fit`: gang placement, best fit);
+   a. place it if it fits (:meth:`~apportion.core.placement.FreeGPUs.fit`:
+      best fit on one node, or whole nodes of one pool);
    b. otherwise try to preempt (:meth:`_Cycle.preemption`): the cheapest victim
-      set that makes it fit, among victims it may preempt;
+      set that makes it fit, among victims it may preempt
+      (:meth:`_Cycle.may_preempt`, the margin test of
+      :func:`~apportion.core.ratio.clearly_below_pair`);
    c. otherwise, if it is the first allocated workload that could not be placed,
       reserve for it the nodes that become free or preemptible earliest
       (:meth:`_Cycle.reserve`); later (lower-ranked) work may use a reserved node
-      only if it will be preemptible before the reservation starts.
+      only if it will be preemptible before the reservation starts
+      (:func:`~apportion.core.contract.may_use_reserved`).
 
 4. **Unallocated work** (``min_runtime == 0``) by submit time, then id: placed if
    it fits; it never preempts.
 
-Requeued work from steps 1-2 joins the walk of step 3/4 in the same cycle; a
-victim of a fair-share preemption waits for the next cycle (so one cycle never
-moves the same workload twice).
+The contract (allocated, protected, the reservation gate) is
+:mod:`apportion.core.contract`. Requeued work from steps 1-2 joins the walk of
+step 3/4 in the same cycle; a victim of a fair-share preemption waits for the
+next cycle (so one cycle never moves the same workload twice).
 
 Every choice ends in a unique tie-break (node id, workload id), no ``set`` is
 iterated, and ratios compare exactly, so the same state gives the same
@@ -38,9 +44,8 @@ decisions on any machine.
 from __future__ import annotations
 
 import heapq
-from bisect import insort
 from collections.abc import Iterable
-from fractions import Fraction
+from functools import partial
 
 import msgspec
 from apportion.schemas.events import (
@@ -54,13 +59,27 @@ from apportion.schemas.events import (
 )
 
 from .budget import ROOT, ancestors_of, parent_of
-from .ordering import FairShareView
-from .pendingindex import FreeKey, LeafKey, free_key, leaf_key
-from .ratio import clearly_below_pair, ratio
+from .contract import (
+    is_allocated,
+    is_protected,
+    may_use_reserved,
+    preemptible_from,
+    protected,
+    protected_until,
+    unprotected,
+)
+from .ordering import FairShareView, FairShareWalk
+from .pendingindex import FreeKey, free_key
+from .placement import FreeGPUs, Slots
+from .ratio import clearly_below_pair
 from .state import ClusterNode, State, Workload, apply
 
 _NEVER = 1 << 62
 """A release time that is not known (work that only ends when it finishes)."""
+
+
+SetCost = tuple[int, int, int, tuple[str, ...], str]
+"""Cost of a victim set, compared in order (see :meth:`_Cycle.preemption`)."""
 
 
 class Reservation(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,8 +133,8 @@ class _Cycle:
         self.usage = dict(self.view.usage)  # working usage, with projected charges
         self.weight = self.view.weight
         index = state.node_index
-        self.node_ids = index.node_ids  # read only: the fold's index, sorted by id
-        self.free = _FreeGPUs(state)  # free GPUs per node as this cycle changes them
+        self.gpus = FreeGPUs(state)  # free GPUs as this cycle changes them
+        self.free = self.gpus.free  # per node (read only: change with _set_free)
         self.gone: dict[str, str] = {}  # workload -> why it left a node this cycle
         self.added: dict[str, list[tuple[Workload, int]]] = {}  # node -> placed this cycle
         self.requeued: list[Workload] = []  # by steps 1-2, placed again this cycle
@@ -124,9 +143,8 @@ class _Cycle:
         self.blocked = False  # an allocated workload could not be placed
         self.reserved: dict[str, int] = {}  # node -> reservation start
         self.freed = 0  # bumps on every preemption (the only way GPUs come free in a cycle)
-        self.failed: dict[tuple, tuple[int, object, int, int]] = {}
+        self.failed: dict[tuple[str, str, bool, bool], tuple[int, object, int, int]] = {}
         """shape -> (``freed``, victim subtrees, priority, GPUs) of the last failure to place."""
-        self._leaf_pos: dict[str, int] | None = None
         self._paths: dict[str, tuple[str, ...]] = {}
         self.charges = 0  # bumps on every projected charge (ratios changed)
         self._subtrees: dict[str, tuple[int, tuple[int, ...], dict[str, None]]] = {}
@@ -141,17 +159,12 @@ class _Cycle:
         self.path_nodes: dict[str, dict[str, int]] = {}  # budget path -> node -> expired GPUs
         self.changes = 0  # bumps whenever a node's free or preemptible GPUs change
         self._roomy: dict[tuple[str, int], tuple[int, list[tuple[int, str]]]] = {}
-        self.pool_free: dict[tuple[str, int], int] = {}
+        self.pool_free = self.gpus.pool_free  # read only
         self.pool_unalloc: dict[tuple[str, int], int] = {}
         self.pool_expired: dict[tuple[str, int], dict[str, int]] = {}
         self._victims_ready = False  # built on the first preemption search
-        # free-GPU buckets: (gpu_type, node size) -> free -> node ids, sorted;
-        # the fold's, copied per pool on the first change (see _set_free)
-        self.buckets: dict[tuple[str, int], dict[int, list[str]]] = index.buckets
-        self._own_buckets: dict[tuple[str, int], None] = {}
-        self.pool_nodes = index.pool_nodes  # read only
+        self.pool_nodes = self.gpus.pool_nodes  # read only
         self._pool_sets: dict[tuple[str, int], frozenset[str]] = {}
-        self.pool_free.update(index.pool_free)
         self.down_nodes = index.down  # read only
         self.draining_nodes = index.draining  # read only
 
@@ -192,9 +205,7 @@ class _Cycle:
             node = state.nodes[name]
             for wid in list(node.workloads):
                 w = state.running[wid]
-                if wid not in self.gone and (
-                    w.min_runtime_ms == 0 or self.t >= w.protected_until_ms
-                ):
+                if wid not in self.gone and not is_protected(w, self.t):
                     self._preempt(w, "drain", None, requeue_now=True)
             if not node.drained and all(wid in self.gone for wid in node.workloads):
                 self._emit(NodeDrained, node=name)
@@ -207,8 +218,8 @@ class _Cycle:
             return
         self._victims_ready = True
         gone = self.gone
-        for w in self.state.running.values():
-            if w.id not in gone and (w.min_runtime_ms == 0 or self.t >= w.protected_until_ms):
+        for w in unprotected(self.state.running.values(), self.t):
+            if w.id not in gone:
                 for slot in w.placement:
                     self.victimable.setdefault(slot.node, []).append(w)
                 self._count_victimable(w, +1)
@@ -217,11 +228,12 @@ class _Cycle:
         """Add (or remove) ``w``'s GPUs to the per-node and per-pool victim totals."""
         self.changes += 1
         nodes = self.state.nodes
+        allocated = is_allocated(w)
         for slot in w.placement:
             node = nodes[slot.node]
             key = (node.gpu_type, node.gpus)
             gpus = sign * slot.gpus
-            if w.min_runtime_ms == 0:
+            if not allocated:
                 self.node_unalloc[slot.node] = self.node_unalloc.get(slot.node, 0) + gpus
                 self.pool_unalloc[key] = self.pool_unalloc.get(key, 0) + gpus
             else:
@@ -238,27 +250,13 @@ class _Cycle:
                         del on[slot.node]
 
     def _set_free(self, name: str, free: int) -> None:
-        node = self.state.nodes[name]
-        old = self.free[name]
-        self.free[name] = free
         self.changes += 1
-        if not node.schedulable:
-            return
-        key = (node.gpu_type, node.gpus)
-        if key not in self._own_buckets:
-            if not self._own_buckets:
-                self.buckets = dict(self.buckets)
-            self.buckets[key] = {f: list(names) for f, names in self.buckets[key].items()}
-            self._own_buckets[key] = None
-        pool = self.buckets[key]
-        pool[old].remove(name)
-        insort(pool.setdefault(free, []), name)
-        self.pool_free[key] += free - old
+        self.gpus.set(name, free)
 
     def _preempt(
         self, w: Workload, reason: str, for_workload: str | None, requeue_now: bool = False
     ) -> None:
-        if self._victims_ready and (w.min_runtime_ms == 0 or self.t >= w.protected_until_ms):
+        if self._victims_ready and not is_protected(w, self.t):
             self._count_victimable(w, -1)
         self.gone[w.id] = reason
         self.freed += 1
@@ -274,7 +272,7 @@ class _Cycle:
         if requeue_now and w.resumable:
             self.requeued.append(w)
 
-    def _place(self, w: Workload, slots: list[tuple[str, int]]) -> None:
+    def _place(self, w: Workload, slots: Slots) -> None:
         for name, gpus in slots:
             self._set_free(name, self.free[name] - gpus)
             self.added.setdefault(name, []).append((w, gpus))
@@ -282,61 +280,33 @@ class _Cycle:
             WorkloadPlaced,
             workload=w.id,
             placement=tuple(Slot(name, gpus) for name, gpus in slots),
-            allocated=w.min_runtime_ms > 0,
-            protected_until_ms=self.t + w.min_runtime_ms,
+            allocated=is_allocated(w),
+            protected_until_ms=protected_until(self.t, w.min_runtime_ms),
             attempt=w.attempt + 1,
         )
 
-    def _may_use(self, w: Workload, name: str) -> bool:
-        """Reservation gate: a reserved node takes only work preemptible before it starts."""
-        start = self.reserved.get(name)
-        return start is None or self.t + w.min_runtime_ms <= start
+    @property
+    def buckets(self) -> dict[tuple[str, int], dict[int, list[str]]]:
+        """Healthy nodes by pool and free GPUs as this cycle changes them (read only;
+        tests/replay/test_audit.py reads it to break best-fit ties the wrong way)."""
+        return self.gpus.buckets
 
     def _pools_for(self, w: Workload) -> list[tuple[str, int]]:
-        return [
-            key
-            for key in sorted(self.buckets)
-            if w.gpu_type == ANY_GPU_TYPE or key[0] == w.gpu_type
-        ]
+        return self.gpus.pools_for(w.gpu_type)
+
+    def _may_use(self, w: Workload, name: str) -> bool:
+        """The reservation gate on node ``name`` (:func:`~apportion.core.contract.may_use_reserved`)."""
+        start = self.reserved.get(name)
+        return start is None or may_use_reserved(self.t, w.min_runtime_ms, start)
 
     # -- a. fit --------------------------------------------------------------
-    def fit(self, w: Workload) -> list[tuple[str, int]] | None:
-        """Where ``w`` fits now: one node by best fit (fewest free GPUs that still
-        fit, ties by node id) if it asks for at most a node's GPUs; otherwise
-        ``gpus / node size`` whole free nodes of one pool, lowest ids first."""
-        g = w.gpus
-        best: tuple[int, str] | None = None
-        for key in self._pools_for(w):
-            size = key[1]
-            pool = self.buckets[key]
-            if g <= size:
-                for free in sorted(f for f in pool if f >= g and pool[f]):
-                    if best is not None and free > best[0]:
-                        break
-                    for name in pool[free]:
-                        if self._may_use(w, name):
-                            if best is None or (free, name) < best:
-                                best = (free, name)
-                            break
-            elif g % size == 0:
-                whole = [n for n in pool.get(size, ()) if self._may_use(w, n)]
-                if len(whole) >= g // size:
-                    return [(n, size) for n in whole[: g // size]]
-        if best is not None:
-            return [(best[1], g)]
-        return None
+    def fit(self, w: Workload) -> Slots | None:
+        """Where ``w`` fits now (:meth:`~apportion.core.placement.FreeGPUs.fit`) on
+        the nodes the reservation gate lets it use."""
+        gate = partial(self._may_use, w) if self.reserved else None
+        return self.gpus.fit(w.gpus, w.gpu_type, gate)
 
     # -- b. preemption -------------------------------------------------------
-    def _leaf_position(self, leaf: str) -> int:
-        """Position of ``leaf`` in fair-share order at the cycle start: higher = more over-served."""
-        if self._leaf_pos is None:
-            leaves = sorted(self.state.budget.leaves(), key=self.view.ranks_of)
-            self._leaf_pos = {leaf: i for i, leaf in enumerate(leaves)}
-        return self._leaf_pos.get(leaf, -1)
-
-    def _ratio(self, path: str) -> Fraction:
-        return ratio(self.usage[path], self.weight[path])
-
     def _path(self, leaf: str) -> tuple[str, ...]:
         """``leaf`` and its ancestors below the root, top level first."""
         path = self._paths.get(leaf)
@@ -386,17 +356,15 @@ class _Cycle:
         self._above[a] = (version, above)
         return above
 
-    def outranks(self, c: Workload, v: Workload) -> bool:
-        """``c`` outranks ``v`` clearly: at the first level where their paths part,
-        ``ratio(c side) < (1 - margin) * ratio(v side)``; inside one leaf, only a
-        strictly higher priority outranks."""
-        if c.owner == v.owner:
-            return c.priority > v.priority
-        subtrees = self.victim_subtrees(c.owner)
-        return any(p in subtrees for p in self._path(v.owner))
+    def may_preempt(self, c: Workload, v: Workload, subtrees: dict[str, None]) -> bool:
+        """Whether ``c`` may preempt ``v`` once ``v`` is past its protection: every
+        "candidate outranks victim" decision of the cycle is this one.
 
-    def _may_preempt(self, c: Workload, v: Workload, subtrees: dict[str, None]) -> bool:
-        if v.min_runtime_ms == 0:
+        Unallocated ``v``: always. Allocated: ``c`` outranks ``v`` clearly, i.e. at
+        the first level where their paths part, ``ratio(c side) < (1 - margin) *
+        ratio(v side)`` (``subtrees`` is :meth:`victim_subtrees` of ``c.owner``);
+        inside one leaf, only a strictly higher priority outranks."""
+        if not is_allocated(v):
             return True
         if v.owner == c.owner:
             return c.priority > v.priority
@@ -450,25 +418,25 @@ class _Cycle:
         return [
             v
             for v in self.victimable.get(name, ())
-            if v.id not in gone and self._may_preempt(c, v, subtrees)
+            if v.id not in gone and self.may_preempt(c, v, subtrees)
         ]
 
-    def _victim_order(self, v: Workload) -> tuple:
+    def _victim_order(self, v: Workload) -> tuple[int, int, int, str]:
         """Unallocated first, then the most over-served owners, then lower priority, then id."""
-        if v.min_runtime_ms == 0:
+        if not is_allocated(v):
             return (0, 0, 0, v.id)
-        return (1, -self._leaf_position(v.owner), v.priority, v.id)
+        return (1, -self.view.leaf_position(v.owner), v.priority, v.id)
 
-    def _set_cost(self, victims: list[Workload], excess: int, name: str) -> tuple:
-        allocated = [v for v in victims if v.min_runtime_ms > 0]
-        least = min((self._leaf_position(v.owner) for v in allocated), default=0)
+    def _set_cost(self, victims: list[Workload], excess: int, name: str) -> SetCost:
+        allocated = [v for v in victims if is_allocated(v)]
+        least = min((self.view.leaf_position(v.owner) for v in allocated), default=0)
         return (len(allocated), -least, excess, tuple(sorted(v.id for v in victims)), name)
 
-    def preemption(self, c: Workload) -> tuple[list[Workload], list[tuple[str, int]]] | None:
+    def preemption(self, c: Workload) -> tuple[list[Workload], Slots] | None:
         """The cheapest victim set that makes ``c`` fit, and where ``c`` then goes.
 
         Possible victims: unallocated work, and allocated work past its
-        protection that ``c`` outranks clearly (:meth:`outranks`). Cost,
+        protection that ``c`` outranks clearly (:meth:`may_preempt`). Cost,
         compared in order: fewest allocated victims (unallocated ones first),
         the most over-served owners (the least over-served victim as
         over-served as possible), fewest GPUs freed beyond need, victim ids,
@@ -476,7 +444,7 @@ class _Cycle:
         self._index_victims()
         g = c.gpus
         subtrees = self.victim_subtrees(c.owner)
-        best: tuple[tuple, list[Workload], list[tuple[str, int]]] | None = None
+        best: tuple[SetCost, list[Workload], list[tuple[str, int]]] | None = None
         for key in self._pools_for(c):
             size = key[1]
             if g > size and g % size:
@@ -510,7 +478,7 @@ class _Cycle:
                     if best is None or cost < best[0]:
                         best = (cost, chosen, [(name, g)])
             else:
-                options: list[tuple[tuple, str, list[Workload]]] = []
+                options: list[tuple[SetCost, str, list[Workload]]] = []
                 for name in names:
                     if self.added.get(name):
                         continue  # holds work placed this cycle, which is protected
@@ -571,14 +539,15 @@ class _Cycle:
             if wid in self.gone:
                 continue
             v = running[wid]
-            who = (v.owner, v.priority if v.min_runtime_ms else -1)
+            who = (v.owner, v.priority if is_allocated(v) else -1)
             ok = memo.get(who)
             if ok is None:
-                ok = memo[who] = self._may_preempt(c, v, subtrees)
-            at = max(self.t, v.protected_until_ms) if ok else _NEVER
+                ok = memo[who] = self.may_preempt(c, v, subtrees)
+            at = preemptible_from(v, self.t) if ok else _NEVER
             times.extend([at] * gpus)
         for v, gpus in self.added.get(name, ()):
-            at = self.t + v.min_runtime_ms if self._may_preempt(c, v, subtrees) else _NEVER
+            ok = self.may_preempt(c, v, subtrees)
+            at = protected_until(self.t, v.min_runtime_ms) if ok else _NEVER
             times.extend([at] * gpus)
         times.sort()
         return times
@@ -589,6 +558,7 @@ class _Cycle:
         subtrees = self.victim_subtrees(c.owner)
         memo: dict[tuple[str, int], bool] = {}
         best: tuple[int, tuple[str, ...]] | None = None
+        option: tuple[int, tuple[str, ...]] | None
         for key in self._pools_for(c):
             size = key[1]
             names = self.pool_nodes[key]
@@ -621,7 +591,7 @@ class _Cycle:
         least as many GPUs fails too, as long as no preemption freed GPUs and
         the owner's victim subtrees are the same (placements only take GPUs
         away; a reservation only restricts), so it is skipped without a search."""
-        allocated = w.min_runtime_ms > 0
+        allocated = is_allocated(w)
         subtrees = self.victim_subtrees(w.owner) if allocated else None
         failed = self.failed.get(self._shape(w, allocated))
         if (
@@ -642,7 +612,7 @@ class _Cycle:
             return False
         victims, slots = found
         for v in victims:
-            self._preempt(v, "unallocated" if v.min_runtime_ms == 0 else "fairshare", w.id)
+            self._preempt(v, "fairshare" if is_allocated(v) else "unallocated", w.id)
         self._place(w, slots)
         return True
 
@@ -650,31 +620,39 @@ class _Cycle:
         """What a failure to place depends on besides GPUs and priority: the owner
         (allocated work only), the GPU type, the contract kind, and whether the
         reservation gate lets ``w`` on reserved nodes (no reservation: it does)."""
-        gate = self.reservation is None or self.t + w.min_runtime_ms <= self.reservation.start_ms
+        r = self.reservation
+        gate = r is None or may_use_reserved(self.t, w.min_runtime_ms, r.start_ms)
         return (w.owner if allocated else "", w.gpu_type, allocated, gate)
 
-    def _find(self, w: Workload) -> tuple[list[Workload], list[tuple[str, int]]] | None:
+    def _find(self, w: Workload) -> tuple[list[Workload], Slots] | None:
         """Where ``w`` goes and whom it preempts for that: a fit, else (allocated work
         only) the cheapest victim set; ``None`` if neither."""
         slots = self.fit(w)
         if slots is not None:
             return [], slots
-        if w.min_runtime_ms > 0:
+        if is_allocated(w):
             return self.preemption(w)
         return None
 
     def _schedule_allocated(self) -> None:
-        walk = _FairShareWalk(self)
-        while True:
-            w = walk.next()
-            if w is None:
-                return
+        walk = FairShareWalk(self.state, self.view, self.usage, self.requeued)
+        for w in walk:
             if self._try(w):
-                walk.charge(w)
+                self._charge(walk, w)
             elif not self.blocked:
                 self.blocked = True
                 if self.state.policy.reservations:
                     self.to_reserve = w
+
+    def _charge(self, walk: FairShareWalk, w: Workload) -> None:
+        """Add ``w``'s projected charge (``walk`` re-ranks; ``self.usage`` is its working
+        usage) and note which families' ratios changed, for :meth:`victim_subtrees`."""
+        walk.charge(w)
+        self.charges += 1
+        families = self.family_charges
+        for p in self._path(w.owner):
+            family = parent_of(p)
+            families[family] = families.get(family, 0) + 1
 
     def _settle_reservation(self) -> None:
         """Compute the reservation owed to the first blocked workload, if not yet done.
@@ -696,7 +674,7 @@ class _Cycle:
             return
         pending = self.state.pending
         keys: Iterable[FreeKey] = self.state.pending_index.free
-        requeued = {w.id: w for w in self.requeued if w.min_runtime_ms == 0}
+        requeued = {w.id: w for w in self.requeued if not is_allocated(w)}
         if requeued:
             keys = heapq.merge(keys, sorted(free_key(w) for w in requeued.values()))
         smallest_failed: dict[str, int] = {}
@@ -719,8 +697,7 @@ class _Cycle:
         draining node, or anywhere while allocated work waits), or the reservation start."""
         t = self.t
         waiting = self.blocked or any(
-            r == "fairshare" and self.state.running[w].min_runtime_ms > 0
-            for w, r in self.gone.items()
+            r == "fairshare" and is_allocated(self.state.running[w]) for w, r in self.gone.items()
         )
         out = self.reservation.start_ms if self.reservation else None
         if waiting:
@@ -730,122 +707,15 @@ class _Cycle:
             watched = [
                 running[wid] for n in self.draining_nodes for wid in self.state.nodes[n].workloads
             ]
-        for w in watched:
-            if w.id in self.gone or w.protected_until_ms <= t:
+        for w in protected(watched, t):
+            if w.id in self.gone:
                 continue
             if out is None or w.protected_until_ms < out:
                 out = w.protected_until_ms
         if waiting:
             for entries in self.added.values():
                 for v, _ in entries:
-                    end = t + v.min_runtime_ms
-                    if end > t and (out is None or end < out):
+                    end = protected_until(t, v.min_runtime_ms)
+                    if is_allocated(v) and (out is None or end < out):
                         out = end
         return out
-
-
-class _FreeGPUs(dict):
-    """Free GPUs per node: what this cycle set, else what the state holds."""
-
-    def __init__(self, state: State) -> None:
-        super().__init__()
-        self.nodes = state.nodes
-
-    def __missing__(self, name: str) -> int:
-        return self.nodes[name].free
-
-
-class _FairShareWalk:
-    """Pending allocated workloads in fair-share order, re-ranked after each charge.
-
-    Each internal budget node keeps a heap of its children keyed by (working
-    ratio as the exact integer ``usage * scale``, -weight, path); a charge pushes fresh keys for the charged path and
-    stale heap entries are skipped by version. Each leaf keeps its workloads
-    sorted by (-priority, submit time, id).
-    """
-
-    def __init__(self, cycle: _Cycle) -> None:
-        self.cycle = cycle
-        state = cycle.state
-        self.workloads = state.pending
-        # each leaf's keys in order (the fold's lists, read only) and a cursor
-        self.queues: dict[str, list[LeafKey]] = dict(state.pending_index.by_leaf)
-        requeued = [w for w in cycle.requeued if w.min_runtime_ms > 0]
-        if requeued:
-            self.workloads = {**state.pending, **{w.id: w for w in requeued}}
-            for w in requeued:
-                self.queues[w.owner] = sorted([*self.queues.get(w.owner, ()), leaf_key(w)])
-        self.pos: dict[str, int] = dict.fromkeys(self.queues, 0)
-        self.current: str | None = None  # the leaf being walked
-        self.version: dict[str, int] = {}
-        self.heaps: dict[str, list[tuple[int, int, str, int]]] = {}
-        self.scale = cycle.view.scale
-        live: dict[str, bool] = {}
-        for leaf in sorted(self.queues):
-            for p in [*ancestors_of(leaf), leaf]:
-                live[p] = True
-        for path in sorted(live):
-            if path == ROOT:
-                continue
-            parent = parent_of(path)
-            self.version[path] = 0
-            self.heaps.setdefault(parent, []).append(self._entry(path))
-        for heap in self.heaps.values():
-            heapq.heapify(heap)
-
-    def _entry(self, path: str) -> tuple[int, int, str, int]:
-        c = self.cycle
-        return (c.usage[path] * self.scale[path], -c.weight[path], path, self.version[path])
-
-    def next(self) -> Workload | None:
-        """The next workload in fair-share order. While nothing was charged since
-        the last one, the order has not changed and the next workload is the
-        next one of the same leaf (a leaf's workloads are consecutive)."""
-        if self.current is not None:
-            w = self._take(self.current)
-            if w is not None:
-                return w
-        return self._best(ROOT)
-
-    def _take(self, leaf: str) -> Workload | None:
-        """The next workload of ``leaf``, or ``None`` when it has none left."""
-        queue = self.queues[leaf]
-        i = self.pos[leaf]
-        if i == len(queue):
-            return None
-        self.pos[leaf] = i + 1
-        self.current = leaf
-        return self.workloads[queue[i][2]]
-
-    def _best(self, path: str) -> Workload | None:
-        if path in self.queues:
-            return self._take(path)
-        heap = self.heaps.get(path)
-        while heap:
-            _, _, child, version = heap[0]
-            if version != self.version[child]:
-                heapq.heappop(heap)
-                continue
-            w = self._best(child)
-            if w is not None:
-                return w
-            heapq.heappop(heap)
-            self.version[child] = -1  # exhausted
-        return None
-
-    def charge(self, w: Workload) -> None:
-        """Add ``w``'s projected charge to its path and re-rank the path."""
-        c = self.cycle
-        charge = w.gpus * w.min_runtime_ms
-        c.charges += 1
-        self.current = None
-        for p in [*ancestors_of(w.owner), w.owner]:
-            c.usage[p] += charge
-            if p != ROOT:
-                family = parent_of(p)
-                c.family_charges[family] = c.family_charges.get(family, 0) + 1
-            if p == ROOT or self.version.get(p, -1) < 0:
-                continue
-            self.version[p] += 1
-            parent = parent_of(p)
-            heapq.heappush(self.heaps[parent], self._entry(p))

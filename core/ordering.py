@@ -1,39 +1,58 @@
 """Hierarchical fair-share ordering of pending workloads.
 
-The order (DESIGN "Ordering"), a total order, lowest key first:
+The order (docs/semantics.md, "The ordering"), a total order, first to last:
 
 1. allocated workloads (``min_runtime > 0``) before unallocated ones;
 2. allocated: the ancestors' ratios ``usage / weight`` from the top level down,
    compared lexicographically, each only against its siblings (lower = more
-   under-served = first); ties between siblings: larger weight first, then path;
+   under-served = first); ties between siblings: larger weight first, then path
+   (:func:`sibling_key`, the one spelling of this rule);
 3. inside one leaf: higher ``priority`` first;
 4. earlier submit time first (a requeued workload keeps its original submit time);
 5. workload id.
 
 Unallocated workloads order by submit time, then id.
 
-Because ratios are only ever compared among siblings, comparing two ratio
-sequences lexicographically is the same as comparing the sequences of the
-ancestors' *ranks among their siblings*; :class:`FairShareView` computes those
-ranks once per time ``t`` (exactly, see :mod:`apportion.core.ratio`), so a key
-is a tuple of small integers and sorting 10,000 workloads is cheap.
+Criteria 3-5 and the unallocated order are the keys of the fold's
+:class:`~apportion.core.pendingindex.PendingIndex` (``leaf_key``,
+``free_key``), which keeps pending work sorted by them. Criterion 2 is
+:class:`FairShareWalk`: it walks the budget tree from the root, taking at each
+node the child with the lowest :func:`sibling_key`, and exhausts a leaf's
+queue before ranking again. The scheduling cycle walks allocated work with it,
+adding each placement's projected charge to the working usage as it goes (so
+the order changes during a cycle); :func:`queue_order` is the same walk with
+nothing charged, followed by the unallocated work: the order the next cycle
+would consider pending work in.
+
+Ratios are compared exactly (see :mod:`apportion.core.ratio`): siblings'
+``usage * scale`` are integers in the same order as their ratios.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterable
 from fractions import Fraction
 
-from .budget import ROOT, ancestors_of
+from .budget import ROOT, ancestors_of, parent_of
+from .contract import is_allocated
+from .pendingindex import LeafKey, leaf_key
 from .ratio import ratio, sibling_scales
 from .state import State, Workload
 
-SortKey = tuple[int, tuple[int, ...], int, int, str]
+SiblingKey = tuple[int, int, str]
+
+
+def sibling_key(usage: int, scale: int, weight: int, path: str) -> SiblingKey:
+    """Siblings order by ratio (exactly, as ``usage * scale``, see
+    :func:`~apportion.core.ratio.sibling_scales`), then larger weight first, then path."""
+    return (usage * scale, -weight, path)
 
 
 class FairShareView:
     """Usage, ratio and sibling rank of every budget node at ``state.now_ms``."""
 
-    __slots__ = ("tree", "usage", "weight", "scale", "_rank", "leaf_ranks")
+    __slots__ = ("tree", "usage", "weight", "scale", "_rank", "leaf_ranks", "_leaf_pos")
 
     def __init__(self, state: State) -> None:
         tree = state.budget
@@ -50,13 +69,13 @@ class FairShareView:
                 self.scale.update(sibling_scales({c: self.weight[c] for c in node.children}))
         self._rank: dict[str, int] | None = None
         self.leaf_ranks: dict[str, tuple[int, ...]] = {}
+        self._leaf_pos: dict[str, int] | None = None
 
     def ratio(self, path: str) -> Fraction:
         return ratio(self.usage[path], self.weight[path])
 
-    def sibling_key(self, path: str) -> tuple[int, int, str]:
-        """Siblings order by ratio (exactly, as ``usage * scale``), then larger weight first, then path."""
-        return (self.usage[path] * self.scale[path], -self.weight[path], path)
+    def sibling_key(self, path: str) -> SiblingKey:
+        return sibling_key(self.usage[path], self.scale[path], self.weight[path], path)
 
     @property
     def rank(self) -> dict[str, int]:
@@ -76,10 +95,13 @@ class FairShareView:
             self.leaf_ranks[leaf] = ranks
         return ranks
 
-    def sort_key(self, w: Workload) -> SortKey:
-        if w.min_runtime_ms > 0:
-            return (0, self.ranks_of(w.owner), -w.priority, w.submitted_ms, w.id)
-        return (1, (), 0, w.submitted_ms, w.id)
+    def leaf_position(self, leaf: str) -> int:
+        """Position of ``leaf`` among all leaves in fair-share order (criterion 2):
+        higher = more over-served; -1 for a path that is not a leaf."""
+        if self._leaf_pos is None:
+            leaves = sorted(self.tree.leaves(), key=self.ranks_of)
+            self._leaf_pos = {leaf: i for i, leaf in enumerate(leaves)}
+        return self._leaf_pos.get(leaf, -1)
 
     def path_ratios(self, leaf: str) -> list[tuple[str, int, int, Fraction]]:
         """``(path, usage_gpu_ms, weight, ratio)`` from the top level down to ``leaf``."""
@@ -89,7 +111,122 @@ class FairShareView:
         ]
 
 
+class FairShareWalk:
+    """Pending allocated workloads in fair-share order, re-ranked after each charge.
+
+    Each internal budget node keeps a heap of its children keyed by
+    :func:`sibling_key` on the *working* usage (``usage``, which :meth:`charge`
+    increases); a charge pushes fresh keys for the charged path and stale heap
+    entries are skipped by version. Each leaf's workloads come from the fold's
+    pending index, sorted by (-priority, submit time, id).
+    """
+
+    def __init__(
+        self,
+        state: State,
+        view: FairShareView,
+        usage: dict[str, int] | None = None,
+        requeued: Iterable[Workload] = (),
+    ) -> None:
+        """``usage``: the working usage to rank by and to charge (default: a copy of
+        the view's); ``requeued``: workloads back in the queue that ``state.pending``
+        does not hold yet (preempted earlier in the same cycle)."""
+        self.usage = dict(view.usage) if usage is None else usage
+        self.weight = view.weight
+        self.scale = view.scale
+        self.workloads = state.pending
+        # each leaf's keys in order (the fold's lists, read only) and a cursor
+        self.queues: dict[str, list[LeafKey]] = dict(state.pending_index.by_leaf)
+        back = [w for w in requeued if is_allocated(w)]
+        if back:
+            self.workloads = {**state.pending, **{w.id: w for w in back}}
+            for w in back:
+                self.queues[w.owner] = sorted([*self.queues.get(w.owner, ()), leaf_key(w)])
+        self.pos: dict[str, int] = dict.fromkeys(self.queues, 0)
+        self.current: str | None = None  # the leaf being walked
+        self.version: dict[str, int] = {}
+        self.heaps: dict[str, list[tuple[SiblingKey, int]]] = {}
+        live: dict[str, bool] = {}
+        for leaf in sorted(self.queues):
+            for p in [*ancestors_of(leaf), leaf]:
+                live[p] = True
+        for path in sorted(live):
+            if path == ROOT:
+                continue
+            parent = parent_of(path)
+            self.version[path] = 0
+            self.heaps.setdefault(parent, []).append(self._entry(path))
+        for heap in self.heaps.values():
+            heapq.heapify(heap)
+
+    def _entry(self, path: str) -> tuple[SiblingKey, int]:
+        key = sibling_key(self.usage[path], self.scale[path], self.weight[path], path)
+        return (key, self.version[path])
+
+    def __iter__(self) -> FairShareWalk:
+        return self
+
+    def __next__(self) -> Workload:
+        w = self.next()
+        if w is None:
+            raise StopIteration
+        return w
+
+    def next(self) -> Workload | None:
+        """The next workload in fair-share order. While nothing was charged since
+        the last one, the order has not changed and the next workload is the
+        next one of the same leaf (a leaf's workloads are consecutive)."""
+        if self.current is not None:
+            w = self._take(self.current)
+            if w is not None:
+                return w
+        return self._best(ROOT)
+
+    def _take(self, leaf: str) -> Workload | None:
+        """The next workload of ``leaf``, or ``None`` when it has none left."""
+        queue = self.queues[leaf]
+        i = self.pos[leaf]
+        if i == len(queue):
+            return None
+        self.pos[leaf] = i + 1
+        self.current = leaf
+        return self.workloads[queue[i][2]]
+
+    def _best(self, path: str) -> Workload | None:
+        if path in self.queues:
+            return self._take(path)
+        heap = self.heaps.get(path)
+        while heap:
+            key, version = heap[0]
+            child = key[2]
+            if version != self.version[child]:
+                heapq.heappop(heap)
+                continue
+            w = self._best(child)
+            if w is not None:
+                return w
+            heapq.heappop(heap)
+            self.version[child] = -1  # exhausted
+        return None
+
+    def charge(self, w: Workload) -> None:
+        """Add ``w``'s projected charge ``gpus * min_runtime`` to its path (the
+        working usage) and re-rank the path."""
+        charge = w.gpus * w.min_runtime_ms
+        self.current = None
+        usage = self.usage
+        for p in [*ancestors_of(w.owner), w.owner]:
+            usage[p] += charge
+            if p == ROOT or self.version.get(p, -1) < 0:
+                continue
+            self.version[p] += 1
+            heapq.heappush(self.heaps[parent_of(p)], self._entry(p))
+
+
 def queue_order(state: State, view: FairShareView | None = None) -> list[Workload]:
-    """Pending workloads in scheduling order."""
-    view = view or FairShareView(state)
-    return sorted(state.pending.values(), key=view.sort_key)
+    """Pending workloads in the order the next cycle considers them with nothing
+    charged yet: allocated work by :class:`FairShareWalk`, then unallocated work
+    by submit time, then id."""
+    walk = FairShareWalk(state, view or FairShareView(state))
+    pending = state.pending
+    return [*walk, *(pending[wid] for _, wid in state.pending_index.free)]

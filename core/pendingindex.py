@@ -14,6 +14,8 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Protocol
 
+from .contract import is_allocated
+
 
 class _Pending(Protocol):
     id: str
@@ -43,13 +45,13 @@ class PendingIndex:
         self.free: list[FreeKey] = []
 
     def add(self, w: _Pending) -> None:
-        if w.min_runtime_ms > 0:
+        if is_allocated(w):
             insort(self.by_leaf.setdefault(w.owner, []), leaf_key(w))
         else:
             insort(self.free, free_key(w))
 
     def remove(self, w: _Pending) -> None:
-        if w.min_runtime_ms > 0:
+        if is_allocated(w):
             keys = self.by_leaf[w.owner]
             del keys[bisect_left(keys, leaf_key(w))]
             if not keys:

@@ -27,16 +27,11 @@ def clearly_below_pair(
 
     Two ratios inside the margin of each other (including two zero ratios) are
     never "clearly" ordered, so near-equal teams do not preempt each other back
-    and forth.
+    and forth. The scheduling cycle applies it level by level
+    (:meth:`apportion.core.cycle._Cycle.victim_subtrees`) and decides every
+    preemption of allocated work through :meth:`apportion.core.cycle._Cycle.may_preempt`.
     """
     return cand_usage * victim_weight * PPM < victim_usage * cand_weight * (PPM - margin_ppm)
-
-
-def clearly_below(candidate: Fraction, victim: Fraction, margin_ppm: int) -> bool:
-    """:func:`clearly_below_pair` for two ratios given as fractions."""
-    return clearly_below_pair(
-        candidate.numerator, candidate.denominator, victim.numerator, victim.denominator, margin_ppm
-    )
 
 
 def sibling_scales(weights: dict[str, int]) -> dict[str, int]:

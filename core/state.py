@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from apportion.schemas.events import (
@@ -45,6 +45,7 @@ from apportion.schemas.events import (
 )
 
 from .budget import ROOT, BudgetNode, BudgetTree, parent_of, path_error
+from .contract import is_allocated, protected_until
 from .nodeindex import NodeIndex
 from .pendingindex import PendingIndex
 from .usage import MAX_LOOKBACK_MS, change_rates
@@ -112,11 +113,7 @@ class Workload(msgspec.Struct, kw_only=True):
     @property
     def allocated(self) -> bool:
         """Charged to its owner (``min_runtime > 0``) rather than free and preemptible."""
-        return self.min_runtime_ms > 0
-
-    @property
-    def is_debug(self) -> bool:
-        return self.gpus <= 8 and self.min_runtime_ms <= 15 * 60_000
+        return is_allocated(self)
 
 
 class StateSnapshot(msgspec.Struct, kw_only=True):
@@ -238,7 +235,7 @@ class State:
             state.pending_index.add(w)
         state.running = {i: state.workloads[i] for i in snap.running}
         state.ended = dict(snap.ended)
-        state.rejections = [tuple(r) for r in snap.rejections]  # type: ignore[misc]
+        state.rejections = [(ref, reason) for ref, reason in snap.rejections]
         for n in state.nodes.values():
             _add_pool(state, n)
         for w in state.workloads.values():
@@ -464,14 +461,10 @@ def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
         return f"min_runtime must be between 0 and {cap // 60_000} min, got {e.min_runtime_ms} ms"
     if e.duration_ms is not None and e.duration_ms < 0:
         return f"duration must not be negative, got {e.duration_ms} ms"
-    problem = state.gang_errors.get((e.gpu_type, e.gpus), _UNKNOWN)
-    if problem is _UNKNOWN:
-        problem = _gang_error(state, e.gpu_type, e.gpus)
-        state.gang_errors[(e.gpu_type, e.gpus)] = problem
-    return problem  # type: ignore[return-value]
-
-
-_UNKNOWN = object()
+    key = (e.gpu_type, e.gpus)
+    if key not in state.gang_errors:
+        state.gang_errors[key] = _gang_error(state, e.gpu_type, e.gpus)
+    return state.gang_errors[key]
 
 
 def _gang_error(state: State, gpu_type: str, gpus: int) -> str | None:
@@ -580,7 +573,7 @@ def _end_run(state: State, w: Workload) -> None:
             index.move(node.node, (node.gpu_type, node.gpus), node.free, node.free + slot.gpus)
         node.free += slot.gpus
         del node.workloads[w.id]
-    if w.min_runtime_ms > 0:
+    if is_allocated(w):
         change_rates(state.budget.chain(w.owner), now, -w.gpus)
     w.run_ms += now - w.started_ms
     w.placement = ()
@@ -611,7 +604,7 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
     w = state.pending.get(e.workload)
     if w is None:
         raise CorruptHistory(f"placed {e.workload!r}, which is not pending")
-    if e.allocated != (w.min_runtime_ms > 0):
+    if e.allocated != is_allocated(w):
         raise CorruptHistory(
             f"placed {e.workload!r} with allocated={e.allocated} against its contract"
         )
@@ -637,7 +630,7 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
         index.move(node.node, (node.gpu_type, node.gpus), node.free, node.free - slot.gpus)
         node.free -= slot.gpus
         node.workloads[w.id] = slot.gpus
-    if w.min_runtime_ms > 0:
+    if is_allocated(w):
         change_rates(state.budget.chain(w.owner), now, w.gpus)
     del state.pending[w.id]
     state.pending_index.remove(w)
@@ -645,7 +638,7 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
     w.status = "running"
     w.placement = e.placement
     w.started_ms = now
-    w.protected_until_ms = now + w.min_runtime_ms
+    w.protected_until_ms = protected_until(now, w.min_runtime_ms)
     w.attempt += 1
     if w.first_placed_ms is None:
         w.first_placed_ms = now
@@ -686,7 +679,7 @@ def _input_rejected(state: State, e: InputRejected) -> None:
     raise CorruptHistory(f"InputRejected for {e.ref!r}, which was not rejected")
 
 
-_HANDLERS: dict[type, Callable[[State, Event], None]] = {
+_HANDLERS: dict[type, Callable[[State, Any], None]] = {
     NodeRegistered: _node_registered,
     NodeHealthChanged: _node_health_changed,
     BudgetSet: _budget_set,

@@ -14,15 +14,14 @@ input it is based on and the first decision (or wake-up time) that differs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import msgspec
-from apportion.core.cycle import CycleResult
-from apportion.core.state import CorruptHistory, State, apply
+from apportion.core.history import Decider, decide_batch, fold_item
+from apportion.core.state import State
 from apportion.schemas.codec import encode
 from apportion.schemas.events import DecisionBatch
+from apportion.schemas.history import BatchItem
 
-from .eventlog import CanonicalLog, Malformed
+from .eventlog import CanonicalLog
 from .simulator import policy_decider
 
 
@@ -85,18 +84,11 @@ def first_difference(expected: DecisionBatch, recorded: DecisionBatch) -> tuple[
 def audit(
     log: CanonicalLog,
     *,
-    decide: Callable[[State], CycleResult] | None = None,
+    decide: Decider | None = None,
     expected_digest: str | None = None,
 ) -> AuditResult:
     """Audit ``log`` (see the module docstring); ``decide`` overrides the header's policy."""
-    policy = log.header.policy
-    if decide is None:
-        if policy == "priority":
-            from apportion.core import baseline
-
-            # its per-workload key cache must not carry entries from another history
-            baseline._KEY_CACHE.clear()
-        decide = policy_decider(policy)
+    decider = decide or policy_decider(log.header.policy)
     state = State()
     batches = 0
     decisions = 0
@@ -111,67 +103,29 @@ def audit(
             divergence=div,
         )
 
-    def _audit_items(items: Iterator) -> AuditResult:
-        nonlocal batches, decisions
-        for item in items:
-            if isinstance(item, DecisionBatch):
-                batches += 1
-                got = decide(state)
-                expected = DecisionBatch(
-                    basis=state.input_seq,
-                    decisions=got.decisions,
-                    next_wakeup_ms=got.next_wakeup_ms,
-                    v=item.v,
-                )
-                if encode(expected) != encode(item):
-                    what, e, r = first_difference(expected, item)
-                    return result(
-                        Divergence(
-                            batch=batches, basis=item.basis, what=what, expected=e, recorded=r
-                        ),
-                        None,
-                    )
-                for i, d in enumerate(item.decisions):
-                    try:
-                        apply(state, d)
-                    except (
-                        CorruptHistory
-                    ) as exc:  # pragma: no cover - decide's own output always folds
-                        return result(
-                            Divergence(
-                                batch=batches,
-                                basis=item.basis,
-                                what=f"decision {i + 1}",
-                                expected="a decision that folds",
-                                recorded=f"{_text(d)} ({exc})",
-                            ),
-                            None,
-                        )
-                decisions += len(item.decisions)
-            elif isinstance(item, Malformed):
-                state.input_seq += 1
-                if item.at_ms > state.now_ms:
-                    state.now_ms = item.at_ms
-                state.rejections.append((item.ref, item.reason))
-            else:
-                apply(state, item[1])
-        recorded = expected_digest or (log.end.digest if log.end is not None else None)
-        digest = state.digest()
-        if recorded is not None and recorded != digest:
-            return result(
-                Divergence(
-                    batch=0,
-                    basis=state.input_seq,
-                    what="digest",
-                    expected=digest,
-                    recorded=recorded,
-                ),
-                recorded,
-            )
-        return result(None, recorded)
-
     items = iter(log)
     try:
-        return _audit_items(items)
+        for item in items:
+            if isinstance(item, BatchItem):
+                batches += 1
+                recorded_batch = item.batch
+                expected, _ = decide_batch(state, decider)
+                expected = msgspec.structs.replace(expected, v=recorded_batch.v)
+                if encode(expected) != encode(recorded_batch):
+                    what, e, r = first_difference(expected, recorded_batch)
+                    div = Divergence(
+                        batch=batches, basis=recorded_batch.basis, what=what, expected=e, recorded=r
+                    )
+                    return result(div, None)
+                decisions += len(recorded_batch.decisions)
+            fold_item(state, item)
     finally:
-        items.close()  # type: ignore[attr-defined]  # a generator: releases the file at a divergence
+        items.close()  # releases the file at a divergence
+    recorded = expected_digest or (log.end.digest if log.end is not None else None)
+    digest = state.digest()
+    if recorded is not None and recorded != digest:
+        div = Divergence(
+            batch=0, basis=state.input_seq, what="digest", expected=digest, recorded=recorded
+        )
+        return result(div, recorded)
+    return result(None, recorded)

@@ -1,4 +1,4 @@
-"""The cluster file (TOML, DESIGN "Interfaces") as a list of input events.
+"""The cluster file (TOML, docs/formats.md) as a list of input events.
 
 ::
 
@@ -43,7 +43,7 @@ import msgspec
 from apportion.schemas.events import (
     PPM,
     BudgetSet,
-    Event,
+    Input,
     NodeRegistered,
     PolicySet,
 )
@@ -64,7 +64,7 @@ _UNIT_MS = {
 
 class ClusterSpec(msgspec.Struct, kw_only=True):
     name: str
-    events: list[Event]
+    events: list[Input]
     """NodeRegistered per node, BudgetSet root first then children, PolicySet last."""
     nodes: list[tuple[str, int, str]]
     """``(node, gpus, gpu_type)`` in registration order."""
@@ -147,7 +147,7 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
             "cluster.pool",
             "need at least one [[cluster.pool]] with prefix, count, gpus_per_node, gpu_type",
         )
-    events: list[Event] = []
+    events: list[Input] = []
     nodes: list[tuple[str, int, str]] = []
     seen: set[str] = set()
     for i, pool in enumerate(pools):

@@ -16,16 +16,17 @@ input 2, ...):
 
 Sources: such a file; the ``events``/``batches``/``malformed_inputs`` tables of a
 DuckDB projection (``simulate --out``, the live projector, ``replay``); a live
-cluster's JetStream streams (:func:`read_nats`). Every reader yields the same
-items: ``(seq, Input)``, :class:`Malformed` and :class:`DecisionBatch`, and
-checks the canonical order (inputs numbered 1, 2, ... with no gap; a batch's
-basis is the last input before it) as it goes, raising :class:`LogError`.
+cluster's JetStream streams (read by the services, which hand them over as a
+:class:`CanonicalLog` too). Every reader yields the same history items
+(:mod:`apportion.schemas.history`: an :class:`InputItem` per input, a
+:class:`BatchItem` per decision batch) and checks the canonical order (inputs
+numbered 1, 2, ... with no gap; a batch's basis is the last input before it)
+as it goes, raising :class:`LogError`.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,11 +37,10 @@ from apportion.schemas.events import (
     BudgetRemoved,
     BudgetSet,
     DecisionBatch,
-    Event,
-    Input,
     NodeRegistered,
     PolicySet,
 )
+from apportion.schemas.history import BatchItem, HistoryItem, InputItem, input_item
 
 LOG_VERSION = 1
 """The log format version this code writes and reads."""
@@ -65,15 +65,6 @@ class End(msgspec.Struct, kw_only=True):
     digest: str | None = None
 
 
-class Malformed(msgspec.Struct, frozen=True, kw_only=True):
-    """Input ``seq`` whose bytes did not decode."""
-
-    seq: int
-    at_ms: int
-    ref: str
-    reason: str
-
-
 class _MalformedBody(msgspec.Struct, kw_only=True):
     at_ms: int
     ref: str
@@ -89,8 +80,6 @@ class _Line(msgspec.Struct, kw_only=True):
     end: End | None = None
 
 
-Item = tuple[int, Input] | Malformed | DecisionBatch
-
 _line_decoder = msgspec.json.Decoder(_Line)
 _enc = msgspec.json.Encoder()
 
@@ -101,8 +90,8 @@ _enc = msgspec.json.Encoder()
 
 
 class LogWriter:
-    """Writes a log file; has the projection's ``add_input``/``add_batch`` so the
-    simulator can feed it as it feeds the projection."""
+    """Writes a log file. An observer of the one fold (it ignores the state), so
+    the simulator and ``replay`` can hand it the history as they fold it."""
 
     def __init__(self, path: str | Path | IO[bytes], header: Header) -> None:
         if isinstance(path, str | Path):
@@ -114,26 +103,21 @@ class LogWriter:
         self.batches = 0
         self._f.write(b'{"header":' + _enc.encode(header) + b"}\n")
 
-    def add_input(self, seq: int, event: Event) -> None:
-        self.inputs = seq
-        self._f.write(b'{"seq":%d,"input":' % seq + encode(event) + b"}\n")
+    def __call__(self, item: HistoryItem, state: object = None, rejected: object = None) -> None:
+        self.add(item)
 
-    def add_malformed(self, item: Malformed) -> None:
+    def add(self, item: HistoryItem) -> None:
+        f = self._f
+        if isinstance(item, BatchItem):
+            self.batches += 1
+            f.write(b'{"batch":' + encode(item.batch) + b"}\n")
+            return
         self.inputs = item.seq
-        body = _MalformedBody(at_ms=item.at_ms, ref=item.ref, reason=item.reason)
-        self._f.write(b'{"seq":%d,"malformed":' % item.seq + _enc.encode(body) + b"}\n")
-
-    def add_batch(self, batch: DecisionBatch) -> None:
-        self.batches += 1
-        self._f.write(b'{"batch":' + encode(batch) + b"}\n")
-
-    def add(self, item: Item) -> None:
-        if isinstance(item, DecisionBatch):
-            self.add_batch(item)
-        elif isinstance(item, Malformed):
-            self.add_malformed(item)
+        if item.event is not None:
+            f.write(b'{"seq":%d,"input":' % item.seq + encode(item.event) + b"}\n")
         else:
-            self.add_input(*item)
+            body = _MalformedBody(at_ms=item.at_ms, ref=item.ref, reason=item.rejection or "")
+            f.write(b'{"seq":%d,"malformed":' % item.seq + _enc.encode(body) + b"}\n")
 
     def close(self, digest: str | None = None) -> None:
         end = End(inputs=self.inputs, batches=self.batches, digest=digest)
@@ -145,7 +129,7 @@ class LogWriter:
 
 
 def write_log(
-    path: str | Path, header: Header, items: Iterable[Item], digest: str | None = None
+    path: str | Path, header: Header, items: Iterable[HistoryItem], digest: str | None = None
 ) -> LogWriter:
     w = LogWriter(path, header)
     for item in items:
@@ -163,32 +147,33 @@ class CanonicalLog:
     """A readable history: ``header``, the items (iterate once), then ``end``
     (known only after iterating, ``None`` when the source records no end)."""
 
-    def __init__(self, header: Header, items: Iterable[Item], name: str) -> None:
+    def __init__(self, header: Header, items: Iterable[HistoryItem], name: str) -> None:
         self.header = header
         self.name = name
         self.end: End | None = None
         self._items = items
 
-    def __iter__(self) -> Iterator[Item]:
+    def __iter__(self) -> Generator[HistoryItem, None, None]:
         return _checked(self)
 
 
-def _checked(log: CanonicalLog) -> Iterator[Item]:
+def _checked(log: CanonicalLog) -> Generator[HistoryItem, None, None]:
     """The items, checking canonical order (and the end line's counts)."""
     name = log.name
     seq = 0
     last_basis = 0
     batches = 0
     for item in log._items:
-        if isinstance(item, DecisionBatch):
-            if item.basis != seq or (item.basis <= last_basis and last_basis):
+        if isinstance(item, BatchItem):
+            basis = item.batch.basis
+            if basis != seq or (basis <= last_basis and last_basis):
                 raise LogError(
-                    f"{name}: decisions based on input {item.basis} follow input {seq} (not canonical order)"
+                    f"{name}: decisions based on input {basis} follow input {seq} (not canonical order)"
                 )
-            last_basis = item.basis
+            last_basis = basis
             batches += 1
         else:
-            k = item.seq if isinstance(item, Malformed) else item[0]
+            k = item.seq
             if k != seq + 1:
                 raise LogError(f"{name}: input {k} follows input {seq} (a gap or a repeat)")
             seq = k
@@ -242,7 +227,7 @@ def _short(exc: Exception) -> str:
     return str(exc).splitlines()[0][:200]
 
 
-def _file_items(path: Path, log: CanonicalLog) -> Iterator[Item]:
+def _file_items(path: Path, log: CanonicalLog) -> Iterator[HistoryItem]:
     try:
         f = open(path, "rb")  # noqa: SIM115
     except OSError as exc:
@@ -250,6 +235,7 @@ def _file_items(path: Path, log: CanonicalLog) -> Iterator[Item]:
     with f:
         f.readline()
         n = 1
+        batches = 0
         for raw in f:
             n += 1
             if not raw.strip():
@@ -259,12 +245,13 @@ def _file_items(path: Path, log: CanonicalLog) -> Iterator[Item]:
             try:
                 line = _line_decoder.decode(raw)
                 if line.input and line.seq is not None:
-                    yield (line.seq, decode_input(line.input))
+                    yield input_item(line.seq, decode_input(line.input))
                 elif line.malformed is not None and line.seq is not None:
                     m = line.malformed
-                    yield Malformed(seq=line.seq, at_ms=m.at_ms, ref=m.ref, reason=m.reason)
+                    yield InputItem(seq=line.seq, at_ms=m.at_ms, ref=m.ref, rejection=m.reason)
                 elif line.batch:
-                    yield decode_batch(line.batch)
+                    batches += 1
+                    yield BatchItem(seq=batches, batch=decode_batch(line.batch))
                 elif line.end is not None:
                     log.end = line.end
                 else:
@@ -295,9 +282,11 @@ def read_duckdb(path: str | Path) -> CanonicalLog:
         ).fetchone()
         if row is None:
             raise LogError(f"{path}: the projection is empty")
-        n_batch_rows = (
-            con.execute("SELECT COUNT(*) FROM batches").fetchone()[0] if "batches" in names else 0  # type: ignore[index]
-        )
+        n_batch_rows = 0
+        if "batches" in names:
+            count = con.execute("SELECT COUNT(*) FROM batches").fetchone()
+            assert count is not None  # COUNT(*) always returns one row
+            n_batch_rows = count[0]
         if n_batch_rows != row[1]:
             raise LogError(
                 f"{path}: the projection folded {row[1]} decision batches but records {n_batch_rows} "
@@ -331,7 +320,7 @@ def _rows(cur: Any) -> Iterator[tuple]:
         yield from rows
 
 
-def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Iterator[Item]:
+def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Iterator[HistoryItem]:
     """Input ``k`` is the ``k``-th input row of ``events`` (or ``malformed_inputs`` row ``k``);
     batch ``i`` takes the next ``decisions`` decision rows, which must sit at
     ``pos + 1 ..``; a batch follows the input named by its basis."""
@@ -345,11 +334,11 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
         raise LogError(f"{path}: cannot open the database: {_short(exc)}") from None
     try:
         malformed = {
-            r[0]: Malformed(seq=r[0], at_ms=r[1], ref=r[2], reason=r[3])
+            r[0]: InputItem(seq=r[0], at_ms=r[1], ref=r[2], rejection=r[3])
             for r in con.execute("SELECT seq, at_ms, ref, reason FROM malformed_inputs").fetchall()
         }
         batches = con.execute(
-            "SELECT basis, pos, decisions, next_wakeup_ms, v FROM batches ORDER BY batch"
+            "SELECT basis, pos, decisions, next_wakeup_ms, v, batch FROM batches ORDER BY batch"
         ).fetchall()
         icur, dcur = con.cursor(), con.cursor()
         icur.execute(
@@ -372,11 +361,11 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                 if row is None:
                     raise LogError(f"{path}: input {seq} is missing from the events table")
                 try:
-                    yield (seq, decode_input(row[1]))
+                    yield input_item(seq, decode_input(row[1]))
                 except EventDecodeError as exc:
                     raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
             while bi < len(batches) and batches[bi][0] == seq:
-                basis, bpos, n, wake, v = batches[bi]
+                basis, bpos, n, wake, v, number = batches[bi]
                 got = []
                 for k in range(n):
                     row = next(decisions, None)
@@ -388,7 +377,8 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                         got.append(decode_decision(row[1]))
                     except EventDecodeError as exc:
                         raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
-                yield DecisionBatch(basis=basis, decisions=tuple(got), next_wakeup_ms=wake, v=v)
+                batch = DecisionBatch(basis=basis, decisions=tuple(got), next_wakeup_ms=wake, v=v)
+                yield BatchItem(seq=number, batch=batch)
                 bi += 1
         if (
             bi != len(batches)
@@ -401,73 +391,3 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
         raise LogError(f"{path}: {_short(exc)}") from None
     finally:
         con.close()
-
-
-async def _read_all(tail: Any, n: int, timeout: float, what: str) -> list[Any]:
-    """The first ``n`` messages of a stream tail, then close it."""
-    got: list[Any] = []
-    try:
-        while len(got) < n:
-            more = await tail.take(10_000, timeout)
-            if not more:
-                raise LogError(f"{what} stopped at {len(got)} of {n} messages")
-            got.extend(more)
-    finally:
-        await tail.close()
-    return got
-
-
-async def _read_nats_async(url: str, cluster: str, timeout: float) -> list[Item]:
-    from apportion.services.bus import JetStreamLog, StoredInput, connect
-
-    nc = await connect(url, name="apportion-eventlog")
-    try:
-        js = nc.jetstream()
-        log = JetStreamLog(js, cluster)
-        n_batches = await log.last_batch_seq()
-        n_inputs = await log.last_input_seq()
-        inputs: list[StoredInput] = await _read_all(
-            log.tail_inputs(1), n_inputs, timeout, f"nats {cluster}: INPUTS"
-        )
-        batches: list[Any] = await _read_all(
-            log.tail_batches(1), n_batches, timeout, f"nats {cluster}: DECISIONS"
-        )
-    finally:
-        await nc.close()
-    out: list[Item] = []
-    bi = 0
-    for si in inputs[:n_inputs]:
-        if si.event is not None:
-            out.append((si.seq, si.event))
-        else:
-            out.append(
-                Malformed(
-                    seq=si.seq, at_ms=si.at_ms, ref=si.ref, reason=f"malformed input: {si.error}"
-                )
-            )
-        while bi < n_batches and batches[bi].batch.basis == si.seq:
-            out.append(batches[bi].batch)
-            bi += 1
-    if bi != n_batches:
-        raise LogError(
-            f"nats {cluster}: decision batch {bi + 1} is based on input "
-            f"{batches[bi].batch.basis}, not in INPUTS"
-        )
-    return out
-
-
-def read_nats(url: str, cluster: str, timeout: float = 10.0) -> CanonicalLog:
-    """Both streams of a live cluster, up to their last messages now, merged in canonical order."""
-    try:
-        items = asyncio.run(_read_nats_async(url, cluster, timeout))
-    except LogError:
-        raise
-    except ValueError as exc:
-        raise LogError(f"nats {cluster}: {exc}") from None
-    except Exception as exc:  # connection refused, no such stream, ...
-        raise LogError(
-            f"nats {url} cluster {cluster}: {type(exc).__name__}: {_short(exc) or 'no answer'}"
-        ) from None
-    return CanonicalLog(
-        Header(policy="budget", source="nats", cluster=cluster), items, f"nats:{cluster}"
-    )

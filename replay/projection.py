@@ -1,15 +1,17 @@
-"""DESIGN's DuckDB projection tables, built incrementally from the canonical history.
+"""The DuckDB projection tables, built incrementally from the canonical history.
 
 The canonical history is input 1, the decisions based on 1, input 2, ... The
-projection folds a :class:`~apportion.core.state.State` alongside (the oracle
-for what each input changed: an input the fold rejected changes no table but
-``events``), buffers rows in memory and writes them, with its position and a
-snapshot of that state, in **one** DuckDB transaction per :meth:`commit`. A
-restarted projection reads its position and snapshot back and resumes with no
-duplicate and no gap; inputs and batches it has already committed are
-ignored, and anything out of order raises :class:`ProjectionOrderError`.
+projection is an observer of the one fold (:mod:`apportion.core.history`): the
+consumer folds each item into its state and shows it the item, the state and
+whether the input was rejected (a rejected input changes no table but
+``events``). It buffers rows in memory and writes them, with its position and
+a snapshot of the consumer's state, in **one** DuckDB transaction per
+:meth:`Projection.commit`. A restarted consumer reads the position and
+snapshot back (:meth:`Projection.saved_state`) and resumes with no duplicate
+and no gap. docs/formats.md documents every table.
 
-Tables (DESIGN "Interfaces"; columns after the DESIGN ones are additions):
+Tables (the first columns of each are the interface scripts rely on; later
+columns are additions):
 
 - ``events(pos, at_ms, kind, workload, node, body)``: every input and decision,
   ``pos`` counting from 1 in canonical order; ``body`` is the event's JSON;
@@ -47,11 +49,10 @@ from typing import Any
 import duckdb
 import msgspec
 from apportion.core.budget import ROOT
-from apportion.core.state import State, apply
+from apportion.core.state import State
 from apportion.schemas.events import (
     BudgetRemoved,
     BudgetSet,
-    DecisionBatch,
     Event,
     Input,
     NodeDrained,
@@ -64,6 +65,7 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
     kind_of,
 )
+from apportion.schemas.history import BatchItem, HistoryItem, InputItem
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events(pos BIGINT, at_ms BIGINT, kind VARCHAR, workload VARCHAR, node VARCHAR, body VARCHAR);
@@ -117,12 +119,10 @@ W_STATUS, W_FIRST, W_ENDED, W_PRE = 9, 7, 8, 10
 _json = msgspec.json.Encoder()
 
 
-class ProjectionOrderError(ValueError):
-    """An input or batch that is not the next one in canonical order (a gap)."""
-
-
 def insert_rows(
-    con: duckdb.DuckDBPyConnection, table: str, rows: list[list[Any]] | list[tuple]
+    con: duckdb.DuckDBPyConnection,
+    table: str,
+    rows: list[list[Any]] | list[tuple[Any, ...]],
 ) -> None:
     """Insert many rows at once (one statement, columns passed as typed lists)."""
     if not rows:
@@ -133,7 +133,7 @@ def insert_rows(
     con.execute(f"INSERT INTO {table} SELECT {select}", cols)
 
 
-def _workload_row(e: WorkloadSubmitted, now: int, status: str) -> list:
+def _workload_row(e: WorkloadSubmitted, now: int, status: str) -> list[Any]:
     """A new ``workloads`` row (not yet placed or ended) for a submission."""
     return [
         e.workload,
@@ -155,11 +155,24 @@ def _workload_row(e: WorkloadSubmitted, now: int, status: str) -> list:
 
 
 class Projection:
-    """DESIGN's DuckDB tables built incrementally from the canonical history
-    (input 1, decisions based on 1, input 2, ...)."""
+    """The DuckDB tables, written by observing the canonical history.
 
-    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+    An observer (:class:`apportion.core.history.Observer`): call it with each
+    item right after :func:`~apportion.core.history.fold_item` folded it into
+    the caller's state. It owns no scheduler state: it buffers rows (and keeps
+    the open rows of live workloads, runs and waits to update them), and
+    :meth:`commit` writes them with the position and a snapshot of the state
+    it is given. :meth:`saved_state` gives that snapshot back, so a consumer
+    resumes from the committed position.
+
+    ``commit_every`` (events rows): when set, the projection commits by itself
+    after a decision batch once that many rows are buffered (the simulator's
+    memory stays bounded).
+    """
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, commit_every: int | None = None) -> None:
         self.con = con
+        self.commit_every = commit_every
         con.execute(SCHEMA)
         self._reset_buffers()
         row = con.execute(
@@ -170,12 +183,12 @@ class Projection:
         self.open_waits: dict[str, list[Any]] = {}
         self.rejected_ids: set[str] = set()
         if row is None:
-            self.state = State()
+            self._saved: bytes | None = None
             self._batches = 0
             self._pos = 0
             self._committed = (0, 0)
             return
-        self.state = State.from_bytes(row[3])
+        self._saved = row[3]
         self._batches = row[1]
         self._pos = row[2]
         self._committed = (row[0], row[1])
@@ -197,60 +210,51 @@ class Projection:
             self.rejected_ids.add(wid)
 
     def _reset_buffers(self) -> None:
-        self._events: list[tuple] = []
-        self._batch_rows: list[tuple] = []
-        self._malformed: list[tuple] = []
+        self._events: list[tuple[Any, ...]] = []
+        self._batch_rows: list[tuple[Any, ...]] = []
+        self._malformed: list[tuple[Any, ...]] = []
         self._dirty_workloads: dict[str, list[Any]] = {}
         self._closed_runs: list[list[Any]] = []
         self._dirty_runs: dict[str, bool] = {}
         self._closed_waits: list[list[Any]] = []
         self._dirty_waits: dict[str, bool] = {}
-        self._health: list[tuple] = []
+        self._health: list[tuple[Any, ...]] = []
         self._nodes_dirty = False
         self._budget_dirty = False
 
     # -- position --------------------------------------------------------
     @property
     def position(self) -> tuple[int, int]:
-        """(last input seq folded, last decision batch count folded) as committed."""
+        """(last input seq, last decision batch seq) as committed."""
         return self._committed
 
-    @property
-    def pending_position(self) -> tuple[int, int]:
-        """The position including what is buffered but not yet committed."""
-        return (self.state.input_seq, self._batches)
+    def saved_state(self) -> State:
+        """The state committed with :attr:`position` (an empty state for an empty projection)."""
+        return State() if self._saved is None else State.from_bytes(self._saved)
 
-    # -- folding -----------------------------------------------------------
-    def _event_row(self, event: Event, workload: str | None, node: str | None) -> None:
+    # -- observing -----------------------------------------------------------
+    def __call__(self, item: HistoryItem, state: State, rejected: str | None) -> None:
+        if isinstance(item, InputItem):
+            if item.event is None:
+                self._malformed.append((item.seq, item.at_ms, item.ref, rejected))
+            else:
+                self._input(item.event, state, rejected is not None)
+        else:
+            self._batch(item, state)
+            if self.commit_every is not None and len(self._events) >= self.commit_every:
+                self.commit(state)
+
+    def _event_row(self, event: Event, at_ms: int, workload: str | None, node: str | None) -> None:
         self._pos += 1
         self._events.append(
-            (
-                self._pos,
-                self.state.now_ms,
-                kind_of(event),
-                workload,
-                node,
-                _json.encode(event).decode(),
-            )
+            (self._pos, at_ms, kind_of(event), workload, node, _json.encode(event).decode())
         )
 
-    def add_input(self, seq: int, event: Input) -> None:
-        state = self.state
-        if seq <= state.input_seq:
-            return  # already folded (a redelivery)
-        if seq != state.input_seq + 1:
-            raise ProjectionOrderError(
-                f"input {seq} arrived after input {state.input_seq}: a gap in the history"
-            )
-        before = len(state.rejections)
-        apply(state, event)
-        rejected = len(state.rejections) > before
+    def _input(self, event: Input, state: State, rejected: bool) -> None:
         now = state.now_ms
-        t = type(event)
-        self._event_row(event, getattr(event, "workload", None), getattr(event, "node", None))
-        if t is WorkloadSubmitted:
-            wid = event.workload  # type: ignore[union-attr]
-            e: WorkloadSubmitted = event  # type: ignore[assignment]
+        self._event_row(event, now, getattr(event, "workload", None), getattr(event, "node", None))
+        if isinstance(event, WorkloadSubmitted):
+            wid = event.workload
             if rejected:
                 if (
                     wid not in self.live
@@ -258,9 +262,9 @@ class Projection:
                     and wid not in self.rejected_ids
                 ):
                     self.rejected_ids.add(wid)
-                    self._dirty_workloads[wid] = _workload_row(e, now, "rejected")
+                    self._dirty_workloads[wid] = _workload_row(event, now, "rejected")
                 return
-            row = _workload_row(e, now, "pending")
+            row = _workload_row(event, now, "pending")
             self.live[wid] = row
             self._dirty_workloads[wid] = row
             self.open_waits[wid] = [wid, now, None]
@@ -268,33 +272,16 @@ class Projection:
             return
         if rejected:
             return
-        if t is WorkloadFinished:
-            self._end(event.workload, event.outcome, "finished", now)  # type: ignore[union-attr]
-        elif t is WorkloadCancelled:
-            self._end(event.workload, "cancelled", "cancelled", now)  # type: ignore[union-attr]
-        elif t is NodeHealthChanged:
-            self._health.append((event.node, now, event.state))  # type: ignore[union-attr]
-        elif t is NodeRegistered:
+        if isinstance(event, WorkloadFinished):
+            self._end(event.workload, event.outcome, "finished", now)
+        elif isinstance(event, WorkloadCancelled):
+            self._end(event.workload, "cancelled", "cancelled", now)
+        elif isinstance(event, NodeHealthChanged):
+            self._health.append((event.node, now, event.state))
+        elif isinstance(event, NodeRegistered):
             self._nodes_dirty = True
-        elif t is BudgetSet or t is BudgetRemoved:
+        elif isinstance(event, BudgetSet | BudgetRemoved):
             self._budget_dirty = True
-
-    def add_undecodable(self, seq: int, at_ms: int, ref: str, reason: str) -> None:
-        """Input ``seq`` whose bytes did not decode: folded as the scheduler folds it
-        (the clock and the sequence advance, a rejection is queued for the next
-        cycle's ``InputRejected``); recorded in ``malformed_inputs``."""
-        state = self.state
-        if seq <= state.input_seq:
-            return
-        if seq != state.input_seq + 1:
-            raise ProjectionOrderError(
-                f"input {seq} arrived after input {state.input_seq}: a gap in the history"
-            )
-        state.input_seq += 1
-        if at_ms > state.now_ms:
-            state.now_ms = at_ms
-        state.rejections.append((ref, reason))
-        self._malformed.append((seq, at_ms, ref, reason))
 
     def set_meta(self, key: str, value: str) -> None:
         """Record ``key = value`` in ``log_meta`` (written at once, outside the position)."""
@@ -323,34 +310,17 @@ class Projection:
         row[W_ENDED] = now
         self._dirty_workloads[wid] = row
 
-    def add_batch(self, batch: DecisionBatch) -> None:
-        state = self.state
-        if batch.basis < state.input_seq:
-            raise ProjectionOrderError(
-                f"decisions based on input {batch.basis} arrived after input {state.input_seq} was folded"
-            )
-        if batch.basis > state.input_seq:
-            raise ProjectionOrderError(
-                f"decisions based on input {batch.basis} arrived before inputs {state.input_seq + 1}..{batch.basis}"
-            )
-        self._batches += 1
+    def _batch(self, item: BatchItem, state: State) -> None:
+        batch = item.batch
+        self._batches = item.seq
         self._batch_rows.append(
-            (
-                self._batches,
-                batch.basis,
-                self._pos,
-                len(batch.decisions),
-                batch.next_wakeup_ms,
-                batch.v,
-            )
+            (item.seq, batch.basis, self._pos, len(batch.decisions), batch.next_wakeup_ms, batch.v)
         )
+        now = state.now_ms  # decisions happen at the time of the input they are based on
         for d in batch.decisions:
-            apply(state, d)
-            now = state.now_ms
-            t = type(d)
-            if t is WorkloadPlaced:
-                wid = d.workload  # type: ignore[union-attr]
-                self._event_row(d, wid, None)
+            if isinstance(d, WorkloadPlaced):
+                wid = d.workload
+                self._event_row(d, now, wid, None)
                 row = self.live[wid]
                 row[W_STATUS] = "running"
                 if row[W_FIRST] is None:
@@ -361,19 +331,18 @@ class Projection:
                     wait[2] = now
                     self._closed_waits.append(wait)
                     self._dirty_waits[wid] = True
-                attempt = d.attempt  # type: ignore[union-attr]
                 self.open_runs[wid] = [
-                    [wid, s.node, s.gpus, now, None, d.allocated, None, attempt]  # type: ignore[union-attr]
-                    for s in d.placement  # type: ignore[union-attr]
+                    [wid, s.node, s.gpus, now, None, d.allocated, None, d.attempt]
+                    for s in d.placement
                 ]
                 self._dirty_runs[wid] = True
-            elif t is WorkloadPreempted:
-                wid = d.workload  # type: ignore[union-attr]
-                self._event_row(d, wid, None)
+            elif isinstance(d, WorkloadPreempted):
+                wid = d.workload
+                self._event_row(d, now, wid, None)
                 row = self.live[wid]
-                self._close_runs(wid, now, "node_down" if d.reason == "node_down" else "preempted")  # type: ignore[union-attr]
+                self._close_runs(wid, now, "node_down" if d.reason == "node_down" else "preempted")
                 row[W_PRE] += 1
-                if d.requeued:  # type: ignore[union-attr]
+                if d.requeued:
                     row[W_STATUS] = "pending"
                     self.open_waits[wid] = [wid, now, None]
                     self._dirty_waits[wid] = True
@@ -382,17 +351,17 @@ class Projection:
                     row[W_STATUS] = "preempted"
                     row[W_ENDED] = now
                 self._dirty_workloads[wid] = row
-            elif t is NodeDrained:
-                self._event_row(d, None, d.node)  # type: ignore[union-attr]
-                self._health.append((d.node, now, "drained"))  # type: ignore[union-attr]
+            elif isinstance(d, NodeDrained):
+                self._event_row(d, now, None, d.node)
+                self._health.append((d.node, now, "drained"))
             else:
-                self._event_row(d, None, None)
+                self._event_row(d, now, None, None)
 
     # -- writing -------------------------------------------------------------
-    def commit(self) -> None:
-        """Write buffered rows, the position and the state snapshot in one transaction."""
+    def commit(self, state: State) -> None:
+        """Write buffered rows, the position and ``state`` (the state after the
+        last item observed) in one transaction."""
         con = self.con
-        state = self.state
         con.execute("BEGIN TRANSACTION")
         try:
             insert_rows(con, "events", self._events)
@@ -448,14 +417,16 @@ class Projection:
                         for p in tree.depth_first()
                     ],
                 )
+            saved = state.to_bytes()
             con.execute("DELETE FROM projection_position")
             con.execute(
                 "INSERT INTO projection_position VALUES (?, ?, ?, ?)",
-                [state.input_seq, self._batches, self._pos, state.to_bytes()],
+                [state.input_seq, self._batches, self._pos, saved],
             )
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
             raise
         self._committed = (state.input_seq, self._batches)
+        self._saved = saved
         self._reset_buffers()

@@ -41,15 +41,20 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from fractions import Fraction
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
-from apportion.schemas.events import DAY_MS, HOUR_MS, MINUTE_MS
+from apportion.schemas.events import DAY_MS, HOUR_MS, MINUTE_MS, LegacyPriority
 
 from .trace import HealthRow, TraceRow
 
+if TYPE_CHECKING:
+    from .family import Knobs
+
 WEEK_MS = 7 * DAY_MS
+T = TypeVar("T")
 
 
 class Scenario(msgspec.Struct, kw_only=True):
@@ -96,7 +101,7 @@ def _budget_shares(budget: list[tuple[str, int, str]]) -> dict[str, Fraction]:
     return share
 
 
-def _pick(rng: random.Random, items: list, weights: list[float]):
+def _pick(rng: random.Random, items: Sequence[T], weights: Sequence[float]) -> T:
     return rng.choices(items, weights=weights, k=1)[0]
 
 
@@ -134,9 +139,9 @@ def ai2(
     capacity = nodes * gpn
     budget: list[tuple[str, int, str]] = [("", 1, "ops")]
     team_users: dict[str, list[str]] = {}
-    for program, pweight, teams in AI2_PROGRAMS:
+    for program, pweight, program_teams in AI2_PROGRAMS:
         budget.append((program, pweight, f"{program}-lead"))
-        for team, tweight in teams:
+        for team, tweight in program_teams:
             tpath = f"{program}/{team}"
             budget.append((tpath, tweight, f"{team}-lead"))
             n_users = rng.randint(6, 14)
@@ -163,7 +168,7 @@ def ai2(
         duration: int,
         min_rt: int,
         resumable: bool,
-        lp: str,
+        lp: LegacyPriority,
         lpre: bool,
         kind: str,
         user: str | None = None,
@@ -195,7 +200,7 @@ def ai2(
             _lognormal_ms(rng, 12 * HOUR_MS, 0.8, 3 * HOUR_MS, 72 * HOUR_MS), MINUTE_MS
         )
         min_rt = rng.randrange(4, 17) * 30 * MINUTE_MS  # 2 h .. 8 h in half hours
-        lp = "high" if rng.random() < 0.15 else "normal"
+        lp: LegacyPriority = "high" if rng.random() < 0.15 else "normal"
         return add(team, submit, gpus, duration, min_rt, True, lp, False, "train")
 
     def mid_job(team: str, submit: int) -> int:
@@ -356,14 +361,27 @@ def debug(days: int = 3, seed: int = 1) -> Scenario:
     )
 
 
-SCENARIOS: dict[str, Callable[..., Scenario]] = {"ai2": ai2, "debug": debug}
+def _family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenario:
+    from .family import family
+
+    return family(days, seed, knobs)
 
 
-def generate(name: str, days: int, seed: int) -> Scenario:
+SCENARIOS: dict[str, Callable[..., Scenario]] = {"ai2": ai2, "debug": debug, "family": _family}
+
+
+def generate(name: str, days: int, seed: int, knobs: list[str] | None = None) -> Scenario:
+    """Scenario ``name``; ``knobs`` (``KEY=VALUE``) only for ``family`` (see :mod:`.family`)."""
     try:
         make = SCENARIOS[name]
     except KeyError:
         raise ValueError(f"unknown scenario {name!r} (known: {', '.join(SCENARIOS)})") from None
+    if name == "family":
+        from .family import parse_knobs
+
+        return make(days=days, seed=seed, knobs=parse_knobs(knobs or []))
+    if knobs:
+        raise ValueError(f"--set is for the family scenario; {name!r} has no knobs")
     return make(days=days, seed=seed)
 
 

@@ -6,20 +6,21 @@ cycle's ``next_wakeup_ms`` (a protection expiry or a reservation start) - never
 by fixed ticks. At each such millisecond the simulator publishes what the
 services would (``WorkloadFinished`` for runs that are done, then
 ``NodeHealthChanged``, then ``WorkloadSubmitted`` in trace order, or a lone
-``ClockTicked`` at a wake-up), folds them, runs one scheduling cycle (the budget
-scheduler's :func:`~apportion.core.cycle.decide` or the baseline) and feeds the
-inputs and the decision batch, in canonical order, to a
-:class:`~apportion.replay.projection.Projection`. The projection's folded state
-is the scheduler's state: everything is folded once.
+``ClockTicked`` at a wake-up), then runs one scheduling cycle (the budget
+scheduler's :func:`~apportion.core.cycle.decide` or the baseline). Inputs and
+decision batches are history items folded by the one fold
+(:func:`~apportion.core.history.fold_item`), exactly as the services fold
+them, and shown to an observer: :func:`run_simulation` takes any (none by
+default, the fastest); :func:`simulate` observes with a DuckDB
+:class:`~apportion.replay.projection.Projection` (for KPIs) and optionally a
+second observer such as an event-log writer.
 
 Other inputs can be given ready-made (``timed_inputs``: any input event at its
 own ``at_ms``, published after the finishes of that millisecond and before the
 trace's submissions, in the order given); ``apportion whatif`` re-simulates a
-log's submissions, health and budget changes that way. A ``sink`` (for example
-:class:`apportion.replay.eventlog.LogWriter`) receives every input and decision
-batch in canonical order, as the projection does. The closing ``ClockTicked``
-at the end of the horizon is folded with no cycle after it, so every batch in
-the history is one the policy computed.
+log's submissions, health and budget changes that way. The closing
+``ClockTicked`` at the end of the horizon is folded with no cycle after it, so
+every batch in the history is one the policy computed.
 
 Executor model: a placed workload finishes when its remaining duration has
 run; a preempted resumable workload keeps its progress (``run_ms``) and
@@ -31,22 +32,24 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import duckdb
 from apportion.core.cycle import CycleResult
+from apportion.core.cycle import decide as budget_decide
+from apportion.core.history import Decider, Observer, decide_batch, fold_item, observe_all
 from apportion.core.state import State
 from apportion.schemas.events import (
     DAY_MS,
     ClockTicked,
-    DecisionBatch,
-    Event,
+    Input,
     InputRejected,
     NodeHealthChanged,
     WorkloadFinished,
     WorkloadPlaced,
     WorkloadSubmitted,
 )
+from apportion.schemas.history import BatchItem, input_item
 
 from .projection import Projection
 from .trace import HealthRow, TraceRow
@@ -55,19 +58,12 @@ _FINISH, _HEALTH, _INPUT, _SUBMIT, _TICK = 0, 1, 2, 3, 4
 POLICIES = ("budget", "priority")
 
 
-class HistorySink(Protocol):
-    """Receives the canonical history as the simulator makes it."""
-
-    def add_input(self, seq: int, event: Event) -> None: ...
-
-    def add_batch(self, batch: DecisionBatch) -> None: ...
-
-
 class SimResult:
-    """What a run produced: the projection (``con``) and a few counters."""
+    """What a run produced: the final state and a few counters; ``con`` holds the
+    projection when :func:`simulate` made one (``None`` from :func:`run_simulation`)."""
 
     def __init__(self, **kw: Any) -> None:
-        self.con: duckdb.DuckDBPyConnection = kw["con"]
+        self.con: duckdb.DuckDBPyConnection | None = kw.get("con")
         self.policy: str = kw["policy"]
         self.start_ms: int = kw["start_ms"]
         self.end_ms: int = kw["end_ms"]
@@ -84,30 +80,51 @@ class SimResult:
         return (self.end_ms - self.start_ms) / DAY_MS
 
 
-def policy_decider(policy: str) -> Callable[[State], CycleResult]:
+def policy_decider(policy: str) -> Decider:
+    """The cycle of ``policy``: the budget scheduler's, or a fresh baseline (no state shared)."""
     if policy == "budget":
-        from apportion.core.cycle import decide
-
-        return decide
+        return budget_decide
     if policy == "priority":
-        from apportion.core.baseline import decide_baseline, default_limits
-
-        cache: dict[str, Any] = {}
-
-        def decide_priority(state: State) -> CycleResult:
-            # team limits depend only on the budget tree and the nodes; the simulator never edits them
-            limits = cache.get("limits")
-            if limits is None:
-                limits = cache["limits"] = default_limits(state)
-            return decide_baseline(state, limits)
-
-        return decide_priority
+        return PriorityPolicy()
     raise ValueError(f"unknown policy {policy!r} (budget or priority)")
+
+
+class PriorityPolicy:
+    """The baseline's cycle for one history. Team limits depend only on the
+    budget tree and the nodes at the first cycle, so they are computed once;
+    each history gets its own instance (nothing is shared between histories)."""
+
+    def __init__(self) -> None:
+        self.limits: dict[str, int] | None = None
+
+    def __call__(self, state: State) -> CycleResult:
+        from .baseline import decide_baseline, default_limits
+
+        if self.limits is None:
+            self.limits = default_limits(state)
+        return decide_baseline(state, self.limits)
+
+
+# The ids the simulator gives the inputs it makes, and how to read them back.
+_SUBMIT_ID, _HEALTH_ID, _FINISH_ID, _TICK_ID = "sub/", "health/", "fin/", "tick/"
+
+
+def input_origin(ref: str) -> tuple[str, str] | None:
+    """Where an input the simulator made came from, by its id: ``("trace",
+    workload id)``, ``("health", line number)``, ``None`` for the simulator's own
+    inputs (finishes and clock ticks), ``("input", ref)`` for anything else."""
+    if ref.startswith(_SUBMIT_ID):
+        return ("trace", ref[len(_SUBMIT_ID) :])
+    if ref.startswith(_HEALTH_ID):
+        return ("health", ref[len(_HEALTH_ID) :].split("/", 1)[0])
+    if ref.startswith((_FINISH_ID, _TICK_ID)):
+        return None
+    return ("input", ref)
 
 
 def submission(row: TraceRow, at_ms: int) -> WorkloadSubmitted:
     return WorkloadSubmitted(
-        id=f"sub/{row.id}",
+        id=f"{_SUBMIT_ID}{row.id}",
         at_ms=at_ms,
         workload=row.id,
         owner=row.owner,
@@ -119,42 +136,69 @@ def submission(row: TraceRow, at_ms: int) -> WorkloadSubmitted:
         submitted_by=row.owner.rsplit("/", 1)[-1],
         duration_ms=row.duration_ms,
         legacy_priority=row.legacy_priority,
-        legacy_preemptible=row.legacy_preemptible,  # type: ignore[arg-type]
+        legacy_preemptible=row.legacy_preemptible,
     )
 
 
 def simulate(
-    cluster_events: Sequence[Event],
+    cluster_events: Sequence[Input],
     trace_rows: Iterable[TraceRow],
     health_rows: Iterable[HealthRow] = (),
     policy: str = "budget",
     days: float | None = None,
     *,
     con: duckdb.DuckDBPyConnection | None = None,
-    decide: Callable[[State], CycleResult] | None = None,
+    sink: Observer | None = None,
+    commit_every: int = 200_000,
+    **kw: Any,
+) -> SimResult:
+    """:func:`run_simulation` observed by a DuckDB projection on ``con`` (a new
+    in-memory database by default) and by ``sink`` (for example an event-log
+    writer); the result's ``con`` holds the projection, committed."""
+    con = con if con is not None else duckdb.connect()
+    proj = Projection(con, commit_every=commit_every)
+    if proj.position != (0, 0):
+        raise ValueError("the simulator needs an empty projection database")
+    proj.set_meta("policy", policy)
+    result = run_simulation(
+        cluster_events,
+        trace_rows,
+        health_rows,
+        policy,
+        days,
+        observer=observe_all(proj, sink),
+        **kw,
+    )
+    proj.commit(result.state)
+    result.con = con
+    return result
+
+
+def run_simulation(
+    cluster_events: Sequence[Input],
+    trace_rows: Iterable[TraceRow],
+    health_rows: Iterable[HealthRow] = (),
+    policy: str = "budget",
+    days: float | None = None,
+    *,
+    observer: Observer | None = None,
+    decide: Decider | None = None,
     progress: Callable[[int], None] | None = None,
-    commit_every_ms: int = 7 * DAY_MS,
     start_ms: int = 0,
-    timed_inputs: Iterable[Event] = (),
+    timed_inputs: Iterable[Input] = (),
     end_ms: int | None = None,
-    sink: HistorySink | None = None,
 ) -> SimResult:
     """Simulate ``days`` (default: until the last submission or health change, rounded
-    up to a whole day) from ``start_ms``; return the projection and counters.
+    up to a whole day) from ``start_ms``, showing every history item to ``observer``.
 
     ``decide`` overrides the policy's cycle (tests use it before the real one lands).
     ``progress(ms)`` is called with the simulated time reached, about once a simulated hour.
     ``timed_inputs`` are input events published at their own (absolute) ``at_ms``;
-    ``end_ms`` (absolute) overrides ``days``; ``sink`` gets every input and batch.
+    ``end_ms`` (absolute) overrides ``days``.
     """
     wall0 = time.perf_counter()
-    decide = decide or policy_decider(policy)
-    con = con if con is not None else duckdb.connect()
-    proj = Projection(con)
-    if proj.position != (0, 0):
-        raise ValueError("the simulator needs an empty projection database")
-    proj.set_meta("policy", policy)
-    state = proj.state
+    decider = decide or policy_decider(policy)
+    state = State()
 
     heap: list[tuple[int, int, int, Any]] = []
     last_ms = start_ms
@@ -175,35 +219,37 @@ def simulate(
             days = -(-(last_ms - start_ms + 1) // DAY_MS)
         end_ms = start_ms + int(days * DAY_MS)
 
-    seq = 0
     cycles = 0
     n_decisions = 0
     rejected: list[tuple[str, str]] = []
     wakeups: dict[int, bool] = {}
     counter = len(heap)
 
+    def fold_input(event: Input) -> None:
+        item = input_item(state.input_seq + 1, event)
+        why = fold_item(state, item)
+        if observer is not None:
+            observer(item, state, why)
+
     def cycle(t: int) -> None:
         nonlocal cycles, n_decisions, counter
-        result = decide(state)
+        batch, result = decide_batch(state, decider)
         cycles += 1
-        batch = DecisionBatch(
-            basis=seq, decisions=result.decisions, next_wakeup_ms=result.next_wakeup_ms
-        )
-        proj.add_batch(batch)
-        if sink is not None:
-            sink.add_batch(batch)
-        n_decisions += len(result.decisions)
+        item = BatchItem(seq=cycles, batch=batch)
+        fold_item(state, item)
+        if observer is not None:
+            observer(item, state, None)
+        n_decisions += len(batch.decisions)
         running = state.running
-        for d in result.decisions:
-            cls = type(d)
-            if cls is WorkloadPlaced:
-                w = running.get(d.workload)  # type: ignore[union-attr]
-                if w is not None and w.attempt == d.attempt and w.duration_ms is not None:  # type: ignore[union-attr]
+        for d in batch.decisions:
+            if isinstance(d, WorkloadPlaced):
+                w = running.get(d.workload)
+                if w is not None and w.attempt == d.attempt and w.duration_ms is not None:
                     left = max(0, w.duration_ms - w.run_ms)
                     counter += 1
                     heapq.heappush(heap, (t + left, _FINISH, counter, (w.id, w.attempt)))
-            elif cls is InputRejected:
-                rejected.append((d.ref, d.reason))  # type: ignore[union-attr]
+            elif isinstance(d, InputRejected):
+                rejected.append((d.ref, d.reason))
         nxt = result.next_wakeup_ms
         if nxt is not None and nxt > t and nxt not in wakeups:
             wakeups[nxt] = True
@@ -212,23 +258,16 @@ def simulate(
 
     # 1. the cluster file: nodes, budget, policy, then one cycle
     for ev in cluster_events:
-        seq += 1
-        proj.add_input(seq, ev)
-        if sink is not None:
-            sink.add_input(seq, ev)
+        fold_input(ev)
     cycle(state.now_ms)
-    next_commit = start_ms + commit_every_ms
     next_progress = start_ms
     # 2. event to event
     while heap and heap[0][0] < end_ms:
         t = heap[0][0]
-        if t >= next_commit:
-            proj.commit()
-            next_commit = t + commit_every_ms
         if progress is not None and t >= next_progress:
             progress(t - start_ms)
             next_progress = t + 3_600_000
-        inputs: list[Event] = []
+        inputs: list[Input] = []
         ticked = False
         while heap and heap[0][0] == t:
             _, kind, _, payload = heapq.heappop(heap)
@@ -238,7 +277,10 @@ def simulate(
                 if w is not None and w.attempt == attempt:
                     inputs.append(
                         WorkloadFinished(
-                            id=f"fin/{wid}/{attempt}", at_ms=t, workload=wid, attempt=attempt
+                            id=f"{_FINISH_ID}{wid}/{attempt}",
+                            at_ms=t,
+                            workload=wid,
+                            attempt=attempt,
                         )
                     )
             elif kind == _SUBMIT:
@@ -248,7 +290,7 @@ def simulate(
             elif kind == _HEALTH:
                 inputs.append(
                     NodeHealthChanged(
-                        id=f"health/{payload.line or counter}/{payload.node}",
+                        id=f"{_HEALTH_ID}{payload.line or counter}/{payload.node}",
                         at_ms=t,
                         node=payload.node,
                         state=payload.state,
@@ -260,29 +302,20 @@ def simulate(
         if not inputs:
             if not ticked:
                 continue
-            inputs.append(ClockTicked(id=f"tick/{t}", at_ms=t))
+            inputs.append(ClockTicked(id=f"{_TICK_ID}{t}", at_ms=t))
         for ev in inputs:
-            seq += 1
-            proj.add_input(seq, ev)
-            if sink is not None:
-                sink.add_input(seq, ev)
+            fold_input(ev)
         cycle(t)
     # the clock reaches the end of the horizon (no cycle: nothing after it is simulated)
-    seq += 1
-    closing = ClockTicked(id=f"tick/{end_ms}", at_ms=end_ms)
-    proj.add_input(seq, closing)
-    if sink is not None:
-        sink.add_input(seq, closing)
-    proj.commit()
+    fold_input(ClockTicked(id=f"{_TICK_ID}{end_ms}", at_ms=end_ms))
     if progress is not None:
         progress(end_ms - start_ms)
     return SimResult(
-        con=con,
         policy=policy,
         start_ms=start_ms,
         end_ms=end_ms,
         wall_s=time.perf_counter() - wall0,
-        inputs=seq,
+        inputs=state.input_seq,
         decisions=n_decisions,
         cycles=cycles,
         rejected=rejected,

@@ -1,4 +1,4 @@
-"""Trace and health CSVs (DESIGN "Interfaces").
+"""Trace and health CSVs (formats in docs/formats.md).
 
 **Trace CSV**, one workload a row: ``id, submit, owner, gpus, duration,
 min_runtime`` and optionally ``resumable`` (default true), ``priority``
@@ -20,8 +20,10 @@ import csv
 from collections.abc import Iterable, Iterator
 from fractions import Fraction
 from pathlib import Path
+from typing import TextIO
 
 import msgspec
+from apportion.schemas.events import HealthState, LegacyPriority
 
 from .errors import InputFileError
 
@@ -30,8 +32,8 @@ TRACE_OPTIONAL = ("resumable", "priority", "gpu_type", "legacy_priority", "legac
 HEALTH_COLUMNS = ("at", "node", "state")
 _TRUE = {"true", "1", "yes", "y", "t"}
 _FALSE = {"false", "0", "no", "n", "f", ""}
-LEGACY_PRIORITIES = ("low", "normal", "high")
-HEALTH_STATES = ("healthy", "draining", "down")
+LEGACY_PRIORITIES: tuple[LegacyPriority, ...] = ("low", "normal", "high")
+HEALTH_STATES: tuple[HealthState, ...] = ("healthy", "draining", "down")
 
 
 class TraceRow(msgspec.Struct, kw_only=True):
@@ -44,7 +46,7 @@ class TraceRow(msgspec.Struct, kw_only=True):
     resumable: bool = True
     priority: int = 0
     gpu_type: str = "any"
-    legacy_priority: str = "high"
+    legacy_priority: LegacyPriority = "high"
     legacy_preemptible: bool = False
     line: int = 0
     """Line in the file it came from (0 when generated in memory)."""
@@ -53,7 +55,7 @@ class TraceRow(msgspec.Struct, kw_only=True):
 class HealthRow(msgspec.Struct, kw_only=True):
     at_ms: int
     node: str
-    state: str
+    state: HealthState
     line: int = 0
 
 
@@ -96,7 +98,7 @@ def _int(text: str, column: str) -> int:
 
 def _open_csv(
     path: str | Path, required: tuple[str, ...]
-) -> tuple[list[str], csv.DictReader, object]:
+) -> tuple[list[str], csv.DictReader[str], TextIO]:
     try:
         fh = open(path, newline="", encoding="utf-8")  # noqa: SIM115 - closed by the caller
     except OSError as exc:
@@ -136,7 +138,7 @@ def _records(
             InputFileError(str(path), reader.line_num + 1, "not UTF-8 text; reading stopped here")
         )
     finally:
-        fh.close()  # type: ignore[attr-defined]
+        fh.close()
 
 
 def read_trace(path: str | Path) -> tuple[list[TraceRow], list[InputFileError]]:
@@ -160,26 +162,7 @@ def read_trace(path: str | Path) -> tuple[list[TraceRow], list[InputFileError]]:
             submit = seconds_to_ms(rec["submit"])
             duration = seconds_to_ms(rec["duration"])
             min_rt = seconds_to_ms(rec["min_runtime"])
-            kw: dict[str, object] = {}
-            if (v := rec.get("resumable")) not in (None, ""):
-                kw["resumable"] = _bool(v, "resumable")
-            if (v := rec.get("priority")) not in (None, ""):
-                kw["priority"] = _int(v, "priority")
-            if (v := rec.get("gpu_type")) not in (None, ""):
-                kw["gpu_type"] = v.strip()
-            if (v := rec.get("legacy_priority")) not in (None, ""):
-                lp = v.strip().lower()
-                if lp not in LEGACY_PRIORITIES:
-                    raise ValueError(f"legacy_priority must be low, normal or high, got {v!r}")
-                kw["legacy_priority"] = lp
-            if (v := rec.get("legacy_preemptible")) not in (None, ""):
-                kw["legacy_preemptible"] = _bool(v, "legacy_preemptible")
-        except ValueError as exc:
-            errors.append(InputFileError(str(path), line, str(exc)))
-            continue
-        seen[wid] = line
-        rows.append(
-            TraceRow(
+            row = TraceRow(
                 id=wid,
                 submit_ms=submit,
                 owner=owner,
@@ -187,9 +170,25 @@ def read_trace(path: str | Path) -> tuple[list[TraceRow], list[InputFileError]]:
                 duration_ms=duration,
                 min_runtime_ms=min_rt,
                 line=line,
-                **kw,  # type: ignore[arg-type]
             )
-        )
+            if (v := rec.get("resumable")) not in (None, ""):
+                row.resumable = _bool(v, "resumable")
+            if (v := rec.get("priority")) not in (None, ""):
+                row.priority = _int(v, "priority")
+            if (v := rec.get("gpu_type")) not in (None, ""):
+                row.gpu_type = v.strip()
+            if (v := rec.get("legacy_priority")) not in (None, ""):
+                lp = v.strip().lower()
+                if lp not in LEGACY_PRIORITIES:
+                    raise ValueError(f"legacy_priority must be low, normal or high, got {v!r}")
+                row.legacy_priority = lp
+            if (v := rec.get("legacy_preemptible")) not in (None, ""):
+                row.legacy_preemptible = _bool(v, "legacy_preemptible")
+        except ValueError as exc:
+            errors.append(InputFileError(str(path), line, str(exc)))
+            continue
+        seen[wid] = line
+        rows.append(row)
     rows.sort(key=lambda r: (r.submit_ms, r.line))
     return rows, errors
 

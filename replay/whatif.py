@@ -27,27 +27,27 @@ from __future__ import annotations
 
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import duckdb
 import msgspec
 from apportion.core.budget import ROOT
-from apportion.core.state import State, apply
+from apportion.core.history import fold_history
+from apportion.core.state import State, fold
 from apportion.schemas.events import (
     BudgetRemoved,
     BudgetSet,
-    DecisionBatch,
-    Event,
     Input,
     NodeHealthChanged,
     NodeRegistered,
     PolicySet,
     WorkloadSubmitted,
 )
+from apportion.schemas.history import HistoryItem, InputItem
 
-from .eventlog import CONFIG_TYPES, CanonicalLog, Malformed
+from .eventlog import CONFIG_TYPES, CanonicalLog
 from .kpi import compute_kpis
 from .projection import Projection
 from .simulator import SimResult, simulate
@@ -86,18 +86,12 @@ class WhatIf(msgspec.Struct, kw_only=True):
     """The :class:`SimResult` of the what-if run (its projection in ``sim.con``)."""
 
 
-def replay_into(log_items: Sequence[Any], con: duckdb.DuckDBPyConnection) -> Projection:
-    """Feed items (``(seq, input)``, :class:`Malformed`, batches) to a projection on ``con``."""
+def replay_into(items: Iterable[HistoryItem], con: duckdb.DuckDBPyConnection) -> State:
+    """Fold ``items`` with a projection on ``con`` observing; return the final state."""
     proj = Projection(con)
-    for item in log_items:
-        if isinstance(item, DecisionBatch):
-            proj.add_batch(item)
-        elif isinstance(item, Malformed):
-            proj.add_undecodable(item.seq, item.at_ms, item.ref, item.reason)
-        else:
-            proj.add_input(*item)
-    proj.commit()
-    return proj
+    state = fold_history(items, proj.saved_state(), proj)
+    proj.commit(state)
+    return state
 
 
 def _observed_durations(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
@@ -114,13 +108,14 @@ def _observed_durations(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
 
 def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
     items = list(log)
-    inputs: list[Input] = [it[1] for it in items if isinstance(it, tuple)]
+    inputs: list[Input] = [
+        it.event for it in items if isinstance(it, InputItem) and it.event is not None
+    ]
     if not inputs:
         raise ValueError(f"{log.name}: the log has no inputs")
     # 1. the original, as recorded
     con0 = duckdb.connect()
-    proj = replay_into(items, con0)
-    state0: State = proj.state
+    state0 = replay_into(items, con0)
     start_ms = min(ev.at_ms for ev in inputs[:1])
     end_ms = state0.now_ms
     original = compute_kpis(con0, start_ms, end_ms)
@@ -132,22 +127,21 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
     head = 0
     while head < len(inputs) and isinstance(inputs[head], CONFIG_TYPES):
         head += 1
-    cluster: list[Event] = list(inputs[:head])
-    timed: list[Event] = []
+    cluster: list[Input] = list(inputs[:head])
+    timed: list[Input] = []
     dropped = 0
     submissions = 0
     for ev in inputs[head:]:
-        t = type(ev)
-        if t is WorkloadSubmitted:
-            if ev.duration_ms is None:  # type: ignore[union-attr]
-                d = durations.get(ev.workload)  # type: ignore[union-attr]
+        if isinstance(ev, WorkloadSubmitted):
+            if ev.duration_ms is None:
+                d = durations.get(ev.workload)
                 if d is None:
                     dropped += 1
                     continue
-                ev = msgspec.structs.replace(ev, duration_ms=d)  # type: ignore[type-var]
+                ev = msgspec.structs.replace(ev, duration_ms=d)
             submissions += 1
             timed.append(ev)
-        elif t is NodeHealthChanged or isinstance(ev, CONFIG_TYPES):
+        elif isinstance(ev, (NodeHealthChanged, *CONFIG_TYPES)):
             timed.append(ev)
 
     # 3. the changes
@@ -187,14 +181,11 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
 
     # 4. re-simulate
     policy = change.policy or log.header.policy
-    if policy == "priority":
-        from apportion.core import baseline
-
-        baseline._KEY_CACHE.clear()
     wall0 = time.perf_counter()
     sim: SimResult = simulate(
         cluster, (), (), policy=policy, start_ms=start_ms, end_ms=end_ms, timed_inputs=timed
     )
+    assert sim.con is not None
     kpis = compute_kpis(sim.con, start_ms, end_ms, time.perf_counter() - wall0)
     return WhatIf(
         original=original,
@@ -237,18 +228,14 @@ def load_budget(path: str | Path) -> list[tuple[str, int, str]]:
     return cluster_from_dict(dummy, str(path)).budget
 
 
-def _root_owner(cluster: Sequence[Event]) -> str:
-    state = State()
-    for e in cluster:
-        apply(state, e)
+def _root_owner(cluster: Sequence[Input]) -> str:
+    state = fold(cluster)
     node = state.budget.nodes.get(ROOT)
     return node.owner if node is not None else ""
 
 
-def _policy_of(cluster: Sequence[Event]) -> dict[str, Any]:
-    state = State()
-    for e in cluster:
-        apply(state, e)
+def _policy_of(cluster: Sequence[Input]) -> dict[str, Any]:
+    state = fold(cluster)
     p = state.policy
     return {
         "lookback_ms": p.lookback_ms,

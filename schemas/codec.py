@@ -7,7 +7,7 @@ unknown ``kind``, a missing or mistyped field, an unsupported ``v``) raises
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgspec
 
@@ -53,6 +53,7 @@ def _check_version(v: int, what: str) -> None:
 
 
 def _decode(data: bytes | str, type_: Any, fmt: Format, what: str) -> Any:
+    """``type_`` decoded from ``data`` (callers cast to ``type_``; a union has no ``type[T]``)."""
     try:
         return _DECODERS[(fmt, type_)].decode(data)
     except msgspec.ValidationError as exc:
@@ -63,26 +64,26 @@ def _decode(data: bytes | str, type_: Any, fmt: Format, what: str) -> Any:
 
 def decode_input(data: bytes | str, fmt: Format = "json") -> Input:
     """Decode one input event; raise :class:`EventDecodeError` if it is not one."""
-    event = _decode(data, Input, fmt, "input event")
+    event = cast(Input, _decode(data, Input, fmt, "input event"))
     _check_version(event.v, f"input {event.id!r}")
     return event
 
 
 def decode_decision(data: bytes | str, fmt: Format = "json") -> Decision:
-    event = _decode(data, Decision, fmt, "decision event")
+    event = cast(Decision, _decode(data, Decision, fmt, "decision event"))
     _check_version(event.v, f"decision {event.id!r}")
     return event
 
 
 def decode_event(data: bytes | str, fmt: Format = "json") -> AnyEvent:
     """Decode any event, input or decision."""
-    event = _decode(data, AnyEvent, fmt, "event")
+    event = cast(AnyEvent, _decode(data, AnyEvent, fmt, "event"))
     _check_version(event.v, f"event {event.id!r}")
     return event
 
 
 def decode_batch(data: bytes | str, fmt: Format = "json") -> DecisionBatch:
-    batch = _decode(data, DecisionBatch, fmt, "decision batch")
+    batch = cast(DecisionBatch, _decode(data, DecisionBatch, fmt, "decision batch"))
     _check_version(batch.v, f"decision batch based on input {batch.basis}")
     for decision in batch.decisions:
         _check_version(decision.v, f"decision {decision.id!r}")

@@ -30,6 +30,7 @@ SUPPORTED_VERSIONS = frozenset({1})
 HealthState = Literal["healthy", "draining", "down"]
 Outcome = Literal["succeeded", "failed"]
 PreemptReason = Literal["fairshare", "unallocated", "drain", "node_down"]
+LegacyPriority = Literal["low", "normal", "high"]
 
 ANY_GPU_TYPE = "any"
 """``gpu_type`` of a workload that runs on any type (one type per gang)."""
@@ -116,7 +117,7 @@ class WorkloadSubmitted(Event, frozen=True, kw_only=True, tag="WorkloadSubmitted
     priority: int = 0
     submitted_by: str = ""
     duration_ms: int | None = None
-    legacy_priority: Literal["low", "normal", "high"] = "high"
+    legacy_priority: LegacyPriority = "high"
     """For the baseline priority policy only (simulation); the budget scheduler ignores it."""
     legacy_preemptible: bool = False
     """For the baseline priority policy only (simulation); the budget scheduler ignores it."""
@@ -220,9 +221,17 @@ DECISION_TYPES: tuple[type[Event], ...] = (
 ALL_TYPES = INPUT_TYPES + DECISION_TYPES
 
 
+def kind_of_type(type_: type[msgspec.Struct]) -> str:
+    """The wire tag of an event type (``"WorkloadSubmitted"``, ...)."""
+    tag = type_.__struct_config__.tag
+    if not isinstance(tag, str):
+        raise TypeError(f"{type_.__name__} is not a tagged event type")
+    return tag
+
+
 def kind_of(event: Event) -> str:
     """The wire tag of an event (``"WorkloadSubmitted"``, ...)."""
-    return type(event).__struct_config__.tag  # type: ignore[return-value]
+    return kind_of_type(type(event))
 
 
 class DecisionBatch(msgspec.Struct, frozen=True, kw_only=True):

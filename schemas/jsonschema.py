@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from .events import ALL_TYPES, Decision, DecisionBatch, Input, kind_of
+from .events import ALL_TYPES, Decision, DecisionBatch, Input, kind_of, kind_of_type
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:
@@ -23,10 +23,6 @@ def json_schemas() -> dict[str, dict[str, Any]]:
     out["Decision"] = msgspec.json.schema(Decision)
     out["DecisionBatch"] = msgspec.json.schema(DecisionBatch)
     return out
-
-
-def kind_of_type(type_: type) -> str:
-    return type_.__struct_config__.tag  # type: ignore[attr-defined]
 
 
 __all__ = ["json_schemas", "kind_of", "kind_of_type"]

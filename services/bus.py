@@ -16,7 +16,8 @@ within the duplicate window); decision batches with
 
 An input's event time is the server's timestamp at ingestion: readers replace
 ``at_ms`` with it (the fold makes it non-decreasing). Bytes that do not decode
-become a :class:`StoredInput` with ``event=None`` and an ``error``; the scheduler
+become an :class:`~apportion.schemas.history.InputItem` with ``event=None`` and a
+``rejection``; the scheduler
 turns them into ``InputRejected`` (``ref`` = the ``Nats-Msg-Id``, else
 ``seq:<n>``) and never crashes.
 
@@ -37,6 +38,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 from apportion.schemas.codec import EventDecodeError, decode_batch, decode_input, encode
 from apportion.schemas.events import DecisionBatch, Input, kind_of
+from apportion.schemas.history import BatchItem, InputItem, malformed_item
 
 T = TypeVar("T")
 
@@ -77,37 +79,20 @@ class Subjects:
 # --------------------------------------------------------------------------
 
 
-class StoredInput(msgspec.Struct, frozen=True):
-    """Input number ``seq`` of the log. ``event`` is ``None`` when the bytes did
-    not decode; then ``error`` says why and ``ref`` names it."""
-
-    seq: int
-    at_ms: int
-    ref: str
-    event: Input | None
-    error: str | None = None
-
-
-class StoredBatch(msgspec.Struct, frozen=True):
-    seq: int
-    batch: DecisionBatch
-
-
 class PublishResult(msgspec.Struct, frozen=True):
     seq: int
     duplicate: bool = False
 
 
-def to_stored_input(seq: int, at_ms: int, data: bytes, msg_id: str | None) -> StoredInput:
+def to_input_item(seq: int, at_ms: int, data: bytes, msg_id: str | None) -> InputItem:
     """Decode stored bytes; event time becomes ``at_ms`` (the log's ingestion time)."""
-    ref = msg_id or f"seq:{seq}"
     try:
         event = decode_input(data)
     except EventDecodeError as exc:
-        return StoredInput(seq=seq, at_ms=at_ms, ref=ref, event=None, error=str(exc))
+        return malformed_item(seq, at_ms, msg_id or f"seq:{seq}", str(exc))
     if event.at_ms != at_ms:
         event = msgspec.structs.replace(event, at_ms=at_ms)
-    return StoredInput(seq=seq, at_ms=at_ms, ref=event.id, event=event)
+    return InputItem(seq=seq, at_ms=at_ms, ref=event.id, event=event)
 
 
 class Tail(Protocol[T]):
@@ -146,9 +131,9 @@ class EventLog(Protocol):
 
     async def last_batch_seq(self) -> int: ...
 
-    def tail_inputs(self, from_seq: int) -> Tail[StoredInput]: ...
+    def tail_inputs(self, from_seq: int) -> Tail[InputItem]: ...
 
-    def tail_batches(self, from_seq: int) -> Tail[StoredBatch]: ...
+    def tail_batches(self, from_seq: int) -> Tail[BatchItem]: ...
 
 
 class SnapshotStore(Protocol):
@@ -210,8 +195,8 @@ class MemoryLog:
     def __init__(self, cluster: str = "test", clock: Callable[[], int] | None = None) -> None:
         self.subjects = Subjects(cluster)
         self.clock = clock or (lambda: time.time_ns() // 1_000_000)
-        self.inputs: list[StoredInput] = []
-        self.batches: list[StoredBatch] = []
+        self.inputs: list[InputItem] = []
+        self.batches: list[BatchItem] = []
         self._ids: dict[str, int] = {}
         self._input_waiters: list[asyncio.Event] = []
         self._batch_waiters: list[asyncio.Event] = []
@@ -228,7 +213,7 @@ class MemoryLog:
         if msg_id is not None and msg_id in self._ids:
             return PublishResult(seq=self._ids[msg_id], duplicate=True)
         seq = len(self.inputs) + 1
-        self.inputs.append(to_stored_input(seq, self._now(), data, msg_id))
+        self.inputs.append(to_input_item(seq, self._now(), data, msg_id))
         if msg_id is not None:
             self._ids[msg_id] = seq
         for w in self._input_waiters:
@@ -248,7 +233,7 @@ class MemoryLog:
         if len(self.batches) != expected_last_seq:
             raise Fenced(expected_last_seq, f"(last is {len(self.batches)})")
         seq = len(self.batches) + 1
-        self.batches.append(StoredBatch(seq=seq, batch=decode_batch(encode(batch))))
+        self.batches.append(BatchItem(seq=seq, batch=decode_batch(encode(batch))))
         for w in self._batch_waiters:
             w.set()
         return seq
@@ -259,10 +244,10 @@ class MemoryLog:
     async def last_batch_seq(self) -> int:
         return len(self.batches)
 
-    def tail_inputs(self, from_seq: int) -> _MemoryTail[StoredInput]:
+    def tail_inputs(self, from_seq: int) -> _MemoryTail[InputItem]:
         return _MemoryTail(self.inputs, from_seq, self._input_waiters)
 
-    def tail_batches(self, from_seq: int) -> _MemoryTail[StoredBatch]:
+    def tail_batches(self, from_seq: int) -> _MemoryTail[BatchItem]:
         return _MemoryTail(self.batches, from_seq, self._batch_waiters)
 
 
@@ -393,15 +378,15 @@ class _JsTail(Generic[T]):
             self._sub = None
 
 
-def _convert_input(item: tuple[int, int, Any]) -> StoredInput:
+def _convert_input(item: tuple[int, int, Any]) -> InputItem:
     seq, ts_ns, msg = item
     headers = msg.headers or {}
-    return to_stored_input(seq, ts_ns // 1_000_000, msg.data, headers.get(HDR_MSG_ID))
+    return to_input_item(seq, ts_ns // 1_000_000, msg.data, headers.get(HDR_MSG_ID))
 
 
-def _convert_batch(item: tuple[int, int, Any]) -> StoredBatch:
+def _convert_batch(item: tuple[int, int, Any]) -> BatchItem:
     seq, _ts, msg = item
-    return StoredBatch(seq=seq, batch=decode_batch(msg.data))
+    return BatchItem(seq=seq, batch=decode_batch(msg.data))
 
 
 class JetStreamLog:
@@ -510,11 +495,11 @@ class JetStreamLog:
         info = await self.js.stream_info(self.subjects.decisions_stream)
         return info.state.last_seq
 
-    def tail_inputs(self, from_seq: int) -> _JsTail[StoredInput]:
+    def tail_inputs(self, from_seq: int) -> _JsTail[InputItem]:
         s = self.subjects
         return _JsTail(self, s.inputs_all, s.inputs_stream, from_seq, _convert_input)
 
-    def tail_batches(self, from_seq: int) -> _JsTail[StoredBatch]:
+    def tail_batches(self, from_seq: int) -> _JsTail[BatchItem]:
         s = self.subjects
         return _JsTail(self, s.decisions, s.decisions_stream, from_seq, _convert_batch)
 

@@ -6,37 +6,23 @@ handed on as soon as a batch with basis ``>= k`` is known: no later batch can
 belong before it. Readers therefore trail the scheduler by one cycle, and wait
 for it when it is down.
 
-:func:`fold_input` is the one place that folds a stored input, including the
-bytes that did not decode (they advance the input sequence and the clock, and
-queue a rejection that the next cycle announces as ``InputRejected``).
+The items are the history items every consumer shares
+(:mod:`apportion.schemas.history`); folding them is
+:func:`apportion.core.history.fold_item`'s job, here as everywhere.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
+from typing import Any
 
-from apportion.core.state import State, apply
-from apportion.schemas.events import DecisionBatch
+from apportion.core.history import fold_item
+from apportion.core.state import State
+from apportion.replay.eventlog import CanonicalLog, Header, LogError
+from apportion.schemas.history import BatchItem, HistoryItem, InputItem
 
-from .bus import EventLog, StoredBatch, StoredInput
-
-Item = StoredInput | StoredBatch
-
-
-def fold_input(state: State, item: StoredInput) -> None:
-    """Fold input ``item`` (which must be input ``state.input_seq + 1``)."""
-    if item.event is not None:
-        apply(state, item.event)
-        return
-    state.input_seq += 1
-    if item.at_ms > state.now_ms:
-        state.now_ms = item.at_ms
-    state.rejections.append((item.ref, f"malformed input: {item.error}"))
-
-
-def fold_batch(state: State, batch: DecisionBatch) -> None:
-    for decision in batch.decisions:
-        apply(state, decision)
+from .bus import EventLog, JetStreamLog, Tail, connect
 
 
 class CanonicalReader:
@@ -47,11 +33,11 @@ class CanonicalReader:
         self.batches_done = batches_done
         self._itail = log.tail_inputs(inputs_done + 1)
         self._btail = log.tail_batches(batches_done + 1)
-        self._batches: deque[StoredBatch] = deque()
+        self._batches: deque[BatchItem] = deque()
 
-    async def read(self, timeout: float, limit: int = 2000) -> list[Item]:
+    async def read(self, timeout: float, limit: int = 2000) -> list[HistoryItem]:
         """The next items in canonical order (empty after ``timeout`` s with nothing new)."""
-        out: list[Item] = []
+        out: list[HistoryItem] = []
         if not self._batches:
             got = await self._btail.take(limit, timeout)
             if not got:
@@ -67,11 +53,13 @@ class CanonicalReader:
                 out.append(batches.popleft())
                 self.batches_done = head.seq
                 continue
-            got = await self._itail.take(min(basis - self.inputs_done, limit - len(out)), timeout)
-            if not got:
+            inputs = await self._itail.take(
+                min(basis - self.inputs_done, limit - len(out)), timeout
+            )
+            if not inputs:
                 break
-            out.extend(got)
-            self.inputs_done = got[-1].seq
+            out.extend(inputs)
+            self.inputs_done = inputs[-1].seq
         return out
 
     async def close(self) -> None:
@@ -87,15 +75,81 @@ class Follower:
         self.state = State()
         self.reader = CanonicalReader(log)
 
-    async def poll(self, timeout: float) -> list[Item]:
+    async def poll(self, timeout: float) -> list[HistoryItem]:
         items = await self.reader.read(timeout)
         state = self.state
         for item in items:
-            if isinstance(item, StoredInput):
-                fold_input(state, item)
-            else:
-                fold_batch(state, item.batch)
+            fold_item(state, item)
         return items
 
     async def close(self) -> None:
         await self.reader.close()
+
+
+# --------------------------------------------------------------------------
+# The whole history of a live cluster, as a log (``replay|audit --nats``)
+# --------------------------------------------------------------------------
+
+
+async def _read_all(tail: Tail[Any], n: int, timeout: float, what: str) -> list[Any]:
+    """The first ``n`` messages of a stream tail, then close it."""
+    got: list[Any] = []
+    try:
+        while len(got) < n:
+            more = await tail.take(10_000, timeout)
+            if not more:
+                raise LogError(f"{what} stopped at {len(got)} of {n} messages")
+            got.extend(more)
+    finally:
+        await tail.close()
+    return got
+
+
+async def read_history(log: EventLog, timeout: float) -> list[HistoryItem]:
+    """Both streams of ``log``, up to their last messages now, merged in canonical order."""
+    cluster = log.subjects.cluster
+    n_batches = await log.last_batch_seq()
+    n_inputs = await log.last_input_seq()
+    inputs: list[InputItem] = await _read_all(
+        log.tail_inputs(1), n_inputs, timeout, f"nats {cluster}: INPUTS"
+    )
+    batches: list[BatchItem] = await _read_all(
+        log.tail_batches(1), n_batches, timeout, f"nats {cluster}: DECISIONS"
+    )
+    out: list[HistoryItem] = []
+    bi = 0
+    for item in inputs[:n_inputs]:
+        out.append(item)
+        while bi < n_batches and batches[bi].batch.basis == item.seq:
+            out.append(batches[bi])
+            bi += 1
+    if bi != n_batches:
+        raise LogError(
+            f"nats {cluster}: decision batch {bi + 1} is based on input "
+            f"{batches[bi].batch.basis}, not in INPUTS"
+        )
+    return out
+
+
+async def _read_nats(url: str, cluster: str, timeout: float) -> list[HistoryItem]:
+    nc = await connect(url, name="apportion-history")
+    try:
+        return await read_history(JetStreamLog(nc.jetstream(), cluster), timeout)
+    finally:
+        await nc.close()
+
+
+def read_nats(url: str, cluster: str, timeout: float = 10.0) -> CanonicalLog:
+    """A live cluster's history, up to its last messages now, as a :class:`CanonicalLog`."""
+    try:
+        items = asyncio.run(_read_nats(url, cluster, timeout))
+    except LogError:
+        raise
+    except ValueError as exc:
+        raise LogError(f"nats {cluster}: {exc}") from None
+    except Exception as exc:  # connection refused, no such stream, ...
+        first = str(exc).splitlines()[0][:200] if str(exc) else "no answer"
+        raise LogError(f"nats {url} cluster {cluster}: {type(exc).__name__}: {first}") from None
+    return CanonicalLog(
+        Header(policy="budget", source="nats", cluster=cluster), items, f"nats:{cluster}"
+    )

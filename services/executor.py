@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable
 
 from apportion.schemas.events import WorkloadFinished
+from apportion.schemas.history import BatchItem
 
 from . import logs
-from .bus import EventLog, StoredBatch
+from .bus import EventLog
 from .canonical import Follower
 
 
@@ -46,7 +47,7 @@ class Executor:
         try:
             while not stop.is_set():
                 items = await self.follower.poll(0.2)
-                if any(isinstance(i, StoredBatch) for i in items):
+                if any(isinstance(i, BatchItem) for i in items):
                     self.reconcile()
         finally:
             for _attempt, handle in self.timers.values():

@@ -133,7 +133,8 @@ class Gateway:
         site = web.TCPSite(runner, host, port)
         await site.start()
         server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
-        bound = server.sockets[0].getsockname()[1] if server and server.sockets else port  # type: ignore[union-attr]
+        sockets = getattr(server, "sockets", None)  # an asyncio.Server once started
+        bound = sockets[0].getsockname()[1] if sockets else port
         self.url = f"http://{host}:{bound}"
         self.ready.set()
         self.logger.info("listening", url=self.url)

@@ -29,12 +29,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
-from apportion.core import cycle
+from apportion.core.cycle import decide as budget_decide
+from apportion.core.history import Decider, decide_batch, fold_item
 from apportion.core.state import State
 from apportion.schemas.events import ClockTicked, DecisionBatch
+from apportion.schemas.history import BatchItem, InputItem
 
 from . import logs
 from .bus import (
@@ -44,10 +45,8 @@ from .bus import (
     MemoryLease,
     MemorySnapshots,
     SnapshotStore,
-    StoredInput,
     Tail,
 )
-from .canonical import fold_batch, fold_input
 
 SNAPSHOT_NAME = "scheduler"
 
@@ -83,7 +82,7 @@ class Scheduler:
         snapshot_every: int = 5000,
         max_inputs_per_cycle: int = 2000,
         clock: Callable[[], int] = wall_ms,
-        decide: Callable[[State], cycle.CycleResult] | None = None,
+        decide: Decider | None = None,
     ) -> None:
         self.log = log
         self.snapshots = snapshots or MemorySnapshots()
@@ -92,7 +91,7 @@ class Scheduler:
         self.snapshot_every = snapshot_every
         self.max_inputs_per_cycle = max_inputs_per_cycle
         self.clock = clock
-        self._decide = decide
+        self.decider: Decider = decide or budget_decide
         self.logger = logs.get("scheduler", instance=name, cluster=log.subjects.cluster)
         self.state: State | None = None
         self.batch_seq = 0
@@ -103,10 +102,7 @@ class Scheduler:
         self.fenced = 0
         self._snapshot_at = 0
         self._ticked_basis = -1
-        self._tail: Tail[StoredInput] | None = None
-
-    def decide(self, state: State) -> cycle.CycleResult:
-        return (self._decide or cycle.decide)(state)
+        self._tail: Tail[InputItem] | None = None
 
     # -- 1 + 2 ----------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -169,14 +165,14 @@ class Scheduler:
                         return await self.recover(use_snapshot=False)
                     while state.input_seq < basis:
                         for item in await itail.take(basis - state.input_seq, 5.0):
-                            fold_input(state, item)
-                    fold_batch(state, sb.batch)
+                            fold_item(state, item)
+                    fold_item(state, sb)
                     refolded += 1
                     self.batch_seq, self.last_basis = sb.seq, basis
             last_input = await self.log.last_input_seq()
             while state.input_seq < last_input:
                 for item in await itail.take(last_input - state.input_seq, 5.0):
-                    fold_input(state, item)
+                    fold_item(state, item)
         finally:
             await btail.close()
         self.state = state
@@ -215,7 +211,7 @@ class Scheduler:
                 timeout = max(0.0, min(timeout, (self.next_wakeup_ms - self.clock()) / 1000))
             items = await tail.take(self.max_inputs_per_cycle - since_cycle, timeout)
             for item in items:
-                fold_input(state, item)
+                fold_item(state, item)
             since_cycle += len(items)
             # 4. + 5. decide and publish once caught up
             caught_up = tail.caught_up or not items
@@ -237,12 +233,9 @@ class Scheduler:
         assert state is not None
         if state.input_seq <= self.last_basis:
             return None
-        result = self.decide(state)
-        batch = DecisionBatch(
-            basis=state.input_seq, decisions=result.decisions, next_wakeup_ms=result.next_wakeup_ms
-        )
+        batch, result = decide_batch(state, self.decider)
         seq = await self.log.publish_batch(batch, self.batch_seq)  # raises Fenced
-        fold_batch(state, batch)
+        fold_item(state, BatchItem(seq=seq, batch=batch))
         self.batch_seq, self.last_basis = seq, batch.basis
         wake = result.next_wakeup_ms
         # A wake-up at or before the state's time cannot move it: ignore it rather than tick forever.
@@ -291,9 +284,3 @@ async def _wait(stop: asyncio.Event, seconds: float) -> None:
 def load_snapshot(raw: bytes) -> tuple[SchedulerSnapshot, State]:
     snap = _snap_decoder.decode(raw)
     return snap, State.from_bytes(snap.state)
-
-
-async def run_scheduler(log: EventLog, stop: asyncio.Event, **kwargs: Any) -> Scheduler:
-    s = Scheduler(log, **kwargs)
-    await s.run(stop)
-    return s

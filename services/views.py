@@ -10,6 +10,7 @@ from fractions import Fraction
 from typing import Any
 
 from apportion.core.budget import ROOT
+from apportion.core.contract import is_protected, may_use_reserved
 from apportion.core.cycle import decide
 from apportion.core.ordering import FairShareView, queue_order
 from apportion.core.state import State, Workload
@@ -21,8 +22,7 @@ from apportion.schemas.events import (
     WorkloadPreempted,
     WorkloadSubmitted,
 )
-
-from .bus import StoredBatch, StoredInput
+from apportion.schemas.history import HistoryItem, InputItem
 
 
 def _ratio(r: Fraction) -> dict[str, Any]:
@@ -39,14 +39,14 @@ class History:
         self.preempted: dict[str, WorkloadPreempted] = {}
         self.placed: dict[str, WorkloadPlaced] = {}
 
-    def record(self, items: list[StoredInput | StoredBatch]) -> None:
+    def record(self, items: list[HistoryItem]) -> None:
         for item in items:
-            if isinstance(item, StoredInput):
+            if isinstance(item, InputItem):
                 e = item.event
                 if isinstance(e, WorkloadSubmitted):
                     self.submit_ids[e.id] = e.workload
-                elif e is not None and hasattr(e, "workload"):
-                    self.other_ids[e.id] = e.workload  # type: ignore[attr-defined]
+                elif e is not None and isinstance(workload := getattr(e, "workload", None), str):
+                    self.other_ids[e.id] = workload
                 continue
             for d in item.batch.decisions:
                 if isinstance(d, WorkloadPreempted):
@@ -77,7 +77,8 @@ def workload_json(w: Workload) -> dict[str, Any]:
 
 
 def queue_view(state: State) -> dict[str, Any]:
-    """Pending workloads in scheduling order with the ratios of their sort keys; running ones after."""
+    """Pending workloads in the order the next cycle considers them
+    (:func:`~apportion.core.ordering.queue_order`) with the ratios that rank them; running ones after."""
     view = FairShareView(state)
     pending = []
     for i, w in enumerate(queue_order(state, view), start=1):
@@ -180,10 +181,10 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
         status = state.ended.get(workload)
         if status is None:
             return None
-        reasons = [f"ended as {status}"]
+        ended = [f"ended as {status}"]
         if status == "preempted" and pre_txt:
-            reasons.append(pre_txt)
-        return {"workload": workload, "status": status, "reasons": reasons}
+            ended.append(pre_txt)
+        return {"workload": workload, "status": status, "reasons": ended}
     out: dict[str, Any] = {"workload": workload, "status": w.status, "detail": workload_json(w)}
     reasons: list[str] = []
     if w.status == "running":
@@ -193,7 +194,7 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
             reasons.append(
                 "unallocated (min_runtime 0): free, preemptible by any allocated workload at any moment"
             )
-        elif state.now_ms < w.protected_until_ms:
+        elif is_protected(w, state.now_ms):
             reasons.append(
                 f"protected from preemption until {w.protected_until_ms} (its minimum runtime)"
             )
@@ -238,11 +239,7 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
             f"(largest block {largest}, {whole} whole nodes)"
         )
         blockers = sorted(
-            (
-                r
-                for r in state.running.values()
-                if r.allocated and state.now_ms < r.protected_until_ms
-            ),
+            (r for r in state.running.values() if is_protected(r, state.now_ms)),
             key=lambda r: (r.protected_until_ms, r.id),
         )
         if blockers:
@@ -263,7 +260,7 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
                 f"holds a reservation: {nodes} become free or preemptible for it at "
                 f"{reservation.start_ms}; until then only work preemptible by then may use them"
             )
-        elif state.now_ms + w.min_runtime_ms > reservation.start_ms:
+        elif not may_use_reserved(state.now_ms, w.min_runtime_ms, reservation.start_ms):
             reasons.append(
                 f"may not use {nodes}: reserved for {reservation.workload} from "
                 f"{reservation.start_ms}, and it would still be protected then"

@@ -23,11 +23,14 @@ from apportion.schemas.events import (
     BudgetSet,
     ClockTicked,
     Event,
+    HealthState,
     InputRejected,
     NodeDrained,
     NodeHealthChanged,
     NodeRegistered,
+    Outcome,
     PolicySet,
+    PreemptReason,
     Slot,
     WorkloadCancelled,
     WorkloadFinished,
@@ -138,8 +141,8 @@ class Scenario:
             self.node(f"{prefix}{i}", gpus, gpu_type)
         return self
 
-    def health(self, name: str, state: str) -> Scenario:
-        return self.apply(NodeHealthChanged(id=self._id(), at_ms=self.t, node=name, state=state))  # type: ignore[arg-type]
+    def health(self, name: str, state: HealthState) -> Scenario:
+        return self.apply(NodeHealthChanged(id=self._id(), at_ms=self.t, node=name, state=state))
 
     def submit(
         self, wid: str, owner: str, gpus: int = 1, min_runtime_ms: int = HOUR_MS, **fields: Any
@@ -159,11 +162,13 @@ class Scenario:
     def cancel(self, wid: str) -> Scenario:
         return self.apply(WorkloadCancelled(id=self._id(), at_ms=self.t, workload=wid))
 
-    def finish(self, wid: str, outcome: str = "succeeded", attempt: int | None = None) -> Scenario:
+    def finish(
+        self, wid: str, outcome: Outcome = "succeeded", attempt: int | None = None
+    ) -> Scenario:
         return self.apply(
             WorkloadFinished(
                 id=self._id(), at_ms=self.t, workload=wid, outcome=outcome, attempt=attempt
-            )  # type: ignore[arg-type]
+            )
         )
 
     def tick(self, t_ms: int | None = None) -> Scenario:
@@ -195,13 +200,15 @@ class Scenario:
             )
         )
 
-    def preempt(self, wid: str, requeued: bool = True, reason: str = "fairshare") -> Scenario:
+    def preempt(
+        self, wid: str, requeued: bool = True, reason: PreemptReason = "fairshare"
+    ) -> Scenario:
         return self.apply(
             WorkloadPreempted(
                 id=self._id(),
                 at_ms=self.state.now_ms,
                 workload=wid,
-                reason=reason,  # type: ignore[arg-type]
+                reason=reason,
                 requeued=requeued,
             )
         )

@@ -26,6 +26,7 @@ from apportion.schemas.events import (
     BudgetSet,
     ClockTicked,
     Event,
+    HealthState,
     InputRejected,
     NodeDrained,
     NodeHealthChanged,
@@ -202,7 +203,7 @@ class FoldMachine(RuleBasedStateMachine):
         kind=st.sampled_from(["a100", "a100", "h100", "any"]),
         health=st.sampled_from(["healthy", "healthy", "draining", "down"]),
     )
-    def host(self, register: bool, node: str, gpus: int, kind: str, health: str) -> None:
+    def host(self, register: bool, node: str, gpus: int, kind: str, health: HealthState) -> None:
         """Register (or re-register) a node, or change its health."""
         if register:
             self.feed(
@@ -211,7 +212,7 @@ class FoldMachine(RuleBasedStateMachine):
                 )
             )
         else:
-            self.feed(NodeHealthChanged(id=self._id(), at_ms=self.stamp(), node=node, state=health))  # type: ignore[arg-type]
+            self.feed(NodeHealthChanged(id=self._id(), at_ms=self.stamp(), node=node, state=health))
 
     @rule(
         data=st.data(),

@@ -1,4 +1,4 @@
-"""Hierarchical fair-share ordering (DESIGN "Ordering"), cases computed by hand."""
+"""Hierarchical fair-share ordering (docs/semantics.md, "The ordering"), cases computed by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from fractions import Fraction as F
 import pytest
 from apportion.core import FairShareView, State, queue_order
 from apportion.core.budget import ancestors_of
-from apportion.core.ratio import clearly_below, ratio
+from apportion.core.ordering import FairShareWalk
+from apportion.core.ratio import clearly_below_pair, ratio
 from core_builders import Scenario
 
 H = 3_600_000
@@ -19,7 +20,7 @@ def order(s: Scenario) -> list[str]:
 
 
 def reference_order(state: State) -> list[str]:
-    """The DESIGN text taken literally: per level ``(ratio, -weight, path)`` from the
+    """The documented rule taken literally: per level ``(ratio, -weight, path)`` from the
     top level down, then ``-priority``, submit time, id; unallocated after, by submit time, id."""
     nodes = state.budget.nodes
 
@@ -183,8 +184,29 @@ def test_ranks_and_keys() -> None:
         "ops/oz": 0,
     }
     assert view.ranks_of("research/cv/ben") == (1, 1, 0)
-    s.submit("w", "research/cv/ben", priority=3)
-    assert view.sort_key(s.state.pending["w"]) == (0, (1, 1, 0), -3, H, "w")
+    # leaves in fair-share order: ops/oz, research/nlp/ann, research/cv/ben
+    assert [view.leaf_position(p) for p in ("ops/oz", "research/nlp/ann", "research/cv/ben")] == [
+        0,
+        1,
+        2,
+    ]
+    assert view.leaf_position("research") == -1
+
+
+def test_the_walk_re_ranks_after_each_charge() -> None:
+    """Two idle teams of equal weight: with nothing charged, a's workloads all come
+    first (ties by path); charging each workload as it comes alternates the teams."""
+    s = Scenario().tree("a", "b").nodes("n", 1)
+    for i in range(2):
+        s.submit(f"a{i}", "a", gpus=1).submit(f"b{i}", "b", gpus=1)
+    assert order(s) == ["a0", "a1", "b0", "b1"]
+    walk = FairShareWalk(s.state, FairShareView(s.state))
+    seen = []
+    for w in walk:
+        seen.append(w.id)
+        walk.charge(w)
+    assert seen == ["a0", "b0", "a1", "b1"]
+    assert walk.usage["a"] == walk.usage["b"] == 2 * H
 
 
 def test_queue_order_matches_the_literal_definition_on_a_busy_history() -> None:
@@ -216,5 +238,7 @@ def test_queue_order_matches_the_literal_definition_on_a_busy_history() -> None:
     ids=["below", "at-margin", "both-zero", "zero-margin", "equal"],
 )
 def test_clearly_below_is_exact(cand, victim, margin_ppm, expected) -> None:
-    assert clearly_below(cand, victim, margin_ppm) is expected
+    """The margin test on ``usage / weight`` pairs, cross-multiplied."""
+    args = (cand.numerator, cand.denominator, victim.numerator, victim.denominator, margin_ppm)
+    assert clearly_below_pair(*args) is expected
     assert ratio(6, 4) == F(3, 2)

@@ -21,21 +21,22 @@ import sys
 from pathlib import Path
 
 from apportion.core.cycle import decide
-from apportion.core.state import State, apply
+from apportion.core.history import decide_batch, fold_item
+from apportion.core.state import State
 from apportion.replay.cluster_file import cluster_from_dict
-from apportion.replay.eventlog import Header, LogWriter, Malformed
+from apportion.replay.eventlog import Header, LogWriter
+from apportion.replay.run import load_inputs
 from apportion.replay.simulator import simulate
 from apportion.schemas.events import (
     BudgetSet,
     ClockTicked,
-    DecisionBatch,
+    Input,
     NodeHealthChanged,
     WorkloadCancelled,
     WorkloadFinished,
     WorkloadSubmitted,
 )
-
-from apportion.cli_sim import _load_inputs
+from apportion.schemas.history import BatchItem, InputItem, input_item
 
 HERE = Path(__file__).resolve().parent
 M = 60_000
@@ -44,7 +45,7 @@ H = 60 * M
 
 def make_debug(policy: str, out: Path) -> str:
     """Exactly what ``apportion simulate --scenario debug --days 1 --policy POLICY --log OUT`` writes."""
-    inp = _load_inputs(None, None, None, 1, 1, "debug")
+    inp = load_inputs(None, None, None, 1, 1, "debug")
     w = LogWriter(out, Header(policy=policy, source="simulate"))
     result = simulate(inp.cluster_events, inp.trace, inp.health, policy=policy, days=1, sink=w)
     digest = result.state.digest()
@@ -52,7 +53,7 @@ def make_debug(policy: str, out: Path) -> str:
     return digest
 
 
-def handmade_inputs() -> list[list[object]]:
+def handmade_inputs() -> list[list[Input | InputItem]]:
     """Groups of inputs; the scheduler runs one cycle after each group."""
     cluster = cluster_from_dict(
         {
@@ -100,8 +101,8 @@ def handmade_inputs() -> list[list[object]]:
         ],
         # an undecodable input (as a live INPUTS stream can hold)
         [
-            Malformed(
-                seq=0, at_ms=5 * M, ref="seq:malformed", reason="malformed input: invalid JSON"
+            InputItem(
+                seq=0, at_ms=5 * M, ref="seq:malformed", rejection="malformed input: invalid JSON"
             )
         ],
         # a whole-cluster job for b: cannot be placed, gets a reservation; a short free job may still run
@@ -136,41 +137,40 @@ def make_handmade(out: Path, end_ms: int = 6 * H) -> tuple[str, dict[str, int]]:
     w = LogWriter(out, Header(policy="budget", source="handmade", cluster="hand"))
     seen: dict[str, int] = {}
 
+    batches = 0
+
     def fold(ev) -> None:
-        if isinstance(ev, Malformed):
-            ev = Malformed(seq=state.input_seq + 1, at_ms=ev.at_ms, ref=ev.ref, reason=ev.reason)
-            state.input_seq += 1
-            state.now_ms = max(state.now_ms, ev.at_ms)
-            state.rejections.append((ev.ref, ev.reason))
-            w.add_malformed(ev)
-            return
-        apply(state, ev)
-        w.add_input(state.input_seq, ev)
+        seq = state.input_seq + 1
+        if isinstance(ev, InputItem):  # an undecodable input, numbered here
+            item = InputItem(seq=seq, at_ms=ev.at_ms, ref=ev.ref, rejection=ev.rejection)
+        else:
+            item = input_item(seq, ev)
+        fold_item(state, item)
+        w.add(item)
 
     def cycle() -> int | None:
+        nonlocal batches
         result = decide(state, report_reservation=True)
         if result.reservation is not None:
             seen["reservation"] = seen.get("reservation", 0) + 1
-        plain = decide(state)
+        batch, plain = decide_batch(state)
         assert plain.decisions == result.decisions and plain.next_wakeup_ms == result.next_wakeup_ms
-        batch = DecisionBatch(
-            basis=state.input_seq, decisions=plain.decisions, next_wakeup_ms=plain.next_wakeup_ms
-        )
+        batches += 1
+        fold_item(state, BatchItem(seq=batches, batch=batch))
         for d in batch.decisions:
-            apply(state, d)
             key = type(d).__name__ + (
                 f":{d.reason}"
                 if hasattr(d, "reason") and type(d).__name__ != "InputRejected"
                 else ""
             )
             seen[key] = seen.get(key, 0) + 1
-        w.add_batch(batch)
+        w.add(BatchItem(seq=batches, batch=batch))
         return batch.next_wakeup_ms
 
     groups = handmade_inputs()
     wake: int | None = None
     for group in groups:
-        t = group[0].at_ms  # type: ignore[attr-defined]
+        t = group[0].at_ms
         while wake is not None and state.now_ms < wake < t:
             fold(ClockTicked(id=f"tick-{state.input_seq}-{wake}", at_ms=wake))
             wake = cycle()

@@ -15,9 +15,11 @@ import msgspec
 import pytest
 from apportion.core import cycle
 from apportion.replay.audit import audit
-from apportion.replay.eventlog import LogError, Malformed, open_log
+from apportion.replay.eventlog import LogError, open_log
+from apportion.replay.projection import Projection
 from apportion.replay.whatif import PolicyChange, load_budget, replay_into, whatif
-from apportion.schemas.events import DecisionBatch, WorkloadPlaced
+from apportion.schemas.events import WorkloadPlaced
+from apportion.schemas.history import BatchItem, InputItem
 from click.testing import CliRunner
 
 from apportion.cli import main
@@ -48,8 +50,9 @@ def golden_digest(name: str) -> str:
 
 def make_golden_module():
     spec = importlib.util.spec_from_file_location("make_golden", GOLDEN / "make_golden.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     return mod
 
 
@@ -227,15 +230,15 @@ def test_replay_of_a_golden_log_gives_the_tables_simulate_wrote(tmp_path):
 def test_a_projection_gives_back_exactly_the_history_it_was_built_from(name, tmp_path):
     items = list(open_log(golden(name)))
     con = duckdb.connect(str(tmp_path / "p.duckdb"))
-    proj = replay_into(items, con)
-    proj.set_meta("policy", open_log(golden(name)).header.policy)
+    replay_into(items, con)
+    Projection(con).set_meta("policy", open_log(golden(name)).header.policy)
     con.close()
     back = open_log(tmp_path / "p.duckdb")
     assert back.header.policy == open_log(golden(name)).header.policy
     assert list(back) == items
     assert back.end.digest == golden_digest(name)
     if name == "handmade":
-        assert any(isinstance(x, Malformed) for x in items)
+        assert any(isinstance(x, InputItem) and x.malformed for x in items)
 
 
 def test_replay_until_stops_after_that_input_and_its_batch(tmp_path):
@@ -243,8 +246,8 @@ def test_replay_until_stops_after_that_input_and_its_batch(tmp_path):
     r = cli("replay", str(golden("handmade")), "--until", "12", "--log", str(out))
     assert r.exit_code == 0, r.output
     items = list(open_log(out))
-    assert isinstance(items[-1], DecisionBatch) and items[-1].basis == 12
-    assert any(isinstance(d, WorkloadPlaced) for d in items[-1].decisions)
+    assert isinstance(items[-1], BatchItem) and items[-1].batch.basis == 12
+    assert any(isinstance(d, WorkloadPlaced) for d in items[-1].batch.decisions)
     assert audit(open_log(out)).ok
 
 
@@ -405,10 +408,9 @@ def test_a_live_clusters_streams_are_a_log_source(tmp_path):
     import asyncio
     import uuid
 
-    from apportion.core.cycle import decide
-    from apportion.core.state import State, apply
+    from apportion.core.history import decide_batch, fold_item
+    from apportion.core.state import State
     from apportion.services.bus import JetStreamLog, connect
-    from apportion.services.canonical import fold_input
 
     mg = make_golden_module()
     url, proc = _nats_server(tmp_path)
@@ -424,7 +426,7 @@ def test_a_live_clusters_streams_are_a_log_source(tmp_path):
             state, batches = State(), 0
             for group in groups:
                 for ev in group:
-                    if isinstance(ev, Malformed):
+                    if isinstance(ev, InputItem):
                         await log.publish_raw_input(b"{not json", msg_id="garbage-1")
                     else:
                         await log.publish_input(ev)
@@ -432,16 +434,10 @@ def test_a_live_clusters_streams_are_a_log_source(tmp_path):
                 while len(got) < len(group):
                     got += await tail.take(100, 5.0)
                 for item in got:
-                    fold_input(state, item)
-                result = decide(state)
-                batch = DecisionBatch(
-                    basis=state.input_seq,
-                    decisions=result.decisions,
-                    next_wakeup_ms=result.next_wakeup_ms,
-                )
+                    fold_item(state, item)
+                batch, _ = decide_batch(state)
                 batches = await log.publish_batch(batch, batches)
-                for d in batch.decisions:
-                    apply(state, d)
+                fold_item(state, BatchItem(seq=batches, batch=batch))
             await tail.close()
         finally:
             await nc.close()
@@ -465,7 +461,7 @@ def test_a_live_clusters_streams_are_a_log_source(tmp_path):
         )
         assert r.exit_code == 0, r.output
         items = list(open_log(out))
-        assert any(isinstance(x, Malformed) and x.ref == "garbage-1" for x in items)
+        assert any(isinstance(x, InputItem) and x.malformed and x.ref == "garbage-1" for x in items)
         assert audit(open_log(out)).ok and audit(open_log(tmp_path / "l.duckdb")).ok
         r = cli("audit", "--cluster", "no-such-cluster", "--nats", url)
         assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1

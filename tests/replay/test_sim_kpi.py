@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import duckdb
 import pytest
+from apportion.core.history import HistoryOrderError, fold_item
 from apportion.replay.cluster_file import cluster_from_dict
 from apportion.replay.kpi import KPI_KEYS, compute_kpis
-from apportion.replay.projection import Projection, ProjectionOrderError
+from apportion.replay.projection import Projection
 from apportion.replay.scenarios import debug
 from apportion.replay.simulator import simulate
 from apportion.replay.trace import HealthRow, TraceRow
-from apportion.schemas.codec import decode_event
-from apportion.schemas.events import INPUT_TYPES, DecisionBatch
+from apportion.schemas.history import HistoryItem, InputItem
 
 H = 3_600_000
 DAY = 24 * H
@@ -95,24 +95,6 @@ def test_preempted_resumable_work_keeps_its_progress_and_drain_time():
     ).fetchone() == ("succeeded", 1)
 
 
-def _history(con):
-    """The canonical history from an events table: (seq, input) and batches."""
-    out, seq, batch = [], 0, None
-    for (body,) in con.execute("SELECT body FROM events ORDER BY pos").fetchall():
-        ev = decode_event(body)
-        if isinstance(ev, INPUT_TYPES):
-            if batch:
-                out.append(DecisionBatch(basis=seq, decisions=tuple(batch)))
-            batch = []
-            seq += 1
-            out.append((seq, ev))
-        else:
-            batch.append(ev)
-    if batch:
-        out.append(DecisionBatch(basis=seq, decisions=tuple(batch)))
-    return out
-
-
 TABLES = ("events", "workloads", "runs", "waits", "nodes", "health", "budget")
 
 
@@ -134,37 +116,41 @@ def test_projection_incremental_restart_has_no_duplicates_or_gaps(tmp_path):
         }
         | {"budget": _budget_doc(s.budget)}
     ).events
-    sim = simulate(events, s.trace, s.health, policy="priority", days=1)
-    history = _history(sim.con)
+    history: list[HistoryItem] = []
+    sim = simulate(
+        events,
+        s.trace,
+        s.health,
+        policy="priority",
+        days=1,
+        sink=lambda item, _state, _rejected: history.append(item),
+    )
     reference = _dump(sim.con)
 
     db = tmp_path / "p.duckdb"
     cut_points = {len(history) // 5, len(history) // 2, 3 * len(history) // 4}
     con = duckdb.connect(str(db))
     proj = Projection(con)
+    state = proj.saved_state()
     for i, item in enumerate(history):
-        if isinstance(item, DecisionBatch):
-            proj.add_batch(item)
-        else:
-            proj.add_input(*item)
+        proj(item, state, fold_item(state, item))
         if i in cut_points:
-            proj.commit()
-            position = proj.position
+            proj.commit(state)
+            position, digest = proj.position, state.digest()
             # lose everything after the commit, restart from the file
             con.close()
             con = duckdb.connect(str(db))
             proj = Projection(con)
-            assert proj.position == position
-            # a redelivered input is ignored; a gap is refused
-            if isinstance(item, tuple):
-                proj.add_input(*item)
-    proj.commit()
-    got = _dump(con)
-    ref_no_sim = {t: v for t, v in reference.items()}
-    # the simulator also recorded empty batches; table contents must be identical
-    assert got == ref_no_sim
-    with pytest.raises(ProjectionOrderError):
-        proj.add_input(proj.position[0] + 5, history[0][1])
+            state = proj.saved_state()
+            assert proj.position == position and state.digest() == digest
+            # a redelivered input is refused and changes nothing
+            if isinstance(item, InputItem):
+                with pytest.raises(HistoryOrderError):
+                    fold_item(state, item)
+                assert state.digest() == digest
+    proj.commit(state)
+    # the tables are identical to the ones the simulator's own projection wrote
+    assert _dump(con) == reference
     con.close()
 
 

@@ -7,14 +7,13 @@ The full check (30 measured days, both policies) is a soak test, marked slow
 from __future__ import annotations
 
 import pytest
-
-from apportion.cli_sim import WARMUP_DAYS, _load_inputs, run_policy
+from apportion.replay.run import WARMUP_DAYS, load_inputs, run_policy
 
 
 def _kpis(policy: str, days: int) -> dict:
-    inp = _load_inputs(None, None, None, seed=1, days=days, scenario="ai2")
+    inp = load_inputs(None, None, None, seed=1, days=days, scenario="ai2")
     assert inp.warmup_days == WARMUP_DAYS["ai2"]
-    _, kpis = run_policy(inp, policy, None, quiet=True)
+    _, kpis = run_policy(inp, policy)
     return kpis
 
 

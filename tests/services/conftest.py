@@ -17,10 +17,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from apportion.services import logs, stack
 from apportion.services.stack import free_port
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
 
 pytestmark = pytest.mark.nats
 
@@ -113,7 +118,7 @@ def cluster() -> str:
 
 
 @pytest.fixture
-async def nc(nats_server: NatsServer) -> AsyncIterator[object]:
+async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
     import nats
 
     conn = await nats.connect(nats_server.url, connect_timeout=10)
@@ -124,12 +129,12 @@ async def nc(nats_server: NatsServer) -> AsyncIterator[object]:
 
 
 @pytest.fixture
-async def js(nc: object) -> object:
-    return nc.jetstream()  # type: ignore[attr-defined]
+async def js(nc: Client) -> JetStreamContext:
+    return nc.jetstream()
 
 
 @pytest.fixture
-async def jlog(js: object, cluster: str):
+async def jlog(js: JetStreamContext, cluster: str):
     from apportion.services.bus import JetStreamLog
 
     log = JetStreamLog(js, cluster)

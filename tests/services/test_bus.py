@@ -54,7 +54,7 @@ async def test_malformed_bytes_are_read_not_raised(log) -> None:
     await tail.close()
     assert [g.event for g in got] == [None, None]
     assert [g.ref for g in got] == ["bad-1", "seq:2"]
-    assert all(g.error for g in got)
+    assert all(g.rejection for g in got)
 
 
 async def test_batches_are_fenced(log) -> None:

@@ -17,7 +17,8 @@ import subprocess
 from pathlib import Path
 
 from apportion.schemas.events import WorkloadPlaced
-from apportion.services.bus import JetStreamLog, StoredBatch
+from apportion.schemas.history import BatchItem
+from apportion.services.bus import JetStreamLog
 from apportion.services.scheduler import Scheduler
 from services_helpers import (
     APPORTION_CMD,
@@ -35,7 +36,7 @@ class PlacedWatcher:
 
     def __init__(self, log: JetStreamLog) -> None:
         self.tail = log.tail_batches(1)
-        self.batches: list[StoredBatch] = []
+        self.batches: list[BatchItem] = []
         self.placed: list[str] = []
 
     async def poll(self) -> set[str]:

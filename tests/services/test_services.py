@@ -6,27 +6,34 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 import duckdb
 import pytest
 from apportion.core import cycle
+from apportion.core.history import fold_history, fold_item
 from apportion.core.state import State
 from apportion.replay.projection import Projection
 from apportion.schemas.events import InputRejected, WorkloadPlaced
-from apportion.services.bus import Fenced, JetStreamLog, MemoryLease, StoredBatch, StoredInput
-from apportion.services.canonical import fold_batch, fold_input
+from apportion.schemas.history import BatchItem, HistoryItem, InputItem
+from apportion.services.bus import Fenced, JetStreamLog, MemoryLease
+from apportion.services.canonical import read_history
 from apportion.services.executor import Executor
 from apportion.services.gateway import Gateway
-from apportion.services.projector import Projector, add_stored_input
+from apportion.services.projector import Projector
 from apportion.services.scheduler import Scheduler, load_snapshot
 from services_helpers import eventually, small_cluster, submit
 
 TABLES = ("events", "workloads", "runs", "waits", "nodes", "health", "budget")
 
 
+class Service(Protocol):
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
 @contextlib.asynccontextmanager
-async def running(*services: object) -> AsyncIterator[asyncio.Event]:
+async def running(*services: Service | Gateway) -> AsyncIterator[asyncio.Event]:
     """Run each service's ``run(stop)`` (or ``serve``) until the block ends; re-raise their errors."""
     stop = asyncio.Event()
     tasks = []
@@ -34,7 +41,7 @@ async def running(*services: object) -> AsyncIterator[asyncio.Event]:
         if isinstance(s, Gateway):
             tasks.append(asyncio.create_task(s.serve(stop, port=0)))
         else:
-            tasks.append(asyncio.create_task(s.run(stop)))  # type: ignore[attr-defined]
+            tasks.append(asyncio.create_task(s.run(stop)))
     try:
         yield stop
     finally:
@@ -42,32 +49,27 @@ async def running(*services: object) -> AsyncIterator[asyncio.Event]:
         await asyncio.gather(*tasks)
 
 
-async def read_all(log: JetStreamLog) -> tuple[list[StoredInput], list[StoredBatch]]:
+async def read_all(log: JetStreamLog) -> tuple[list[InputItem], list[BatchItem]]:
     """Every input and batch in the log, as stored."""
-    n_in, n_b = await log.last_input_seq(), await log.last_batch_seq()
-    inputs: list[StoredInput] = []
-    batches: list[StoredBatch] = []
-    t = log.tail_inputs(1)
-    while len(inputs) < n_in:
-        inputs += await t.take(10_000, 10.0)
-    await t.close()
-    t2 = log.tail_batches(1)
-    while len(batches) < n_b:
-        batches += await t2.take(10_000, 10.0)
-    await t2.close()
-    return inputs, batches
+    history = await read_history(log, 10.0)
+    inputs = [i for i in history if isinstance(i, InputItem)]
+    return inputs, [b for b in history if isinstance(b, BatchItem)]
 
 
-def full_fold(inputs: list[StoredInput], batches: list[StoredBatch]) -> State:
-    state = State()
-    it = iter(inputs)
-    for b in batches:
-        while state.input_seq < b.batch.basis:
-            fold_input(state, next(it))
-        fold_batch(state, b.batch)
-    for rest in it:
-        fold_input(state, rest)
-    return state
+def full_fold(inputs: list[InputItem], batches: list[BatchItem]) -> State:
+    """The state after folding the inputs and batches in canonical order."""
+    merged: list[HistoryItem] = []
+    it = iter(batches)
+    pending = next(it, None)
+    for item in [None, *inputs]:
+        if item is not None:
+            merged.append(item)
+        seq = 0 if item is None else item.seq
+        while pending is not None and pending.batch.basis == seq:
+            merged.append(pending)
+            pending = next(it, None)
+    assert pending is None, "a batch based on an input that is not in the log"
+    return fold_history(merged)
 
 
 async def test_submit_placed_finished_end_to_end(jlog: JetStreamLog, tmp_path: Path) -> None:
@@ -114,21 +116,18 @@ async def test_projector_tables_equal_the_simulator_side_projection(
             lambda: projector.position[0] >= last and scheduler.last_basis >= last,
             what="projector caught up",
         )
-    inputs, batches = await read_all(jlog)
-    # The simulator side: fold the same input sequence, decide at the same bases, project.
+    history = await read_history(jlog, 10.0)
+    # The simulator side: fold the same history, decide at the same bases, project.
     sim = Projection(duckdb.connect(":memory:"))
     state = State()
-    it = iter(inputs)
-    for b in batches:
-        while state.input_seq < b.batch.basis:
-            item = next(it)
-            fold_input(state, item)
-            add_stored_input(sim, item)
-        result = cycle.decide(state)
-        assert result.decisions == b.batch.decisions, f"batch {b.seq} is not what the core decides"
-        fold_batch(state, b.batch)
-        sim.add_batch(b.batch)
-    sim.commit()
+    for item in history:
+        if isinstance(item, BatchItem):
+            result = cycle.decide(state)
+            assert result.decisions == item.batch.decisions, (
+                f"batch {item.seq} is not what the core decides"
+            )
+        sim(item, state, fold_item(state, item))
+    sim.commit(state)
     live = projection.con
     for table in TABLES:
         q = f"SELECT * FROM {table} ORDER BY ALL"
@@ -168,9 +167,9 @@ async def test_restart_from_snapshot_reaches_the_full_fold_digest(jlog: JetStrea
     assert snap.input_seq > 0
     second = Scheduler(jlog, snapshots)
     await second.recover()
-    inputs, batches = await read_all(jlog)
-    assert second.state.digest() == full_fold(inputs, batches).digest()
-    assert second.state.input_seq == len(inputs)
+    history = await read_history(jlog, 10.0)
+    assert second.state.digest() == fold_history(history).digest()
+    assert second.state.input_seq == await jlog.last_input_seq()
     await second._tail.close()  # noqa: SLF001
 
 
@@ -184,7 +183,7 @@ async def test_a_second_scheduler_is_fenced(jlog: JetStreamLog) -> None:
     for s in (a, b):
         while s.state.input_seq < len(events):
             for item in await s._tail.take(100, 10.0):  # noqa: SLF001
-                fold_input(s.state, item)
+                fold_item(s.state, item)
     batch = await a.cycle()
     assert batch is not None and any(isinstance(d, WorkloadPlaced) for d in batch.decisions)
     with pytest.raises(Fenced):

@@ -1,8 +1,10 @@
-"""The policy apportion replaces (DESIGN "The baseline it replaces"), for the simulator.
+"""The policy apportion replaces (docs/semantics.md, "The baseline the simulator compares against"), for the simulator.
 
 ``decide_baseline(state, limits) -> CycleResult``: pure and deterministic like
 :func:`apportion.core.cycle.decide` (no set iteration, no floats, ties broken
-by ids), emitting the same decision events so the same fold applies.
+by ids, nothing kept between calls: the decisions are a function of
+``state`` and ``limits`` alone), emitting the same decision events so the same
+fold applies.
 
 Rules, in the order the cycle applies them:
 
@@ -17,8 +19,9 @@ Rules, in the order the cycle applies them:
 5. a non-preemptible workload runs only while its team's non-preemptible GPUs
    stay within the team's concurrent-GPU limit; preemptible work ignores the
    limit and runs on idle GPUs;
-6. placement as in the budget scheduler: one node by best fit for
-   ``gpus <= gpus_per_node``, else whole free nodes (lowest ids);
+6. placement is the budget scheduler's (:mod:`apportion.core.placement`): one
+   node by best fit across the pools of the right type for
+   ``gpus <= gpus_per_node``, else whole free nodes of one pool (lowest ids);
 7. a workload that does not fit may preempt running ``legacy_preemptible``
    work of strictly lower legacy priority: lowest priority first, then the
    most recently started, then id; on the node (or the whole nodes) that
@@ -26,6 +29,10 @@ Rules, in the order the cycle applies them:
    preemption is recorded with reason ``fairshare`` and ``for_workload`` set
    (the event schema has no ``priority`` reason); non-preemptible work is
    never preempted except by a node going down.
+
+Placements follow the contract (:mod:`apportion.core.contract`) only as the
+fold requires it: ``allocated`` and ``protected_until`` are recorded, but this
+policy ignores protection and charges.
 
 The **team** of a leaf is its parent (a budget node one level above the
 leaves), or the leaf itself when it hangs directly under the root.
@@ -39,35 +46,30 @@ from __future__ import annotations
 from collections.abc import Mapping
 from fractions import Fraction
 
+from apportion.core.budget import ROOT, parent_of
+from apportion.core.contract import is_allocated, protected_until
+from apportion.core.cycle import CycleResult
+from apportion.core.placement import FreeGPUs, Slots
+from apportion.core.state import State, Workload
 from apportion.schemas.events import (
-    ANY_GPU_TYPE,
     Decision,
     InputRejected,
     NodeDrained,
+    PreemptReason,
     Slot,
     WorkloadPlaced,
     WorkloadPreempted,
 )
-
-from .budget import ROOT, parent_of
-from .cycle import CycleResult
-from .state import State, Workload, apply
 
 LEGACY_RANK = {"low": 0, "normal": 1, "high": 2}
 LIMIT_OVERCOMMIT = Fraction(3, 2)
 LIMIT_FLOOR_GPUS = 64
 
 
-_TEAM_CACHE: dict[str, str] = {}
-
-
 def team_of(leaf: str) -> str:
     """The team of an owner leaf: its parent, or itself directly under the root."""
-    team = _TEAM_CACHE.get(leaf)
-    if team is None:
-        parent = parent_of(leaf)
-        team = _TEAM_CACHE[leaf] = leaf if parent == ROOT else parent
-    return team
+    parent = parent_of(leaf)
+    return leaf if parent == ROOT else parent
 
 
 def default_limits(state: State) -> dict[str, int]:
@@ -86,15 +88,19 @@ def default_limits(state: State) -> dict[str, int]:
     return limits
 
 
-_KEY_CACHE: dict[str, tuple[int, int, str]] = {}
+def _rank(w: Workload) -> int:
+    """Legacy priority as a number, higher first (unknown values count as ``high``)."""
+    return LEGACY_RANK.get(w.legacy_priority, 2)
 
 
 def _order_key(w: Workload) -> tuple[int, int, str]:
-    """Legacy priority high first, then submit time, then id (a workload's key never changes)."""
-    key = _KEY_CACHE.get(w.id)
-    if key is None:
-        key = _KEY_CACHE[w.id] = (-LEGACY_RANK.get(w.legacy_priority, 2), w.submitted_ms, w.id)
-    return key
+    """Legacy priority high first, then submit time, then id."""
+    return (-_rank(w), w.submitted_ms, w.id)
+
+
+def _victim_key(v: Workload) -> tuple[int, int, str]:
+    """Lowest legacy priority first, then the most recently started, then id."""
+    return (_rank(v), -v.started_ms, v.id)
 
 
 def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> CycleResult:
@@ -111,27 +117,27 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
     for ref, reason in state.rejections:
         out.append(InputRejected(id=next_id(), at_ms=now, ref=ref, reason=reason))
 
-    free: dict[str, int] = {name: n.free for name, n in state.nodes.items()}
+    gpus = FreeGPUs(state)
+    free = gpus.free
     on_node: dict[str, dict[str, int]] = {
         name: dict(n.workloads) for name, n in state.nodes.items()
     }
     gone: dict[str, bool] = {}
 
-    def preempt(w: Workload, reason: str, for_workload: str | None = None) -> None:
-        requeued = w.resumable
+    def preempt(w: Workload, reason: PreemptReason, for_workload: str | None = None) -> None:
         out.append(
             WorkloadPreempted(
                 id=next_id(),
                 at_ms=now,
                 workload=w.id,
-                reason=reason,  # type: ignore[arg-type]
-                requeued=requeued,
+                reason=reason,
+                requeued=w.resumable,
                 for_workload=for_workload,
             )
         )
         gone[w.id] = True
         for slot in w.placement:
-            free[slot.node] += slot.gpus
+            gpus.set(slot.node, free[slot.node] + slot.gpus)
             del on_node[slot.node][w.id]
 
     running = state.running
@@ -156,68 +162,29 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
         if w.id in gone:
             continue
         if w.legacy_preemptible:
-            victims_below[LEGACY_RANK.get(w.legacy_priority, 2)] += 1
+            victims_below[_rank(w)] += 1
         else:
             team = team_of(w.owner)
             np_used[team] = np_used.get(team, 0) + w.gpus
 
-    # nodes by pool, in id order
-    pools: dict[tuple[str, int], list[str]] = {}
-    for name in sorted(state.nodes):
-        n = state.nodes[name]
-        if n.health == "healthy":
-            pools.setdefault((n.gpu_type, n.gpus), []).append(name)
-    pool_keys = sorted(pools)
+    pool_nodes = state.node_index.pool_nodes  # healthy nodes by pool, by id
 
-    def fit(w: Workload) -> tuple[Slot, ...] | None:
-        for key in pool_keys:
-            gtype, gpn = key
-            if w.gpu_type != ANY_GPU_TYPE and gtype != w.gpu_type:
-                continue
-            names = pools[key]
-            if w.gpus <= gpn:
-                best: str | None = None
-                best_free = 0
-                for name in names:
-                    f = free[name]
-                    if f >= w.gpus and (best is None or f < best_free):
-                        best, best_free = name, f
-                if best is not None:
-                    return (Slot(best, w.gpus),)
-            elif w.gpus % gpn == 0:
-                need = w.gpus // gpn
-                chosen = [name for name in names if free[name] == gpn][:need]
-                if len(chosen) == need:
-                    return tuple(Slot(name, gpn) for name in chosen)
-        return None
-
-    def victim_key(v: Workload) -> tuple[int, int, str]:
-        return (LEGACY_RANK.get(v.legacy_priority, 2), -v.started_ms, v.id)
-
-    def fit_with_preemption(
-        w: Workload, rank: int
-    ) -> tuple[tuple[Slot, ...], list[Workload]] | None:
+    def fit_with_preemption(w: Workload, rank: int) -> tuple[Slots, list[Workload]] | None:
         def eligible(wid: str) -> Workload | None:
             v = running.get(wid)
-            if (
-                v is not None
-                and v.legacy_preemptible
-                and LEGACY_RANK.get(v.legacy_priority, 2) < rank
-            ):
+            if v is not None and v.legacy_preemptible and _rank(v) < rank:
                 return v
             return None
 
-        best: tuple[int, str, tuple[Slot, ...], list[Workload]] | None = None
-        for key in pool_keys:
-            gtype, gpn = key
-            if w.gpu_type != ANY_GPU_TYPE and gtype != w.gpu_type:
-                continue
-            names = pools[key]
+        best: tuple[int, str, Slots, list[Workload]] | None = None
+        for key in gpus.pools_for(w.gpu_type):
+            gpn = key[1]
+            names = pool_nodes[key]
             if w.gpus <= gpn:
                 for name in names:
                     have = free[name]
                     cands = sorted(
-                        (v for wid in on_node[name] if (v := eligible(wid))), key=victim_key
+                        (v for wid in on_node[name] if (v := eligible(wid))), key=_victim_key
                     )
                     chosen: list[Workload] = []
                     cost = 0
@@ -232,7 +199,7 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
                         and chosen
                         and (best is None or (cost, name) < (best[0], best[1]))
                     ):
-                        best = (cost, name, (Slot(name, w.gpus),), chosen)
+                        best = (cost, name, [(name, w.gpus)], chosen)
             elif w.gpus % gpn == 0:
                 need = w.gpus // gpn
                 options: list[tuple[int, str, list[Workload]]] = []
@@ -256,7 +223,7 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
                         for o in picked:
                             for v in o[2]:
                                 chosen_d[v.id] = v
-                        slots = tuple(Slot(o[1], gpn) for o in sorted(picked, key=lambda o: o[1]))
+                        slots = [(o[1], gpn) for o in sorted(picked, key=lambda o: o[1])]
                         best = (cost, picked[0][1], slots, [chosen_d[k] for k in sorted(chosen_d)])
         if best is None:
             return None
@@ -264,10 +231,9 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
 
     failed_fit: dict[tuple[int, str], bool] = {}
     failed_preempt: dict[tuple[int, str, int], bool] = {}
-    healthy = [name for key in pool_keys for name in pools[key]]
-    total_free = sum(free[name] for name in healthy)
+    total_free = sum(gpus.pool_free.values())
     for w in sorted(state.pending.values(), key=_order_key):
-        rank = LEGACY_RANK.get(w.legacy_priority, 2)
+        rank = _rank(w)
         if total_free < w.gpus and not any(victims_below[:rank]):
             if total_free == 0 and not any(victims_below[:2]):
                 break  # nothing is free and nothing can be preempted: no later workload can start
@@ -278,7 +244,7 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
         placement = None
         fkey = (w.gpus, w.gpu_type)
         if total_free >= w.gpus and fkey not in failed_fit:
-            placement = fit(w)
+            placement = gpus.fit(w.gpus, w.gpu_type)
             if placement is None:
                 failed_fit[fkey] = True
         if placement is None:
@@ -291,11 +257,9 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
                 continue
             placement, victims = found
             for v in victims:
-                victims_below[LEGACY_RANK.get(v.legacy_priority, 2)] -= 1
-                for slot in v.placement:
-                    if state.nodes[slot.node].health == "healthy":
-                        total_free += slot.gpus
+                victims_below[_rank(v)] -= 1
                 preempt(v, "fairshare", w.id)
+            total_free = sum(gpus.pool_free.values())
             failed_fit.clear()
             failed_preempt.clear()
         out.append(
@@ -303,25 +267,17 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
                 id=next_id(),
                 at_ms=now,
                 workload=w.id,
-                placement=placement,
-                allocated=w.min_runtime_ms > 0,
-                protected_until_ms=now + w.min_runtime_ms,
+                placement=tuple(Slot(name, n) for name, n in placement),
+                allocated=is_allocated(w),
+                protected_until_ms=protected_until(now, w.min_runtime_ms),
                 attempt=w.attempt + 1,
             )
         )
-        for slot in placement:
-            free[slot.node] -= slot.gpus
-            on_node[slot.node][w.id] = slot.gpus
+        for name, n in placement:
+            gpus.set(name, free[name] - n)
+            on_node[name][w.id] = n
         total_free -= w.gpus
         if not w.legacy_preemptible:
             np_used[team] = np_used.get(team, 0) + w.gpus
     # A placed workload is not a victim in the same cycle: it is not in state.running.
     return CycleResult(decisions=tuple(out), next_wakeup_ms=None)
-
-
-def step_baseline(state: State, limits: Mapping[str, int] | None = None) -> CycleResult:
-    """``decide_baseline`` and fold its decisions into ``state``."""
-    result = decide_baseline(state, limits)
-    for decision in result.decisions:
-        apply(state, decision)
-    return result

@@ -1,0 +1,267 @@
+"""The work behind ``apportion simulate`` and ``apportion replay``, as small functions.
+
+- :func:`load_inputs`: a bundled scenario, or a cluster file with a trace (and
+  health) CSV, as the events and rows a simulation needs;
+- :func:`run_policy`: one simulation under one policy, observed by a
+  projection (and an event-log writer if asked), with its KPIs;
+- :func:`rejection_messages`: the inputs the scheduler refused, named by the
+  file and line they came from;
+- :func:`rebuild`: a history folded again, written to a projection and/or a log file.
+
+Errors a user can fix raise :class:`~apportion.replay.errors.InputFileError`
+(or ``ValueError``) with one line of text; the CLI prints it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+from apportion.core.history import fold_item
+from apportion.core.state import State
+from apportion.schemas.events import DAY_MS, Input
+from apportion.schemas.history import BatchItem
+
+from .cluster_file import cluster_from_dict, load_cluster
+from .errors import InputFileError
+from .eventlog import CanonicalLog, Header, LogWriter
+from .kpi import compute_kpis
+from .projection import Projection
+from .simulator import SimResult, input_origin, simulate
+from .trace import HealthRow, TraceRow, read_health, read_trace
+
+DEFAULT_SCENARIO = "ai2"
+DEFAULT_DAYS = 30
+DEFAULT_DAYS_OF = {"family": 10, "debug": 3}
+WARMUP_DAYS = {"ai2": 2}
+"""The ai2 scenario starts from an empty cluster and a backlog; its first two
+days are simulated and left out of the KPIs, as simulation studies do with a
+warm-up period (``simulated_days`` counts the measured days)."""
+
+
+@dataclass
+class SimInputs:
+    """What one simulation runs on."""
+
+    cluster_events: list[Input] = field(default_factory=list)
+    trace: list[TraceRow] = field(default_factory=list)
+    health: list[HealthRow] = field(default_factory=list)
+    days: float | None = None
+    warmup_days: int = 0
+    """Simulated first and left out of the KPIs (the cluster starts empty)."""
+    label: str = ""
+    trace_file: str = "<generated>"
+    health_file: str = "<generated>"
+    problems: list[str] = field(default_factory=list)
+    """One line per trace or health row that could not be read (those rows are left out)."""
+
+    def horizon_days(self) -> float:
+        """``days``, or whole days up to the last submission or health change."""
+        if self.days is not None:
+            return self.days
+        last = max([r.submit_ms for r in self.trace] + [h.at_ms for h in self.health] + [0])
+        return -(-(last + 1) // DAY_MS)
+
+
+def load_inputs(
+    cluster: Path | None,
+    trace: Path | None,
+    health: Path | None,
+    seed: int,
+    days: float | None,
+    scenario: str,
+    knobs: list[str] | None = None,
+) -> SimInputs:
+    """A bundled scenario (no files given; ``knobs`` ``KEY=VALUE`` for ``family``)
+    or a cluster file with a trace (and health) CSV."""
+    inp = SimInputs()
+    if trace is None:
+        if cluster is not None or health is not None:
+            raise ValueError(
+                "--cluster and --health go with --trace (or leave all three out for a bundled scenario)"
+            )
+        from .scenarios import generate
+
+        inp.warmup_days = WARMUP_DAYS.get(scenario, 0)
+        default = DEFAULT_DAYS_OF.get(scenario, DEFAULT_DAYS)
+        sc = generate(scenario, int(days or default) + inp.warmup_days, seed, knobs)
+        doc = scenario_cluster_doc(sc)
+        inp.cluster_events = list(cluster_from_dict(doc, f"<scenario {sc.name}>").events)
+        inp.trace, inp.health, inp.days = sc.trace, sc.health, sc.days
+        inp.label = f"scenario {sc.name}, seed {seed}, {sc.days} days" + (
+            f" ({', '.join(knobs)})" if knobs else ""
+        )
+        return inp
+    if knobs:
+        raise ValueError("--set KEY=VALUE goes with a generated scenario, not with --trace")
+    if cluster is None:
+        raise ValueError("--trace needs --cluster FILE (nodes, budget tree and policy)")
+    inp.cluster_events = list(load_cluster(cluster).events)
+    rows, errors = read_trace(trace)
+    inp.problems.extend(str(e) for e in errors)
+    inp.trace, inp.trace_file = rows, str(trace)
+    if health is not None:
+        hrows, herrors = read_health(health)
+        inp.problems.extend(str(e) for e in herrors)
+        inp.health, inp.health_file = hrows, str(health)
+    if not rows:
+        raise InputFileError(str(trace), None, "no valid rows to simulate")
+    inp.days = days
+    inp.label = f"{trace}"
+    return inp
+
+
+def scenario_cluster_doc(sc: Any) -> dict[str, Any]:
+    """A generated scenario's cluster as the TOML document a cluster file holds."""
+    doc: dict[str, Any] = {
+        "cluster": {
+            "name": sc.name,
+            "pool": [
+                {"prefix": p, "count": c, "gpus_per_node": g, "gpu_type": t}
+                for p, c, g, t in sc.pools
+            ],
+        },
+        "policy": dict(sc.policy),
+        "budget": {"owner": sc.budget[0][2]},
+    }
+    for path, weight, owner in sc.budget[1:]:
+        table = doc["budget"]
+        for seg in path.split("/"):
+            table = table.setdefault(seg, {})
+        table["weight"], table["owner"] = weight, owner
+    return doc
+
+
+def fresh_database(out: Path) -> duckdb.DuckDBPyConnection:
+    """A new DuckDB file at ``out`` (an existing one, and its WAL, is replaced)."""
+    for p in (out, Path(str(out) + ".wal")):
+        if p.exists():
+            p.unlink()
+    try:
+        return duckdb.connect(str(out))
+    except duckdb.Error as exc:
+        raise InputFileError(str(out), None, f"cannot create the database: {exc}") from None
+
+
+def open_log_writer(path: Path, header: Header) -> LogWriter:
+    try:
+        return LogWriter(path, header)
+    except OSError as exc:
+        raise InputFileError(str(path), None, f"cannot write the log: {exc.strerror}") from None
+
+
+def run_policy(
+    inp: SimInputs,
+    policy: str,
+    out: Path | None = None,
+    log: Path | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[SimResult, dict[str, Any]]:
+    """Simulate ``inp`` under ``policy``; the projection goes to ``out`` (in memory
+    without), the event log to ``log``; KPIs leave out the warm-up days."""
+    con = fresh_database(out) if out is not None else None
+    writer = open_log_writer(log, Header(policy=policy, source="simulate")) if log else None
+    result = simulate(
+        inp.cluster_events,
+        inp.trace,
+        inp.health,
+        policy=policy,
+        days=inp.horizon_days(),
+        con=con,
+        progress=progress,
+        sink=writer,
+    )
+    if writer is not None:
+        writer.close(result.state.digest())
+    assert result.con is not None
+    start = result.start_ms + inp.warmup_days * DAY_MS
+    return result, compute_kpis(result.con, start, result.end_ms, result.wall_s)
+
+
+def rejection_messages(inp: SimInputs, result: SimResult) -> list[str]:
+    """One line per input the scheduler refused, naming the trace or health row it came from."""
+    lines = {r.id: r.line for r in inp.trace}
+    out = []
+    for ref, reason in result.rejected:
+        origin = input_origin(ref)
+        if origin is None:
+            continue
+        kind, key = origin
+        if kind == "trace":
+            line = lines.get(key)
+            out.append(
+                f"{inp.trace_file}:{line}: {reason}"
+                if line
+                else f"{inp.trace_file}: workload {key}: {reason}"
+            )
+        elif kind == "health":
+            out.append(f"{inp.health_file}:{key}: {reason}")
+        else:
+            out.append(f"{key}: {reason}")
+    return out
+
+
+@dataclass
+class Rebuilt:
+    inputs: int = 0
+    batches: int = 0
+    decisions: int = 0
+    state: State = field(default_factory=State)
+    table_sizes: dict[str, int] = field(default_factory=dict)
+
+
+PROJECTION_TABLES = ("events", "workloads", "runs", "waits", "nodes", "health", "budget")
+
+
+def rebuild(
+    source: CanonicalLog,
+    out: Path | None = None,
+    log_out: Path | None = None,
+    until: int | None = None,
+) -> Rebuilt:
+    """Fold ``source`` again (up to input ``until`` and its batch), writing the
+    projection tables to ``out`` and/or the history to the log file ``log_out``."""
+    con = fresh_database(out) if out is not None else None
+    proj = None
+    if con is not None:
+        proj = Projection(con)
+        proj.set_meta("policy", source.header.policy)
+    writer = None
+    if log_out is not None:
+        header = Header(
+            policy=source.header.policy,
+            source=source.header.source or "replay",
+            cluster=source.header.cluster,
+        )
+        writer = open_log_writer(log_out, header)
+    done = Rebuilt()
+    state = done.state
+    items = iter(source)
+    try:
+        for item in items:
+            if isinstance(item, BatchItem):
+                done.batches += 1
+                done.decisions += len(item.batch.decisions)
+            elif until is not None and item.seq > until:
+                break
+            else:
+                done.inputs += 1
+            rejected = fold_item(state, item)
+            if proj is not None:
+                proj(item, state, rejected)
+            if writer is not None:
+                writer.add(item)
+    finally:
+        items.close()
+    if proj is not None and con is not None:
+        proj.commit(state)
+        for t in PROJECTION_TABLES:
+            row = con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()
+            done.table_sizes[t] = row[0] if row else 0
+        con.close()
+    if writer is not None:
+        writer.close(state.digest())
+    return done

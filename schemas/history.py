@@ -1,0 +1,62 @@
+"""The canonical history, one item at a time: the one type every reader and writer shares.
+
+The history of a cluster is input 1, the decision batch based on input 1,
+input 2, the batch based on 2, ... (a batch may be missing after an input when
+the scheduler folded several inputs before deciding). Every source of history
+yields these items in that order, and every consumer folds them with
+:func:`apportion.core.history.fold_item`:
+
+- the live streams (``INPUTS`` and ``DECISIONS`` on JetStream, merged by the
+  services' canonical reader),
+- a JSON-lines event log file, a DuckDB projection (``apportion replay|audit|whatif``),
+- the simulator, which makes them as it goes.
+
+:class:`InputItem` is input number ``seq`` of ``INPUTS``. Bytes that did not
+decode have no ``event``; ``rejection`` then says why (``"malformed input:
+..."``), and the fold records it as a rejected input like any other bad input.
+:class:`BatchItem` is decision batch number ``seq`` of ``DECISIONS``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .events import DecisionBatch, Input
+
+
+class InputItem(msgspec.Struct, frozen=True, kw_only=True):
+    """Input number ``seq`` of the history, stored at ``at_ms``.
+
+    ``ref`` names it in an ``InputRejected`` (the event id, else the message id
+    or ``seq:<n>``). ``event`` is ``None`` for bytes that did not decode; then
+    ``rejection`` holds the reason the fold records."""
+
+    seq: int
+    at_ms: int
+    ref: str
+    event: Input | None = None
+    rejection: str | None = None
+
+    @property
+    def malformed(self) -> bool:
+        return self.event is None
+
+
+class BatchItem(msgspec.Struct, frozen=True, kw_only=True):
+    """Decision batch number ``seq`` of the history (its basis is the input it follows)."""
+
+    seq: int
+    batch: DecisionBatch
+
+
+HistoryItem = InputItem | BatchItem
+
+
+def input_item(seq: int, event: Input) -> InputItem:
+    """Input ``seq`` carrying a decoded event (stored at the event's own ``at_ms``)."""
+    return InputItem(seq=seq, at_ms=event.at_ms, ref=event.id, event=event)
+
+
+def malformed_item(seq: int, at_ms: int, ref: str, error: str) -> InputItem:
+    """Input ``seq`` whose bytes did not decode because of ``error``."""
+    return InputItem(seq=seq, at_ms=at_ms, ref=ref, rejection=f"malformed input: {error}")

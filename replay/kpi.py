@@ -1,11 +1,11 @@
-"""The KPIs of DESIGN "Metrics" as SQL over the projection tables.
+"""The KPIs (docs/formats.md, "KPI keys") as SQL over the projection tables.
 
 Every figure is one query over ``runs``, ``waits``, ``workloads``, ``nodes``,
 ``health`` and ``budget`` for the horizon ``[start, end)`` of a run (a run or a
 wait still open at ``end`` is cut at ``end``); :data:`KPI_SQL` holds the text so
 an analyst can rerun it (``$start``/``$end`` are the horizon in ms).
 
-Definitions (DESIGN "Metrics"; choices where it is silent are marked *):
+Definitions (choices of our own are marked *):
 
 - **team**: the budget node one level above the leaves; a leaf directly under
   the root is its own team (SQL: the owner path without its last segment).
@@ -22,7 +22,7 @@ Definitions (DESIGN "Metrics"; choices where it is silent are marked *):
 - **unallocated_fraction** = GPU-hours of unallocated runs / all GPU-hours run.
 - **waits**: each queue episode that ended in a placement before ``end``
   (submit or requeue -> placement); p50/p90 over all, over debug workloads
-  (``gpus <= 8 and min_runtime <= 15 min``, as DESIGN defines it, so small
+  (``gpus <= 8 and min_runtime <= 15 min``, as docs/semantics.md defines it, so small
   zero-min-runtime work counts), and over large ones (``gpus >= 64``).
   *Episodes still waiting at ``end`` are not in the percentiles; they are
   counted in ``open_waits`` (and ``open_large_waits``).
@@ -31,7 +31,7 @@ Definitions (DESIGN "Metrics"; choices where it is silent are marked *):
 - **drain_time_p90_s**: from a node's ``draining`` row to its ``drained`` row
   (the ``NodeDrained`` decision), p90 over the drains that completed.
 
-Extra keys beyond DESIGN's: ``debug_allocated_wait_p90_s`` (debug with
+Extra keys beyond the core set: ``debug_allocated_wait_p90_s`` (debug with
 ``min_runtime > 0``), ``open_waits``, ``open_large_waits``, ``demand_ratio``
 (mean allocated demand in GPUs, pending or running, / healthy GPUs),
 ``rejected``.
@@ -39,7 +39,7 @@ Extra keys beyond DESIGN's: ``debug_allocated_wait_p90_s`` (debug with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 
@@ -116,14 +116,15 @@ ran AS (
     GROUP BY team, h),
 owed AS (
     SELECT t.team, hours.h,
-           LEAST(b.global_share * COALESCE(a.gpu_ms, 0), COALESCE(d.gpu_ms, 0)) AS owed_ms,
+           b.global_share * COALESCE(a.gpu_ms, 0) AS share_ms,
+           COALESCE(d.gpu_ms, 0) AS demand_ms,
            COALESCE(r.gpu_ms, 0) AS ran_ms
     FROM kpi_teams t CROSS JOIN hours
     JOIN budget b ON b.path = t.team
     LEFT JOIN avail a ON a.h = hours.h
     LEFT JOIN dem d ON d.team = t.team AND d.h = hours.h
     LEFT JOIN ran r ON r.team = t.team AND r.h = hours.h)
-SELECT team, SUM(LEAST(ran_ms, owed_ms)) AS delivered, SUM(owed_ms) AS owed FROM owed GROUP BY team ORDER BY team
+SELECT team, h, share_ms, demand_ms, ran_ms FROM owed ORDER BY team, h
 """,
     "unallocated_fraction": """
 SELECT SUM(CASE WHEN NOT allocated THEN (end_ms - start_ms) * gpus ELSE 0 END) / NULLIF(SUM((end_ms - start_ms) * gpus), 0)
@@ -137,6 +138,13 @@ SELECT quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.5),
        quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.9) FILTER (WHERE x.gpus <= 8 AND x.min_runtime_ms <= 900000 AND x.min_runtime_ms > 0)
 FROM waits w JOIN workloads x USING (workload)
 WHERE w.placed_ms IS NOT NULL AND w.placed_ms >= $start AND w.placed_ms < $end
+""",
+    "large_waits_censored": """
+SELECT quantile_cont((LEAST(COALESCE(w.placed_ms, $end), $end) - w.queued_ms) / 1000.0, 0.9)
+FROM waits w JOIN workloads x USING (workload)
+WHERE x.gpus >= 64 AND w.queued_ms < $end
+  AND (w.placed_ms IS NULL OR w.placed_ms >= $start)
+  AND NOT (w.placed_ms IS NULL AND x.status = 'cancelled' AND x.ended_ms < $end)
 """,
     "open_waits": """
 SELECT COUNT(*), COUNT(*) FILTER (WHERE x.gpus >= 64)
@@ -163,10 +171,99 @@ SELECT (SELECT SUM((LEAST(COALESCE(ended_ms, $end), $end) - GREATEST(submitted_m
 }
 
 
+class TeamHour(NamedTuple):
+    """One team in one hour of the horizon: GPU-ms of its global share of the
+    healthy GPUs, of its allocated demand (pending or running), of its allocated runs."""
+
+    team: str
+    hour: int
+    share_ms: float
+    demand_ms: float
+    ran_ms: float
+
+    @property
+    def owed_ms(self) -> float:
+        return min(self.share_ms, self.demand_ms)
+
+
+WINDOW_7D_H = 7 * 24
+WINDOW_5D_H = 5 * 24
+STARVED_BELOW = 0.95
+
+
+def _ratio(delivered: float, owed: float) -> float | None:
+    return _r(delivered / owed) if owed > 0 else None
+
+
+def delivery_kpis(hourly: list[TeamHour], hours: int) -> dict[str, Any]:
+    """The delivery KPIs from per-team, per-hour figures (see the module docstring)."""
+    by_team: dict[str, list[TeamHour]] = {}
+    for row in hourly:
+        by_team.setdefault(row.team, []).append(row)
+    out: dict[str, Any] = {}
+    # hourly (strict): a burst in one hour does not repay a shortfall in another
+    team_delivered = {t: sum(min(r.ran_ms, r.owed_ms) for r in rows) for t, rows in by_team.items()}
+    team_owed = {t: sum(r.owed_ms for r in rows) for t, rows in by_team.items()}
+    out["delivery_ratio"] = _ratio(sum(team_delivered.values()), sum(team_owed.values()))
+    out["team_delivery"] = {t: _ratio(team_delivered[t], team_owed[t]) for t in sorted(by_team)}
+    # 7-day windows, one starting at each day (one window when the horizon is shorter)
+    span = min(WINDOW_7D_H, hours)
+    starts = range(0, max(1, hours - span + 1), 24)
+    w_delivered: dict[str, float] = {}
+    w_owed: dict[str, float] = {}
+    starved: dict[str, None] = {}
+    for t in sorted(by_team):
+        rows = by_team[t]
+        for s0 in starts:
+            window = rows[s0 : s0 + span]
+            owed = sum(r.owed_ms for r in window)
+            ran = sum(r.ran_ms for r in window)
+            share = sum(r.share_ms for r in window)
+            demand = sum(r.demand_ms for r in window)
+            w_owed[t] = w_owed.get(t, 0.0) + owed
+            w_delivered[t] = w_delivered.get(t, 0.0) + min(ran, owed)
+            if owed > 0 and demand <= share and ran < STARVED_BELOW * owed:
+                starved[t] = None
+    out["delivery_ratio_7d"] = _ratio(sum(w_delivered.values()), sum(w_owed.values()))
+    out["team_delivery_7d"] = {t: _ratio(w_delivered[t], w_owed[t]) for t in sorted(by_team)}
+    out["starved_teams"] = list(starved)
+    # drift: delivery and the worst team in each 5-day window (hourly, as above)
+    windows = []
+    for s0 in range(0, hours, WINDOW_5D_H):
+        per_team = {}
+        for t in sorted(by_team):
+            part = [r for r in by_team[t] if s0 <= r.hour < s0 + WINDOW_5D_H]
+            per_team[t] = (
+                sum(min(r.ran_ms, r.owed_ms) for r in part),
+                sum(r.owed_ms for r in part),
+            )
+        ratios = {t: d / o for t, (d, o) in per_team.items() if o > 0}
+        worst = min(ratios, key=lambda t: (ratios[t], t)) if ratios else None
+        windows.append(
+            {
+                "start_day": s0 // 24,
+                "delivery_ratio": _ratio(
+                    sum(d for d, _ in per_team.values()), sum(o for _, o in per_team.values())
+                ),
+                "worst_team": worst,
+                "worst_team_ratio": _r(ratios[worst]) if worst is not None else None,
+            }
+        )
+    out["windows_5d"] = windows
+    return out
+
+
 def _q(con: duckdb.DuckDBPyConnection, sql: str, start: int, end: int) -> list[tuple]:
     return con.execute(
         sql.replace("$start", str(int(start))).replace("$end", str(int(end)))
     ).fetchall()
+
+
+def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
+    """The one value of a ``SELECT COUNT(*) ...`` (an aggregate always returns one row)."""
+    row = con.execute(sql).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def _r(x: Any, nd: int = 4) -> Any:
@@ -176,28 +273,28 @@ def _r(x: Any, nd: int = 4) -> Any:
 def compute_kpis(
     con: duckdb.DuckDBPyConnection, start_ms: int, end_ms: int, wall_s: float = 0.0
 ) -> dict[str, Any]:
-    """All KPIs for the horizon ``[start_ms, end_ms)``, keyed as DESIGN's KPI JSON."""
+    """All KPIs for the horizon ``[start_ms, end_ms)``, keyed as the KPI JSON of docs/formats.md."""
     con.execute(_VIEWS.replace("$start", str(int(start_ms))).replace("$end", str(int(end_ms))))
     occ = _q(con, KPI_SQL["occupancy"], start_ms, end_ms)[0][0]
-    teams = _q(con, KPI_SQL["delivery"], start_ms, end_ms)
-    delivered = sum(float(d or 0) for _, d, _ in teams)
-    owed = sum(float(o or 0) for _, _, o in teams)
-    team_delivery = {t: (_r(float(d) / float(o)) if o else None) for t, d, o in teams}
+    hourly = [
+        TeamHour(team, int(h), float(share), float(demand), float(ran))
+        for team, h, share, demand, ran in _q(con, KPI_SQL["delivery"], start_ms, end_ms)
+    ]
+    delivery = delivery_kpis(hourly, round((end_ms - start_ms) / HOUR_MS))
     unalloc = _q(con, KPI_SQL["unallocated_fraction"], start_ms, end_ms)[0][0]
     p50, p90, dbg, large, dbg_alloc = _q(con, KPI_SQL["waits"], start_ms, end_ms)[0]
+    large_censored = _q(con, KPI_SQL["large_waits_censored"], start_ms, end_ms)[0][0]
     open_all, open_large = _q(con, KPI_SQL["open_waits"], start_ms, end_ms)[0]
     pre = _q(con, KPI_SQL["preemptions"], start_ms, end_ms)[0][0]
     drain = _q(con, KPI_SQL["drain"], start_ms, end_ms)[0][0]
     demand = _q(con, KPI_SQL["demand_ratio"], start_ms, end_ms)[0][0]
-    n_workloads = con.execute("SELECT COUNT(*) FROM workloads").fetchone()[0]
-    n_rejected = con.execute("SELECT COUNT(*) FROM workloads WHERE status = 'rejected'").fetchone()[
-        0
-    ]
-    n_events = con.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+    n_workloads = _count(con, "SELECT COUNT(*) FROM workloads")
+    n_rejected = _count(con, "SELECT COUNT(*) FROM workloads WHERE status = 'rejected'")
+    n_events = _count(con, "SELECT COUNT(*) FROM events")
     return {
         "occupancy": _r(occ),
-        "delivery_ratio": _r(delivered / owed) if owed else None,
-        "team_delivery": team_delivery,
+        "delivery_ratio": delivery["delivery_ratio"],
+        "team_delivery": delivery["team_delivery"],
         "unallocated_fraction": _r(unalloc),
         "wait_p50_s": _r(p50, 1),
         "wait_p90_s": _r(p90, 1),
@@ -214,4 +311,9 @@ def compute_kpis(
         "open_large_waits": open_large,
         "demand_ratio": _r(demand, 3),
         "rejected": n_rejected,
+        "delivery_ratio_7d": delivery["delivery_ratio_7d"],
+        "team_delivery_7d": delivery["team_delivery_7d"],
+        "starved_teams": delivery["starved_teams"],
+        "windows_5d": delivery["windows_5d"],
+        "large_wait_p90_censored_s": _r(large_censored, 1),
     }

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow bench lint typecheck venv clean
+.PHONY: run test test-slow bench outcomes lint typecheck venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,9 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q
+
+outcomes: $(STAMP)
+	$(PY) -m apportion outcomes $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py $(ARGS)

@@ -496,3 +496,73 @@ def whatif_cmd(
         f"{(res.end_ms - res.start_ms) / 86_400_000:.2f} days) vs {', '.join(desc)}"
     )
     click.echo(kpi_table({"what-if": res.whatif, "original": res.original}))
+
+
+@main.command("diagnose")
+@_source_options
+@click.option(
+    "--team", default=None, help="only this team (a budget path one level above the leaves)"
+)
+@click.option(
+    "--from", "from_day", type=float, default=None, help="from this day of the run (0 = its start)"
+)
+@click.option(
+    "--to", "to_day", type=float, default=None, help="up to this day of the run (exclusive)"
+)
+@click.option("--json", "as_json", is_flag=True, help="the rows as JSON (with the hourly figures)")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="write a PNG chart of the shortfall by cause per day (needs matplotlib)",
+)
+def diagnose_cmd(log, nats_url, cluster_name, team, from_day, to_day, as_json, plot) -> None:
+    """Why teams did not get their owed GPU time: the shortfall by cause, and who held it."""
+    from apportion.replay.diagnose import controlled_share, diagnose, table
+
+    source = _open_source(log, nats_url, cluster_name)
+    with _user_errors():
+        diag = diagnose(source)
+    day = 86_400_000
+    start = None if from_day is None else diag.start_ms + int(from_day * day)
+    end = None if to_day is None else diag.start_ms + int(to_day * day)
+    rows = diag.rows(team, start, end)
+    if team is not None and not rows:
+        raise UserError(f"no team {team!r} in {source.name} (teams: {', '.join(diag.teams())})")
+    if plot is not None:
+        from apportion.replay.plots import write_diagnosis_plot
+
+        try:
+            write_diagnosis_plot(diag, plot, team)
+        except OSError as exc:
+            raise UserError(f"{plot}: cannot write the chart: {exc.strerror}") from None
+        click.echo(f"wrote {plot}", err=True)
+    share = controlled_share(rows)
+    if as_json:
+        click.echo(json.dumps({"teams": rows, "scheduler_controlled_share": share}))
+        return
+    click.echo(f"apportion diagnose: {source.name}")
+    click.echo(table(rows))
+    if share is not None:
+        click.echo(f"lost to causes the scheduler controls: {100 * share:.2f}% of owed GPU-hours")
+
+
+@main.command("outcomes")
+@click.option("--quick", is_flag=True, help="two 2-day cells (a smoke run)")
+@click.option("--workers", type=click.IntRange(1, 64), default=None, help="processes [cores]")
+@click.option("--json", "as_json", is_flag=True, help="every cell's KPIs and causes as JSON")
+def outcomes_cmd(quick, workers, as_json) -> None:
+    """The family scenario over a grid of loads and seeds, budget vs baseline, one row a cell."""
+    import time
+
+    from apportion.replay.outcomes import DEFAULT_GRID, QUICK_GRID, run_grid, table
+
+    t0 = time.perf_counter()
+    results = run_grid(QUICK_GRID if quick else DEFAULT_GRID, workers)
+    if as_json:
+        click.echo(json.dumps(results))
+        return
+    click.echo(table(results))
+    click.echo(
+        f"{len(results)} cells, {time.perf_counter() - t0:.0f} s wall; * large-job waits with "
+        "jobs still waiting at the end counted as waiting until the end"
+    )

@@ -224,3 +224,28 @@ def write_plots(sims: dict[str, Any], out_dir: str | Path) -> list[Path]:
     wait_distribution(sims, p)
     paths.append(p)
     return paths
+
+
+def write_diagnosis_plot(diag: Any, path: str | Path, team: str | None = None) -> Path:
+    """Stacked bars: each day's owed-but-undelivered GPU-hours by cause."""
+    from .diagnose import CAUSES
+
+    plt = _plt()
+    daily = diag.daily(team)
+    days = sorted(daily)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    bottom = [0.0] * len(days)
+    for cause in CAUSES:
+        values = [daily[d][cause] for d in days]
+        if any(values):
+            ax.bar(days, values, bottom=bottom, label=cause)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xlabel("day of the run")
+    ax.set_ylabel("owed GPU-hours not delivered")
+    ax.set_title(f"shortfall by cause{f' ({team})' if team else ''}")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

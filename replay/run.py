@@ -36,10 +36,10 @@ from .trace import HealthRow, TraceRow, read_health, read_trace
 DEFAULT_SCENARIO = "ai2"
 DEFAULT_DAYS = 30
 DEFAULT_DAYS_OF = {"family": 10, "debug": 3}
-WARMUP_DAYS = {"ai2": 2}
-"""The ai2 scenario starts from an empty cluster and a backlog; its first two
-days are simulated and left out of the KPIs, as simulation studies do with a
-warm-up period (``simulated_days`` counts the measured days)."""
+WARMUP_DAYS = {"ai2": 2, "family": 2}
+"""The ai2 and family scenarios start from an empty cluster and a backlog; their
+first two days are simulated and left out of the KPIs, as simulation studies do
+with a warm-up period (``simulated_days`` counts the measured days)."""
 
 
 @dataclass

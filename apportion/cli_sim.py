@@ -550,14 +550,19 @@ def diagnose_cmd(log, nats_url, cluster_name, team, from_day, to_day, as_json, p
 @click.option("--quick", is_flag=True, help="two 2-day cells (a smoke run)")
 @click.option("--workers", type=click.IntRange(1, 64), default=None, help="processes [cores]")
 @click.option("--json", "as_json", is_flag=True, help="every cell's KPIs and causes as JSON")
-def outcomes_cmd(quick, workers, as_json) -> None:
+@_knob_option
+def outcomes_cmd(quick, workers, as_json, knobs) -> None:
     """The family scenario over a grid of loads and seeds, budget vs baseline, one row a cell."""
     import time
 
     from apportion.replay.outcomes import DEFAULT_GRID, QUICK_GRID, run_grid, table
 
     t0 = time.perf_counter()
-    results = run_grid(QUICK_GRID if quick else DEFAULT_GRID, workers)
+    with _user_errors():
+        from apportion.replay.family import parse_knobs
+
+        parse_knobs(list(knobs))  # one clear line for a bad knob, before any cell runs
+    results = run_grid(QUICK_GRID if quick else DEFAULT_GRID, workers, tuple(knobs))
     if as_json:
         click.echo(json.dumps(results))
         return

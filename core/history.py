@@ -42,7 +42,7 @@ class Observer(Protocol):
     """Sees each item right after it was folded: ``state`` includes it, and
     ``rejected`` is the reason an input changed nothing (else ``None``)."""
 
-    def __call__(self, item: HistoryItem, state: State, rejected: str | None) -> None: ...
+    def __call__(self, item: HistoryItem, state: State, rejected: str | None, /) -> None: ...
 
 
 def fold_item(state: State, item: HistoryItem) -> str | None:

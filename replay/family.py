@@ -38,6 +38,7 @@ knob                default   meaning
                               2-20 min, 5-15 min contracts)
 ``drain_rate``      0.015     hosts that degrade per host-day; one in ten goes
                               ``down`` (2-6 h), the rest drain (6-16 h repair)
+``margin``          0.05      the cluster's preemption margin (policy)
 ==================  ========  ====================================================
 
 Legacy columns for the baseline priority policy follow the ``ai2`` scenario:
@@ -82,6 +83,7 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     free: float = 0.4
     debug: float = 2.0
     drain_rate: float = 0.015
+    margin: float = 0.05
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first knob out of its range."""
@@ -94,6 +96,8 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("scarce_fraction", "long_contracts", "bursty", "typed", "squatters"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be between 0 and 1")
+        if not 0 <= self.margin < 1:
+            raise ValueError("margin must be in [0, 1)")
         for name in ("load", "arrival", "gang_factor", "free", "debug", "drain_rate"):
             if not 0 <= getattr(self, name) <= 100:
                 raise ValueError(f"{name} must be between 0 and 100")
@@ -342,4 +346,5 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
         health=health,
         days=days,
         seed=seed,
+        policy={"lookback": "7d", "max_min_runtime": "8h", "preemption_margin": k.margin},
     )

@@ -18,6 +18,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from apportion.core.history import Observer
+from apportion.core.state import State
 from apportion.schemas.events import DAY_MS
 from apportion.schemas.history import HistoryItem
 
@@ -40,14 +42,26 @@ DEFAULT_GRID = tuple(Cell(load, seed, 10) for load in (1.5, 2.5, 4.0) for seed i
 QUICK_GRID = (Cell(1.5, 1, 2), Cell(4.0, 1, 2))
 
 
-def run_cell(cell: Cell) -> dict[str, Any]:
-    """Both policies on one cell: KPIs, and the budget run's diagnosis."""
+def _collector(items: list[HistoryItem]) -> Observer:
+    """An observer that keeps every history item (for ``diagnose`` afterwards)."""
+
+    def keep(item: HistoryItem, _state: State, _rejected: str | None) -> None:
+        items.append(item)
+
+    return keep
+
+
+def run_cell(cell: Cell, knobs: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Both policies on one cell: KPIs, and the budget run's diagnosis. ``knobs``
+    (``KEY=VALUE``) apply to every cell on top of its load."""
     t0 = time.process_time()
-    inp = load_inputs(None, None, None, cell.seed, cell.days, "family", [f"load={cell.load}"])
+    inp = load_inputs(
+        None, None, None, cell.seed, cell.days, "family", [f"load={cell.load}", *knobs]
+    )
     out: dict[str, Any] = {"load": cell.load, "seed": cell.seed, "days": cell.days}
     for policy in ("budget", "priority"):
         items: list[HistoryItem] = []
-        sink = (lambda item, _s, _r: items.append(item)) if policy == "budget" else None
+        sink = _collector(items) if policy == "budget" else None
         sim = simulate(
             inp.cluster_events, inp.trace, inp.health, policy=policy, days=inp.days, sink=sink
         )
@@ -69,16 +83,18 @@ def run_cell(cell: Cell) -> dict[str, Any]:
 
 
 def run_grid(
-    cells: tuple[Cell, ...] = DEFAULT_GRID, workers: int | None = None
+    cells: tuple[Cell, ...] = DEFAULT_GRID,
+    workers: int | None = None,
+    knobs: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """Every cell, in parallel processes; results in the grid's order."""
     workers = workers or max(1, min(len(cells), os.cpu_count() or 1))
     if workers == 1:
-        return [run_cell(c) for c in cells]
+        return [run_cell(c, knobs) for c in cells]
     # the longest cells first, so the pool does not end on one long cell
     order = sorted(range(len(cells)), key=lambda i: -cells[i].days * cells[i].load)
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = {i: pool.submit(run_cell, cells[i]) for i in order}
+        futures = {i: pool.submit(run_cell, cells[i], knobs) for i in order}
         return [futures[i].result() for i in range(len(cells))]
 
 

@@ -120,3 +120,32 @@ def test_outcomes_quick_grid_has_both_policies_and_sane_figures():
         assert 0 <= r["controlled_loss"] <= 1 - r["budget"]["delivery_ratio"] + 1e-3
     text = table(results).splitlines()
     assert text[0].split()[:3] == ["load", "seed", "days"] and len(text) == 2 + len(results)
+
+
+def test_diagnose_cli_table_json_and_errors(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from apportion.cli import main
+
+    log = tmp_path / "run.jsonl"
+    cli = CliRunner()
+    r = cli.invoke(
+        main, ["simulate", "--scenario", "family", "--days", "1", "-q", "--log", str(log)]
+    )
+    assert r.exit_code == 0, r.output
+    r = cli.invoke(main, ["diagnose", str(log)])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[1].split()[:3] == ["team", "owed", "GPU-h"] and "contracts" in lines[1]
+    assert any(line.startswith("all ") for line in lines)
+    r = cli.invoke(main, ["diagnose", str(log), "--json", "--from", "1"])
+    doc = json.loads(r.stdout)
+    assert {row["team"] for row in doc["teams"]} <= {f"p{i % 3}/t{i}" for i in range(8)}
+    for row in doc["teams"]:
+        assert sum(row["causes"].values()) == pytest.approx(row["shortfall_gpu_h"], abs=0.5)
+    r = cli.invoke(main, ["diagnose", str(log), "--team", "nope"])
+    assert r.exit_code == 2 and "no team 'nope'" in r.stderr
+    r = cli.invoke(main, ["diagnose", str(tmp_path / "missing.jsonl")])
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1

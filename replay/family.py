@@ -20,7 +20,7 @@ knob                default   meaning
 ``load``            2.5       allocated demand outstanding at the start (pending and
                               running GPUs) as a multiple of the cluster; afterwards
                               allocated work arrives at ``arrival`` x the cluster
-``arrival``         0.9       allocated GPU-time submitted per hour, as a fraction of
+``arrival``         0.85      allocated GPU-time submitted per hour, as a fraction of
                               the cluster's GPU-hours (teams in proportion to shares)
 ``gang_factor``     2.0       largest training gang as a multiple of the team's share
                               of GPUs (gangs are 64, 128 or 256 GPUs; 32 if none fits)
@@ -74,7 +74,7 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     teams: int = 8
     users: int = 3
     load: float = 2.5
-    arrival: float = 0.9
+    arrival: float = 0.85
     gang_factor: float = 2.0
     long_contracts: float = 0.5
     bursty: float = 0.5

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from apportion.schemas.events import DAY_MS, HOUR_MS, MINUTE_MS, LegacyPriority
 
-from .trace import HealthRow, TraceRow
+from .trace import HealthRow, NumberedRows
 
 if TYPE_CHECKING:
     from .scenarios import Scenario
@@ -175,8 +175,7 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
         else:
             activity[t] = [1.0] * weeks
 
-    rows: list[TraceRow] = []
-    counter = [0]
+    made = NumberedRows()
 
     def add(
         kind: str,
@@ -191,20 +190,17 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
         lp: LegacyPriority = "normal",
         lpre: bool = False,
     ) -> int:
-        counter[0] += 1
-        rows.append(
-            TraceRow(
-                id=f"{kind}-{counter[0]:06d}",
-                submit_ms=submit,
-                owner=owner,
-                gpus=gpus,
-                duration_ms=duration,
-                min_runtime_ms=min_rt,
-                resumable=resumable,
-                gpu_type=gpu_type,
-                legacy_priority=lp,
-                legacy_preemptible=lpre,
-            )
+        made.add(
+            kind,
+            owner,
+            submit,
+            gpus,
+            duration,
+            min_rt,
+            resumable=resumable,
+            gpu_type=gpu_type,
+            legacy_priority=lp,
+            legacy_preemptible=lpre,
         )
         return gpus
 
@@ -319,7 +315,7 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
                     resumable=False,
                     lp="high",
                 )
-    rows = [r for r in rows if r.submit_ms < horizon]
+    rows = [r for r in made.rows if r.submit_ms < horizon]
     rows.sort(key=lambda r: (r.submit_ms, r.id))
 
     # 5. hosts that degrade

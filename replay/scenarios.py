@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, TypeVar
 import msgspec
 from apportion.schemas.events import DAY_MS, HOUR_MS, MINUTE_MS, LegacyPriority
 
-from .trace import HealthRow, TraceRow
+from .trace import HealthRow, NumberedRows, TraceRow
 
 if TYPE_CHECKING:
     from .family import Knobs
@@ -158,8 +158,7 @@ def ai2(
     for t in teams:
         activity[t] = [ACTIVITY[_pick(rng, list(ACTIVITY), [0.3, 0.4, 0.3])] for _ in range(weeks)]
 
-    rows: list[TraceRow] = []
-    counter = [0]
+    made = NumberedRows()
 
     def add(
         team: str,
@@ -173,20 +172,17 @@ def ai2(
         kind: str,
         user: str | None = None,
     ) -> int:
-        counter[0] += 1
         owner = user or rng.choice(team_users[team])
-        rows.append(
-            TraceRow(
-                id=f"{kind}-{counter[0]:06d}",
-                submit_ms=submit,
-                owner=owner,
-                gpus=gpus,
-                duration_ms=duration,
-                min_runtime_ms=min_rt,
-                resumable=resumable,
-                legacy_priority=lp,
-                legacy_preemptible=lpre,
-            )
+        made.add(
+            kind,
+            owner,
+            submit,
+            gpus,
+            duration,
+            min_rt,
+            resumable=resumable,
+            legacy_priority=lp,
+            legacy_preemptible=lpre,
         )
         return gpus * duration
 
@@ -264,7 +260,7 @@ def ai2(
             n_debug = max(1, int(round(len(team_users[team]) * 3 * act * rng.uniform(0.7, 1.3))))
             for _ in range(n_debug):
                 debug_job(team, _working_hours_time(rng, day))
-    rows = [r for r in rows if r.submit_ms < days * DAY_MS]
+    rows = [r for r in made.rows if r.submit_ms < days * DAY_MS]
     rows.sort(key=lambda r: (r.submit_ms, r.id))
 
     health: list[HealthRow] = []

@@ -52,6 +52,42 @@ class TraceRow(msgspec.Struct, kw_only=True):
     """Line in the file it came from (0 when generated in memory)."""
 
 
+class NumberedRows:
+    """Generated trace rows with ids ``<kind>-<n>`` numbered in the order they are made."""
+
+    def __init__(self) -> None:
+        self.rows: list[TraceRow] = []
+
+    def add(
+        self,
+        kind: str,
+        owner: str,
+        submit_ms: int,
+        gpus: int,
+        duration_ms: int,
+        min_runtime_ms: int,
+        *,
+        resumable: bool = True,
+        gpu_type: str = "any",
+        legacy_priority: LegacyPriority = "normal",
+        legacy_preemptible: bool = False,
+    ) -> TraceRow:
+        row = TraceRow(
+            id=f"{kind}-{len(self.rows) + 1:06d}",
+            submit_ms=submit_ms,
+            owner=owner,
+            gpus=gpus,
+            duration_ms=duration_ms,
+            min_runtime_ms=min_runtime_ms,
+            resumable=resumable,
+            gpu_type=gpu_type,
+            legacy_priority=legacy_priority,
+            legacy_preemptible=legacy_preemptible,
+        )
+        self.rows.append(row)
+        return row
+
+
 class HealthRow(msgspec.Struct, kw_only=True):
     at_ms: int
     node: str

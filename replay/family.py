@@ -38,7 +38,7 @@ knob                default   meaning
                               2-20 min, 5-15 min contracts)
 ``drain_rate``      0.015     hosts that degrade per host-day; one in ten goes
                               ``down`` (2-6 h), the rest drain (6-16 h repair)
-``margin``          0.05      the cluster's preemption margin (policy)
+``margin``          0         the cluster's preemption margin (policy)
 ==================  ========  ====================================================
 
 Legacy columns for the baseline priority policy follow the ``ai2`` scenario:
@@ -83,7 +83,7 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     free: float = 0.4
     debug: float = 2.0
     drain_rate: float = 0.015
-    margin: float = 0.05
+    margin: float = 0.0
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first knob out of its range."""

@@ -71,7 +71,7 @@ class Scenario(msgspec.Struct, kw_only=True):
         default_factory=lambda: {
             "lookback": "7d",
             "max_min_runtime": "8h",
-            "preemption_margin": 0.05,
+            "preemption_margin": 0,
         }
     )
 

@@ -50,7 +50,7 @@ gpu_type = "a100"
 [policy]
 lookback = "7d"
 max_min_runtime = "8h"
-preemption_margin = 0.05
+preemption_margin = 0
 
 [budget]
 owner = "ops"

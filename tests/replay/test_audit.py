@@ -168,7 +168,7 @@ def test_an_altered_input_changes_the_digest_or_a_decision(tmp_path):
     result = audit(open_log(_write(tmp_path / "in.jsonl", lines)))
     assert not result.ok and result.divergence.what == "digest"
     r = cli("audit", str(tmp_path / "in.jsonl"))
-    assert r.exit_code == 1 and r.stdout.startswith("audit: final state differs after input 161")
+    assert r.exit_code == 1 and r.stdout.startswith("audit: final state differs after input 159")
 
 
 def test_a_nondeterministic_tie_break_fails_the_audit(monkeypatch):
@@ -211,7 +211,7 @@ def test_replay_of_a_golden_log_gives_the_tables_simulate_wrote(tmp_path):
     assert r.exit_code == 0, r.output
     r = cli("replay", str(golden("debug-budget-1d")), "--out", str(rep_db))
     assert r.exit_code == 0, r.output
-    assert r.stdout.splitlines()[0] == "replay: 161 inputs, 90 decision batches, 61 decisions"
+    assert r.stdout.splitlines()[0] == "replay: 159 inputs, 88 decision batches, 60 decisions"
     with (
         duckdb.connect(str(sim_db), read_only=True) as a,
         duckdb.connect(str(rep_db), read_only=True) as b,

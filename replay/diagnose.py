@@ -31,6 +31,8 @@ cause               the head workload ...                                      c
                     (protected): the price of the scheduling contract
 ``own_work``        is blocked by its own team's running work (a gang larger   price
                     than what the team's share leaves free)
+``nodes_down``      needs more nodes of its type than are healthy now (hosts    price
+                    down or draining)
 ``window``          is blocked by work of teams that are more under-served      price
                     over the lookback window (this team used more than its
                     share earlier: fair share is kept over the window, not
@@ -74,6 +76,7 @@ CAUSES = (
     "contracts",
     "own_work",
     "window",
+    "nodes_down",
     "other",
 )
 SCHEDULER_CAUSES = ("fragmentation", "reservation", "type_full", "unallocated", "margin", "other")
@@ -269,21 +272,24 @@ class _Moment:
             other_free = sum(v for p, v in free.pool_free.items() if p not in pools)
             if other_free >= w.gpus:
                 return {"type_full": 1.0}, {}
-        best: tuple[int, list[str]] | None = None
-        for pool in pools:
-            size = pool[1]
-            if w.gpus > size and w.gpus % size:
-                continue
-            options = sorted(
-                (self._node_level(w, team, name, min(w.gpus, size)), name)
-                for name in free.pool_nodes[pool]
-            )
-            need = 1 if w.gpus <= size else w.gpus // size
-            if len(options) < need:
-                continue
-            level = options[need - 1][0]
-            if best is None or level < best[0]:
-                best = (level, [n for _, n in options[:need]])
+        if not any(
+            len(free.pool_nodes[p]) >= (1 if w.gpus <= p[1] else w.gpus // p[1])
+            for p in pools
+            if w.gpus <= p[1] or w.gpus % p[1] == 0
+        ):
+            return {"nodes_down": 1.0}, {}  # too few healthy nodes of its type for the gang
+        held = self.reservation()
+        gated: frozenset[str] = frozenset()
+        if held is not None and not may_use_reserved(t, w.min_runtime_ms, held[0]):
+            gated = frozenset(held[1])
+        best = self._cheapest_level(w, team, pools, gated)
+        if gated:
+            ungated = self._cheapest_level(w, team, pools, frozenset())
+            if ungated is not None and (best is None or ungated[0] < best[0]):
+                if ungated[0] <= _PLACEABLE:
+                    # it could run now but for the nodes a reservation holds
+                    return {"reservation": 1.0}, {}
+                best = ungated  # blocked there too: name what blocks it there
         if best is None or best[0] >= _NEVER:
             return {"other": 1.0}, {}
         level, names = best
@@ -295,6 +301,30 @@ class _Moment:
                 if vteam != team:
                     holders[vteam] = holders.get(vteam, 0.0) + gpus
         return {_LEVEL_CAUSE[level]: 1.0}, holders
+
+    def _cheapest_level(
+        self, w: Workload, team: str, pools: list[tuple[str, int]], gated: frozenset[str]
+    ) -> tuple[int, list[str]] | None:
+        """The lowest level at which enough nodes (not in ``gated``) clear for ``w``,
+        and those nodes; ``None`` if no pool can hold it."""
+        best: tuple[int, list[str]] | None = None
+        free = self.free()
+        for pool in pools:
+            size = pool[1]
+            if w.gpus > size and w.gpus % size:
+                continue
+            options = sorted(
+                (self._node_level(w, team, name, min(w.gpus, size)), name)
+                for name in free.pool_nodes[pool]
+                if name not in gated
+            )
+            need = 1 if w.gpus <= size else w.gpus // size
+            if len(options) < need:
+                continue
+            level = options[need - 1][0]
+            if best is None or level < best[0]:
+                best = (level, [n for _, n in options[:need]])
+        return best
 
     def _node_level(self, w: Workload, team: str, name: str, want: int) -> int:
         """The lowest level at which ``want`` GPUs of node ``name`` come free for ``w``."""
@@ -324,6 +354,8 @@ class _Moment:
 
 
 _NEVER = 99
+_PLACEABLE = 2
+"""Levels up to this one (free GPUs, free work, work it outranks) the cycle could take now."""
 _LEVEL_CAUSE = {
     0: "other",
     1: "unallocated",

@@ -177,33 +177,6 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
 
     made = NumberedRows()
 
-    def add(
-        kind: str,
-        owner: str,
-        submit: int,
-        gpus: int,
-        duration: int,
-        min_rt: int,
-        *,
-        gpu_type: str = "any",
-        resumable: bool = True,
-        lp: LegacyPriority = "normal",
-        lpre: bool = False,
-    ) -> int:
-        made.add(
-            kind,
-            owner,
-            submit,
-            gpus,
-            duration,
-            min_rt,
-            resumable=resumable,
-            gpu_type=gpu_type,
-            legacy_priority=lp,
-            legacy_preemptible=lpre,
-        )
-        return gpus
-
     def contract() -> int:
         if rng.random() < k.long_contracts:
             return rng.randrange(8, 17) * 30 * MINUTE_MS  # 4 h .. 8 h
@@ -223,7 +196,7 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
         if typ == "a100" and gpus > scarce_nodes * NODE_GPUS:
             typ = "h100"
         lp: LegacyPriority = "high" if rng.random() < 0.15 else "normal"
-        add(
+        made.add(
             "train",
             rng.choice(users[team]),
             submit,
@@ -231,7 +204,7 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
             duration,
             contract(),
             gpu_type=typ,
-            lp=lp,
+            legacy_priority=lp,
         )
         return gpus, duration
 
@@ -241,7 +214,17 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
         pre = rng.random() < 1 / 3
         lp: LegacyPriority = "low" if pre else "normal"
         owner = rng.choice(users[team])
-        add("mid", owner, submit, gpus, duration, contract(), gpu_type=gpu_type(), lp=lp, lpre=pre)
+        made.add(
+            "mid",
+            owner,
+            submit,
+            gpus,
+            duration,
+            contract(),
+            gpu_type=gpu_type(),
+            legacy_priority=lp,
+            legacy_preemptible=pre,
+        )
         return gpus, duration
 
     def allocated(team: str, submit: int) -> tuple[int, int]:
@@ -271,7 +254,7 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
             team = rng.choice(teams)
             gpus = rng.choice((1, 2, 4, 8, 16, 32))
             duration = _lognormal_ms(rng, 2 * HOUR_MS, 0.8, 20 * MINUTE_MS, 8 * HOUR_MS)
-            add(
+            made.add(
                 "free",
                 rng.choice(users[team]),
                 hour * HOUR_MS + rng.randrange(HOUR_MS),
@@ -279,8 +262,8 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
                 duration,
                 0,
                 resumable=rng.random() < 0.8,
-                lp="low",
-                lpre=True,
+                legacy_priority="low",
+                legacy_preemptible=True,
             )
             budget_free -= gpus * duration
     # 4. debug work in working hours, squatters' sessions each day
@@ -290,7 +273,7 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
                 n = int(k.debug * 12 * activity[team][day // 7] * rng.uniform(0.5, 1.5))
                 for _ in range(n):
                     at = day * DAY_MS + 8 * HOUR_MS + rng.randrange(12 * HOUR_MS)
-                    add(
+                    made.add(
                         "debug",
                         user,
                         at,
@@ -298,14 +281,14 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
                         rng.randrange(2, 21) * MINUTE_MS,
                         rng.randrange(1, 4) * 5 * MINUTE_MS,
                         resumable=False,
-                        lp="high",
+                        legacy_priority="high",
                     )
     squatters = [u for t in teams for u in users[t] if rng.random() < k.squatters]
     for day in range(days):
         for user in squatters:
             if rng.random() < 0.8:
                 at = day * DAY_MS + 8 * HOUR_MS + rng.randrange(2 * HOUR_MS)
-                add(
+                made.add(
                     "session",
                     user,
                     at,
@@ -313,7 +296,7 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
                     rng.randrange(12, 25) * HOUR_MS,
                     8 * HOUR_MS,
                     resumable=False,
-                    lp="high",
+                    legacy_priority="high",
                 )
     rows = [r for r in made.rows if r.submit_ms < horizon]
     rows.sort(key=lambda r: (r.submit_ms, r.id))

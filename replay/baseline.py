@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from fractions import Fraction
 
-from apportion.core.budget import ROOT, parent_of
+from apportion.core.budget import team_of
 from apportion.core.contract import is_allocated, protected_until
 from apportion.core.cycle import CycleResult
 from apportion.core.placement import FreeGPUs, Slots
@@ -64,12 +64,6 @@ from apportion.schemas.events import (
 LEGACY_RANK = {"low": 0, "normal": 1, "high": 2}
 LIMIT_OVERCOMMIT = Fraction(3, 2)
 LIMIT_FLOOR_GPUS = 64
-
-
-def team_of(leaf: str) -> str:
-    """The team of an owner leaf: its parent, or itself directly under the root."""
-    parent = parent_of(leaf)
-    return leaf if parent == ROOT else parent
 
 
 def default_limits(state: State) -> dict[str, int]:

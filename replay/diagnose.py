@@ -56,9 +56,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from apportion.core.budget import ROOT, ancestors_of, parent_of
+from apportion.core.budget import ancestors_of, team_of
 from apportion.core.contract import is_allocated, is_protected, may_use_reserved
-from apportion.core.cycle import decide
+from apportion.core.cycle import Reservation, decide
 from apportion.core.history import fold_item
 from apportion.core.ordering import FairShareView, queue_order
 from apportion.core.placement import FreeGPUs
@@ -81,12 +81,6 @@ CAUSES = (
 )
 SCHEDULER_CAUSES = ("fragmentation", "reservation", "type_full", "unallocated", "margin", "other")
 """Causes the scheduler controls (losses to these are bugs); the rest are the contract's price."""
-
-
-def team_of(leaf: str) -> str:
-    """The team of an owner leaf: its parent, or the leaf itself directly under the root."""
-    parent = parent_of(leaf)
-    return leaf if parent == ROOT else parent
 
 
 @dataclass
@@ -231,23 +225,19 @@ class _Moment:
         self.state = state
         self.t = state.now_ms
         self.view = FairShareView(state)
-        self._free: FreeGPUs | None = None
-        self._reservation: tuple[int, tuple[str, ...]] | None | bool = False
+        self.free = FreeGPUs(state)
+        self._reservation: Reservation | None = None
+        self._reservation_known = False
 
-    def free(self) -> FreeGPUs:
-        if self._free is None:
-            self._free = FreeGPUs(self.state)
-        return self._free
-
-    def reservation(self) -> tuple[int, tuple[str, ...]] | None:
-        if self._reservation is False:
-            r = decide(self.state, report_reservation=True).reservation
-            self._reservation = None if r is None else (r.start_ms, r.nodes)
-        assert self._reservation is not True and self._reservation is not False
+    def reservation(self) -> Reservation | None:
+        """The reservation in force (a cycle run on this state, computed on first use)."""
+        if not self._reservation_known:
+            self._reservation = decide(self.state, report_reservation=True).reservation
+            self._reservation_known = True
         return self._reservation
 
-    def explain(self, w: Workload, team: str) -> tuple[dict[str, float], dict[str, float]]:
-        """Why ``w`` is not running: the cause (weight 1), and GPUs held per holder team.
+    def explain(self, w: Workload, team: str) -> tuple[str, dict[str, float]]:
+        """Why ``w`` is not running: the cause, and GPUs held per holder team.
 
         Each running workload on a node ``w`` could use gets a *level*: what it
         would take to move it (unallocated work, then allocated work ``w``
@@ -255,43 +245,37 @@ class _Moment:
         under-served over the window, then work inside its contract, then the
         team's own work). The lowest level at which enough nodes clear for
         ``w`` names the cause: the hardest thing on the cheapest nodes."""
-        state, t = self.state, self.t
-        free = self.free()
+        state, free = self.state, self.free
         pools = free.pools_for(w.gpu_type)
         match_free = sum(free.pool_free.get(p, 0) for p in pools)
         if match_free >= w.gpus:
             if free.fit(w.gpus, w.gpu_type) is None:
-                return {"fragmentation": 1.0}, {}
-            held = self.reservation()
-            if held is not None and not may_use_reserved(t, w.min_runtime_ms, held[0]):
-                nodes = held[1]
-                if free.fit(w.gpus, w.gpu_type, lambda n: n not in nodes) is None:
-                    return {"reservation": 1.0}, {}
-            return {"other": 1.0}, {}
+                return "fragmentation", {}
+            gated = self._gated(w)
+            if gated and free.fit(w.gpus, w.gpu_type, lambda n: n not in gated) is None:
+                return "reservation", {}
+            return "other", {}
         if w.gpu_type != ANY_GPU_TYPE:
             other_free = sum(v for p, v in free.pool_free.items() if p not in pools)
             if other_free >= w.gpus:
-                return {"type_full": 1.0}, {}
+                return "type_full", {}
         if not any(
             len(free.pool_nodes[p]) >= (1 if w.gpus <= p[1] else w.gpus // p[1])
             for p in pools
             if w.gpus <= p[1] or w.gpus % p[1] == 0
         ):
-            return {"nodes_down": 1.0}, {}  # too few healthy nodes of its type for the gang
-        held = self.reservation()
-        gated: frozenset[str] = frozenset()
-        if held is not None and not may_use_reserved(t, w.min_runtime_ms, held[0]):
-            gated = frozenset(held[1])
+            return "nodes_down", {}  # too few healthy nodes of its type for the gang
+        gated = self._gated(w)
         best = self._cheapest_level(w, team, pools, gated)
         if gated:
             ungated = self._cheapest_level(w, team, pools, frozenset())
             if ungated is not None and (best is None or ungated[0] < best[0]):
                 if ungated[0] <= _PLACEABLE:
                     # it could run now but for the nodes a reservation holds
-                    return {"reservation": 1.0}, {}
+                    return "reservation", {}
                 best = ungated  # blocked there too: name what blocks it there
         if best is None or best[0] >= _NEVER:
-            return {"other": 1.0}, {}
+            return "other", {}
         level, names = best
         holders: dict[str, float] = {}
         running = state.running
@@ -300,7 +284,14 @@ class _Moment:
                 vteam = team_of(running[wid].owner)
                 if vteam != team:
                     holders[vteam] = holders.get(vteam, 0.0) + gpus
-        return {_LEVEL_CAUSE[level]: 1.0}, holders
+        return _LEVEL_CAUSE[level], holders
+
+    def _gated(self, w: Workload) -> frozenset[str]:
+        """The nodes the reservation in force keeps ``w`` off (the reservation gate)."""
+        held = self.reservation()
+        if held is None or may_use_reserved(self.t, w.min_runtime_ms, held.start_ms):
+            return frozenset()
+        return frozenset(held.nodes)
 
     def _cheapest_level(
         self, w: Workload, team: str, pools: list[tuple[str, int]], gated: frozenset[str]
@@ -308,7 +299,7 @@ class _Moment:
         """The lowest level at which enough nodes (not in ``gated``) clear for ``w``,
         and those nodes; ``None`` if no pool can hold it."""
         best: tuple[int, list[str]] | None = None
-        free = self.free()
+        free = self.free
         for pool in pools:
             size = pool[1]
             if w.gpus > size and w.gpus % size:
@@ -329,7 +320,7 @@ class _Moment:
     def _node_level(self, w: Workload, team: str, name: str, want: int) -> int:
         """The lowest level at which ``want`` GPUs of node ``name`` come free for ``w``."""
         node = self.state.nodes[name]
-        have = self.free().free[name]
+        have = self.free.free[name]
         if have >= want:
             return 0
         running = self.state.running
@@ -377,23 +368,25 @@ def diagnose(items: Iterable[HistoryItem], start_ms: int | None = None) -> Diagn
     pending_moment: (
         tuple[int, dict[str, tuple[float, float, dict[str, float], dict[str, float]]]] | None
     ) = None
+
+    def hold_until(diag: Diagnosis, end: int) -> None:
+        """The teams' figures of the last batch held from its time until ``end``."""
+        if pending_moment is not None:
+            at, teams = pending_moment
+            for team, (owed, ran, split, holders) in teams.items():
+                diag.add(team, at, end, owed, ran, split, holders)
+
     for item in items:
         fold_item(state, item)
         if not isinstance(item, BatchItem):
             continue
         if diag is None:
             diag = Diagnosis(start_ms=state.now_ms if start_ms is None else start_ms, end_ms=0)
-        if pending_moment is not None:
-            at, teams = pending_moment
-            for team, (owed, ran, split, holders) in teams.items():
-                diag.add(team, at, state.now_ms, owed, ran, split, holders)
+        hold_until(diag, state.now_ms)
         pending_moment = (state.now_ms, _teams_now(state))
     if diag is None:
         return Diagnosis(start_ms=0, end_ms=0)
-    if pending_moment is not None:
-        at, teams = pending_moment
-        for team, (owed, ran, split, holders) in teams.items():
-            diag.add(team, at, state.now_ms, owed, ran, split, holders)
+    hold_until(diag, state.now_ms)
     diag.end_ms = state.now_ms
     return diag
 
@@ -433,9 +426,8 @@ def _teams_now(state: State) -> dict[str, tuple[float, float, dict[str, float], 
             assert heads is not None
             head = heads.get(team)
             if head is not None:
-                weights, held = moment.explain(head, team)
-                total = sum(weights.values())
-                split = {c: short * v / total for c, v in weights.items()}
+                cause, held = moment.explain(head, team)
+                split = {cause: short}
                 hsum = sum(held.values())
                 holders = {who: short * v / hsum for who, v in held.items()} if hsum else {}
             else:

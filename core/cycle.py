@@ -553,7 +553,9 @@ class _Cycle:
         return times
 
     def reserve(self, c: Workload) -> None:
-        """Hold for ``c`` the nodes that become free or preemptible for it earliest."""
+        """Hold for ``c`` the nodes that become free or preemptible for it earliest: for a
+        gang of ``k`` nodes, the start is when the ``k``-th node comes whole, and of the
+        nodes whole by then it holds the ``k`` that come whole last."""
         g = c.gpus
         subtrees = self.victim_subtrees(c.owner)
         memo: dict[tuple[str, int], bool] = {}
@@ -566,10 +568,14 @@ class _Cycle:
                 ready = sorted((self._release_times(c, n, subtrees, memo)[g - 1], n) for n in names)
                 option = (ready[0][0], (ready[0][1],)) if ready else None
             elif g % size == 0 and len(names) >= g // size:
-                ready = sorted((self._release_times(c, n, subtrees, memo)[-1], n) for n in names)[
-                    : g // size
-                ]
-                option = (ready[-1][0], tuple(sorted(n for _, n in ready)))
+                k = g // size
+                ready = sorted((self._release_times(c, n, subtrees, memo)[-1], n) for n in names)
+                start = ready[k - 1][0]
+                # Of the nodes whole by ``start``, hold those that come whole last: the
+                # start is the same, and the nodes that come whole sooner stay usable
+                # by protected work until then.
+                held = [r for r in ready if r[0] <= start][-k:]
+                option = (start, tuple(sorted(n for _, n in held)))
             else:
                 option = None
             if option is not None and option[0] < _NEVER and (best is None or option < best):

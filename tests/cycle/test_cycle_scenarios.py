@@ -321,6 +321,29 @@ def test_reservation_holds_the_nodes_that_free_up_earliest():
     assert r.next_wakeup_ms == 2 * HOUR  # the first protection expiry comes earlier
 
 
+def test_reservation_leaves_out_nodes_that_come_free_before_its_start():
+    # b's 16-GPU gang can start at 3 h (n002 and n003 both free then); n001 frees
+    # at 1 h. Holding n002 and n003 gives the same start and leaves n001 to a's
+    # long-protected job, which holding n001 would have kept waiting until 3 h.
+    s = two_teams(3).state()
+    submit(s, "p1", "a", 8, 1 * HOUR)
+    submit(s, "p2", "a", 8, 3 * HOUR)
+    submit(s, "p3", "a", 8, 3 * HOUR)
+    step(s)
+    tick(s, 10 * MIN)
+    submit(s, "big", "b", 16, HOUR)
+    r = step(s, report_reservation=True)
+    assert r.reservation is not None
+    assert (r.reservation.nodes, r.reservation.start_ms) == (("n002", "n003"), 3 * HOUR)
+    finish(s, "p1", 1 * HOUR)
+    submit(s, "long", "a", 8, 4 * HOUR)
+    r = step(s)
+    assert placed(r) == {"long": ("n001",)}
+    finish(s, "p2", 3 * HOUR)
+    finish(s, "p3", 3 * HOUR)
+    assert placed(step(s)) == {"big": ("n002", "n003")}
+
+
 def test_lower_ranked_work_uses_reserved_gpus_only_if_preemptible_before_the_reservation():
     s = two_teams(1).state()
     submit(s, "p", "a", 4, 2 * HOUR)

@@ -201,11 +201,11 @@ def run_demo() -> None:
         glob = tree.global_share(path)
         r = "" if path == ROOT else _gpu_h(int(view.ratio(path)))
         print(
-            f"  {name:<24} {node.weight:>6} {float(share):>7.1%} {float(glob):>7.1%} {_gpu_h(view.usage[path]):>12} {r:>10}  {node.owner}"
+            f"  {name:<24} {node.weight:>6} {float(share):>7.1%} {float(glob):>7.1%} {_gpu_h(view.charged[path]):>12} {r:>10}  {node.owner}"
         )
 
     print(
-        "\nqueue order (lowest key first): allocated work by ratio = usage / weight from the top level down,"
+        "\nqueue order (lowest key first): allocated work by ratio = (usage + committed) / weight from the top level down,"
     )
     print("then priority inside a leaf, submit time, id; unallocated (min_runtime 0) work last")
     print(

@@ -3,7 +3,8 @@
 The order (docs/semantics.md, "The ordering"), a total order, first to last:
 
 1. allocated workloads (``min_runtime > 0``) before unallocated ones;
-2. allocated: the ancestors' ratios ``usage / weight`` from the top level down,
+2. allocated: the ancestors' ratios ``(usage + committed) / weight`` from the top
+   level down (``committed``: :func:`committed_charges`),
    compared lexicographically, each only against its siblings (lower = more
    under-served = first); ties between siblings: larger weight first, then path
    (:func:`sibling_key`, the one spelling of this rule);
@@ -49,18 +50,56 @@ def sibling_key(usage: int, scale: int, weight: int, path: str) -> SiblingKey:
     return (usage * scale, -weight, path)
 
 
+def committed_charges(state: State) -> dict[str, int]:
+    """Per budget path (the owner leaf and its ancestors, not the root): GPUs x the
+    rest of the protection of its running allocated workloads (but those on a
+    ``down`` node), the charge their contract commits them to. Ranking counts it as usage, so work placed a moment
+    ago weighs on its team's ratio at once, not only as it runs."""
+    now = state.now_ms
+    down = state.node_index.down  # work there is lost in the coming cycle, not charged on
+    per_leaf: dict[str, int] = {}
+    for w in state.running.values():
+        rest = w.protected_until_ms - now
+        if rest > 0 and is_allocated(w):
+            if down and any(slot.node in down for slot in w.placement):
+                continue
+            per_leaf[w.owner] = per_leaf.get(w.owner, 0) + w.gpus * rest
+    out: dict[str, int] = {}
+    for leaf, gpu_ms in per_leaf.items():
+        for p in (*ancestors_of(leaf)[1:], leaf):
+            out[p] = out.get(p, 0) + gpu_ms
+    return out
+
+
 class FairShareView:
     """Usage, ratio and sibling rank of every budget node at ``state.now_ms``."""
 
-    __slots__ = ("tree", "usage", "weight", "scale", "_rank", "leaf_ranks", "_leaf_pos")
+    __slots__ = (
+        "tree",
+        "charged",
+        "committed",
+        "usage",
+        "weight",
+        "scale",
+        "_rank",
+        "leaf_ranks",
+        "_leaf_pos",
+    )
 
     def __init__(self, state: State) -> None:
         tree = state.budget
         self.tree = tree
         now, lookback = state.now_ms, state.policy.lookback_ms
-        self.usage: dict[str, int] = {
+        self.charged: dict[str, int] = {
             path: node.series.window(now, lookback) for path, node in tree.nodes.items()
         }
+        """GPU-ms charged inside the lookback window."""
+        self.committed = committed_charges(state)
+        """GPU-ms that running allocated work will be charged for the rest of its protection."""
+        self.usage: dict[str, int] = {
+            path: u + self.committed.get(path, 0) for path, u in self.charged.items()
+        }
+        """What ratios are computed from: charged + committed."""
         self.weight: dict[str, int] = {path: node.weight for path, node in tree.nodes.items()}
         self.scale: dict[str, int] = {ROOT: 1}
         """``usage * scale`` orders siblings exactly by ratio (:func:`sibling_scales`)."""

@@ -114,11 +114,12 @@ def _capacity_gpus(state: State) -> int:
 
 
 def budget_tree(state: State, detail: bool = False) -> dict[str, Any]:
-    """The budget tree as nested ``{"path","weight","owner","global_share","usage_gpu_h","children"}``;
+    """The budget tree as nested ``{"path","weight","owner","global_share","usage_gpu_h",
+    "committed_gpu_h","children"}``;
     with ``detail`` (the ``share`` view) also allocation against usage, like ``sshare``."""
     tree = state.budget
     view = FairShareView(state)
-    root_usage = view.usage[ROOT]
+    root_usage = view.charged[ROOT]
     capacity = _capacity_gpus(state)
     window_h = state.policy.lookback_ms / HOUR_MS
     running: dict[str, int] = {}
@@ -142,10 +143,11 @@ def budget_tree(state: State, detail: bool = False) -> dict[str, Any]:
             "weight": n.weight,
             "owner": n.owner,
             "global_share": float(gshare),
-            "usage_gpu_h": view.usage[path] / HOUR_MS,
+            "usage_gpu_h": view.charged[path] / HOUR_MS,
+            "committed_gpu_h": view.committed.get(path, 0) / HOUR_MS,
         }
         if detail:
-            effective = Fraction(view.usage[path], root_usage) if root_usage else Fraction(0)
+            effective = Fraction(view.charged[path], root_usage) if root_usage else Fraction(0)
             out.update(
                 share=float(tree.share(path)),
                 allocation_gpu_h=float(gshare) * capacity * window_h,

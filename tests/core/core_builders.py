@@ -14,9 +14,11 @@ filled in the way the scheduler would), so tests only say what they mean.
 
 from __future__ import annotations
 
+from fractions import Fraction as F
 from typing import Any
 
 from apportion.core import State, apply
+from apportion.core.budget import ancestors_of
 from apportion.schemas.events import (
     HOUR_MS,
     BudgetRemoved,
@@ -271,3 +273,33 @@ def sample_events() -> list[Event]:
         NodeDrained(id="d3", at_ms=12, node="n1"),
         InputRejected(id="d4", at_ms=13, ref="i4", reason="unknown budget node 'llm/old'"),
     ]
+
+
+def reference_order(state: State) -> list[str]:
+    """The documented order taken literally: per level ``(ratio, -weight, path)`` from
+    the top level down, ratio = (charged usage + committed) / weight, committed = GPUs
+    x the rest of the protection of running allocated work under the path (not on a
+    down node); then ``-priority``, submit time, id; unallocated after, by submit time, id."""
+    nodes = state.budget.nodes
+    now = state.now_ms
+
+    def committed(path: str) -> int:
+        return sum(
+            r.gpus * (r.protected_until_ms - now)
+            for r in state.running.values()
+            if r.min_runtime_ms > 0
+            and r.protected_until_ms > now
+            and (r.owner == path or r.owner.startswith(path + "/"))
+            and all(state.nodes[s.node].health != "down" for s in r.placement)
+        )
+
+    def key(w: Any) -> tuple:
+        if w.min_runtime_ms == 0:
+            return (1, [], 0, w.submitted_ms, w.id)
+        levels = [
+            (F(state.usage(p) + committed(p), nodes[p].weight), -nodes[p].weight, p)
+            for p in [*ancestors_of(w.owner)[1:], w.owner]
+        ]
+        return (0, levels, -w.priority, w.submitted_ms, w.id)
+
+    return [w.id for w in sorted(state.pending.values(), key=key)]

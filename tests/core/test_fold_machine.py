@@ -14,8 +14,6 @@ runs alone, so the fold's charge series are checked against a plain integral.
 
 from __future__ import annotations
 
-from fractions import Fraction as F
-
 from apportion.core import State, apply, fold, queue_order
 from apportion.core.budget import ancestors_of
 from apportion.schemas.events import (
@@ -39,6 +37,7 @@ from apportion.schemas.events import (
     WorkloadPreempted,
     WorkloadSubmitted,
 )
+from core_builders import reference_order
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -455,20 +454,7 @@ class FoldMachine(RuleBasedStateMachine):
 
     @invariant()
     def order_is_the_literal_definition(self) -> None:
-        nodes = self.state.budget.nodes
-
-        def key(w):
-            if w.min_runtime_ms == 0:
-                return (1, [], 0, w.submitted_ms, w.id)
-            levels = [
-                (F(self.state.usage(p), nodes[p].weight), -nodes[p].weight, p)
-                for p in [*ancestors_of(w.owner)[1:], w.owner]
-            ]
-            return (0, levels, -w.priority, w.submitted_ms, w.id)
-
-        assert [w.id for w in queue_order(self.state)] == [
-            w.id for w in sorted(self.state.pending.values(), key=key)
-        ]
+        assert [w.id for w in queue_order(self.state)] == reference_order(self.state)
 
     @invariant()
     def replay_and_snapshot_agree(self) -> None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 from fractions import Fraction as F
 
 import pytest
-from apportion.core import FairShareView, State, queue_order
-from apportion.core.budget import ancestors_of
+from apportion.core import FairShareView, queue_order
 from apportion.core.ordering import FairShareWalk
 from apportion.core.ratio import clearly_below_pair, ratio
-from core_builders import Scenario
+from core_builders import Scenario, reference_order
 
 H = 3_600_000
 DAY = 24 * H
@@ -17,23 +16,6 @@ DAY = 24 * H
 
 def order(s: Scenario) -> list[str]:
     return [w.id for w in queue_order(s.state)]
-
-
-def reference_order(state: State) -> list[str]:
-    """The documented rule taken literally: per level ``(ratio, -weight, path)`` from the
-    top level down, then ``-priority``, submit time, id; unallocated after, by submit time, id."""
-    nodes = state.budget.nodes
-
-    def key(w):
-        if w.min_runtime_ms == 0:
-            return (1, [], 0, w.submitted_ms, w.id)
-        levels = [
-            (F(state.usage(p), nodes[p].weight), -nodes[p].weight, p)
-            for p in [*ancestors_of(w.owner)[1:], w.owner]
-        ]
-        return (0, levels, -w.priority, w.submitted_ms, w.id)
-
-    return [w.id for w in sorted(state.pending.values(), key=key)]
 
 
 def research() -> Scenario:

@@ -47,6 +47,22 @@ def test_multi_node_gang_takes_whole_free_nodes_all_at_once():
     assert placed(step(s)) == {}  # only n001 is partly free: no partial gang
 
 
+def test_work_just_placed_counts_its_protection_against_its_team_across_cycles():
+    # b ran 1 GPU-h and is idle; a placed 8 GPUs protected for 4 h a minute ago, so
+    # it has been charged only 8 GPU-min. Counting the 4 h its contract commits it
+    # to, a is the more served, and the one free node goes to b.
+    s = two_teams(2).state()
+    submit(s, "b-old", "b", 1, HOUR)
+    step(s)
+    finish(s, "b-old", HOUR)
+    submit(s, "a-big", "a", 8, 4 * HOUR)
+    step(s)
+    tick(s, HOUR + MIN)
+    submit(s, "a-next", "a", 8, HOUR)
+    submit(s, "b-next", "b", 8, HOUR)
+    assert placed(step(s)) == {"b-next": ("n002",)}
+
+
 def test_gpu_type_is_respected():
     s = Cluster().team("a", 1).nodes(1, gpu_type="a100").nodes(1, gpu_type="h100").state()
     submit(s, "h", "a", 8, HOUR, gpu_type="h100")

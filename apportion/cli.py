@@ -1,9 +1,11 @@
 """The ``apportion`` command line (also ``python -m apportion``).
 
 Errors a user can fix exit non-zero with one line on stderr (``apportion: ...``),
-never a traceback. Sub-command groups live beside this file:
-``cli_sim`` (simulate, trace, replay, audit, whatif) and ``cli_live`` (up,
-submit, cancel, queue, share, explain, budget); they register themselves here.
+never a traceback; so does a NATS server that is away or refuses (exit status 2).
+Sub-command groups live beside this file:
+``cli_sim`` (simulate, trace, replay, audit, whatif), ``cli_live`` (up,
+submit, cancel, queue, share, explain, budget) and ``cli_auth`` (auth issue,
+list, revoke); they register themselves here.
 """
 
 from __future__ import annotations
@@ -26,7 +28,23 @@ class UserError(click.ClickException):
         click.echo(f"apportion: {self.format_message()}", err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    """The top group: an error from NATS that no command turned into a
+    :class:`UserError` (a server that went away, JetStream not enabled, ...)
+    still ends as one line and exit status 2."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            nats_errors = sys.modules.get("nats.errors")  # loaded if NATS was used at all
+            if nats_errors is not None and isinstance(exc, nats_errors.Error):
+                first = (str(exc).splitlines() or [""])[0]
+                raise UserError(f"NATS: {type(exc).__name__}: {first}".rstrip(": ")) from None
+            raise
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="apportion")
 def main() -> None:
     """apportion: GPU-time budgets instead of priorities."""
@@ -74,7 +92,7 @@ def _register(module: str) -> None:
             raise
 
 
-for _module in ("apportion.cli_sim", "apportion.cli_live"):
+for _module in ("apportion.cli_sim", "apportion.cli_live", "apportion.cli_auth"):
     _register(_module)
 
 

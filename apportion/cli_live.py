@@ -2,6 +2,14 @@
 
 The gateway's URL comes from ``--url``, else ``$APPORTION_URL``, else
 ``http://127.0.0.1:8642`` (the port ``up`` listens on by default; ``up`` prints it).
+Every client command gives up after ``--timeout`` seconds (else
+``$APPORTION_TIMEOUT``, else 10) with one line on stderr and exit status 2.
+
+Client commands authenticate with a bearer token from ``--token-file FILE``,
+else ``$APPORTION_TOKEN``, else ``$APPORTION_TOKEN_FILE``, else
+``~/.config/apportion/token``, else ``.apportion/credentials/admin.token`` (the
+admin token of an ``apportion up`` run in this folder). The gateway takes who
+acts from the token; a 401 ends the command with one line and status 2.
 """
 
 from __future__ import annotations
@@ -20,6 +28,23 @@ import click
 from apportion.cli import UserError, main
 
 URL_HELP = "gateway URL (default: $APPORTION_URL, else http://127.0.0.1:8642)"
+_timeout_option = click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="seconds to wait for the gateway (default: $APPORTION_TIMEOUT, else 10)",
+)
+_token_option = click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="file with your bearer token (default: $APPORTION_TOKEN, $APPORTION_TOKEN_FILE, "
+    "~/.config/apportion/token, .apportion/credentials/admin.token)",
+)
+AS_DEPRECATED = (
+    "--as is deprecated: a gateway that authenticates takes who you are from your token "
+    "and ignores it (it only matters for a gateway run with --no-auth)"
+)
 
 
 def _duration_ms(text: str | None, what: str) -> int | None:
@@ -35,10 +60,19 @@ def _duration_ms(text: str | None, what: str) -> int | None:
         raise UserError(f"--{what}: {exc}") from None
 
 
-def _client(url: str | None) -> Any:
+def _client(url: str | None, timeout: float | None = None, token_file: Path | None = None) -> Any:
     from apportion.services.client import GatewayClient
 
-    return GatewayClient(url)
+    try:
+        return GatewayClient(url, timeout, token_file=token_file)
+    except ValueError as exc:  # a bad $APPORTION_TIMEOUT, an unreadable token file
+        raise UserError(str(exc)) from None
+
+
+def _deprecated_as(client: Any, value: str | None) -> None:
+    """A note on stderr when ``--as`` is given to a client that sends a token."""
+    if value is not None and client.token:
+        click.echo(f"apportion: note: {AS_DEPRECATED}", err=True)
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -84,6 +118,11 @@ def _echo_json(data: Any) -> None:
 )
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--no-executor", is_flag=True, help="do not run the executor emulator")
+@click.option(
+    "--no-auth",
+    is_flag=True,
+    help="the gateway authenticates nobody and takes actors from request bodies (insecure)",
+)
 def up(
     cluster_file: Path | None,
     data_dir: Path,
@@ -92,10 +131,16 @@ def up(
     replicas: int,
     log_level: str,
     no_executor: bool,
+    no_auth: bool,
 ) -> None:
-    """Start nats-server (unless NATS_URL is set) and every service in one process; Ctrl-C stops."""
+    """Start nats-server (unless NATS_URL is set) and every service in one process; Ctrl-C stops.
+
+    The gateway authenticates: up makes a bearer token for the budget root's
+    owner (the admin) and for every other owner of the tree, in
+    DATA_DIR/credentials, and prints where they are (--no-auth: none, insecure)."""
     from apportion.replay.errors import InputFileError
     from apportion.services import logs
+    from apportion.services.auth import CredentialsError
     from apportion.services.stack import load_cluster_spec, start_nats_server
 
     try:
@@ -103,6 +148,12 @@ def up(
     except InputFileError as exc:
         raise UserError(str(exc)) from None
     logs.configure(log_level)
+    if no_auth:
+        click.echo(
+            "apportion up: WARNING: --no-auth: the gateway authenticates nobody; anyone who "
+            "can reach it may act as anyone (actors come from request bodies)",
+            err=True,
+        )
     url = os.environ.get("NATS_URL")
     server = None
     if not url:
@@ -112,8 +163,10 @@ def up(
             raise UserError(str(exc)) from None
         url = server.url
     try:
-        asyncio.run(_up(url, spec, data_dir, host, port, replicas, not no_executor))
-    except OSError as exc:
+        asyncio.run(
+            _up(url, spec, data_dir, host, port, replicas, not no_executor, not no_auth, server)
+        )
+    except (OSError, CredentialsError) as exc:
         raise UserError(f"cannot start: {exc}") from None
     finally:
         if server is not None:
@@ -121,8 +174,17 @@ def up(
 
 
 async def _up(
-    url: str, spec: Any, data_dir: Path, host: str, port: int, replicas: int, executor: bool
+    url: str,
+    spec: Any,
+    data_dir: Path,
+    host: str,
+    port: int,
+    replicas: int,
+    executor: bool,
+    auth: bool = True,
+    nats: Any = None,
 ) -> None:
+    from apportion.services.runner import STOP_GRACE_S
     from apportion.services.stack import Stack
 
     stop = asyncio.Event()
@@ -130,7 +192,16 @@ async def _up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     stack = Stack(
-        url, spec, data_dir=data_dir, host=host, port=port, replicas=replicas, executor=executor
+        url,
+        spec,
+        data_dir=data_dir,
+        host=host,
+        port=port,
+        replicas=replicas,
+        executor=executor,
+        auth=auth,
+        nats=nats,  # supervised: started again if it dies
+        exit_grace_s=3 * STOP_GRACE_S,  # a stop that hangs ends the process
     )
     runner = asyncio.create_task(stack.run(stop))
     started = asyncio.create_task(stack.started.wait())
@@ -141,7 +212,8 @@ async def _up(
             f"apportion up: cluster {spec.name!r} on {url}\n"
             f"gateway: {gw}\n"
             f"  export APPORTION_URL={gw}\n"
-            f"  apportion submit --owner {_first_leaf(spec)} --gpus 8 --min-runtime 15m --duration 2m\n"
+            + _credentials_text(stack.tokens, data_dir)
+            + f"  apportion submit --owner {_first_leaf(spec)} --gpus 8 --min-runtime 15m --duration 2m\n"
             "Ctrl-C stops everything.",
             file=sys.stderr,
             flush=True,
@@ -153,6 +225,31 @@ async def _up(
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _credentials_text(tokens: dict[str, Path], data_dir: Path) -> str:
+    """What ``up`` prints about its tokens: each principal's token file, and how to use one."""
+    from apportion.services.auth import ADMIN, DEFAULT_DATA_DIR, credentials_file
+
+    if not tokens:
+        return "  no authentication (--no-auth): anyone who reaches the gateway may act as anyone\n"
+    admin, admin_file = next(iter(tokens.items()))
+    width = max(len(p) for p in tokens)
+    lines = [
+        f"credentials: bearer tokens, readable by you only "
+        f"(hashes in {credentials_file(data_dir).resolve()}):"
+    ]
+    for principal, path in tokens.items():
+        role = "  (admin: owns the budget root)" if principal == admin else ""
+        lines.append(f"  {principal:<{width}}  {path.resolve()}{role}")
+    lines.append(f"  export APPORTION_TOKEN_FILE={admin_file.resolve()}   # act as {admin}")
+    if admin == ADMIN and data_dir == DEFAULT_DATA_DIR:
+        lines.append("  (the CLI run in this folder uses the admin token without it)")
+    lines.append(
+        "  to act as someone else, point APPORTION_TOKEN_FILE at their file; more tokens: "
+        f"apportion auth issue NAME --file {credentials_file(data_dir).resolve()}"
+    )
+    return "\n".join(lines) + "\n"
 
 
 def _first_leaf(spec: Any) -> str:
@@ -182,9 +279,21 @@ def _first_leaf(spec: Any) -> str:
 )
 @click.option("--no-resume", is_flag=True, help="a preemption ends it instead of requeueing")
 @click.option("--gpu-type", default="any", show_default=True)
-@click.option("--id", "workload_id", default=None, help="workload id (default: generated)")
-@click.option("--as", "submitted_by", default=None, help="who submits (default: $USER)")
+@click.option(
+    "--id",
+    "workload_id",
+    default=None,
+    help="workload id (default: generated here, so that a retry is stored once)",
+)
+@click.option(
+    "--as",
+    "submitted_by",
+    default=None,
+    help="deprecated: who submits, for a gateway run with --no-auth only (default: $USER)",
+)
 @click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
 @click.option("--json", "as_json", is_flag=True)
 def submit(
     owner: str,
@@ -197,23 +306,43 @@ def submit(
     workload_id: str | None,
     submitted_by: str | None,
     url: str | None,
+    timeout: float | None,
+    token_file: Path | None,
     as_json: bool,
 ) -> None:
-    """Submit a workload."""
-    out = _call(
-        _client(url).submit,
-        id=workload_id,
-        owner=owner,
-        gpus=gpus,
-        min_runtime_ms=_duration_ms(min_runtime, "min-runtime"),
-        duration_ms=_duration_ms(duration, "duration"),
-        priority=priority,
-        resumable=not no_resume,
-        gpu_type=gpu_type,
-        submitted_by=submitted_by or os.environ.get("USER", ""),
-    )
+    """Submit a workload (as the principal of your token).
+
+    A submit the gateway could not get acknowledged (504) is sent again with the
+    same id until it is, or until the timeout; then the error names the id, and
+    submitting again with ``--id`` is safe (an id is stored once)."""
+    from apportion.services.client import GatewayError, new_workload_id
+
+    workload = workload_id or new_workload_id()
+    client = _client(url, timeout, token_file)
+    _deprecated_as(client, submitted_by)
+    try:
+        out = client.submit(
+            id=workload,
+            owner=owner,
+            gpus=gpus,
+            min_runtime_ms=_duration_ms(min_runtime, "min-runtime"),
+            duration_ms=_duration_ms(duration, "duration"),
+            priority=priority,
+            resumable=not no_resume,
+            gpu_type=gpu_type,
+            submitted_by=submitted_by or os.environ.get("USER", ""),
+        )
+    except GatewayError as exc:
+        if exc.status == 504 or exc.sent:
+            raise UserError(
+                f"{exc.reason} [workload {workload}: it may be stored; to retry, submit again "
+                f"with --id {workload}]"
+            ) from None
+        raise UserError(exc.reason) from None
     if as_json:
         _echo_json(out)
+    elif out.get("seq") is None:
+        click.echo(f"submitted {out['workload']} (an earlier attempt was stored)")
     else:
         click.echo(
             f"submitted {out['workload']} (input {out['seq']}{', duplicate' if out.get('duplicate') else ''})"
@@ -223,10 +352,15 @@ def submit(
 @main.command()
 @click.argument("workload")
 @click.option("--url", default=None, help=URL_HELP)
-def cancel(workload: str, url: str | None) -> None:
-    """Cancel a pending or running workload."""
-    out = _call(_client(url).cancel, workload, os.environ.get("USER", ""))
-    click.echo(f"cancel of {out['workload']} published (input {out['seq']})")
+@_timeout_option
+@_token_option
+def cancel(workload: str, url: str | None, timeout: float | None, token_file: Path | None) -> None:
+    """Cancel a pending or running workload (retried like a submit; a cancel is stored once)."""
+    out = _call(_client(url, timeout, token_file).cancel, workload, os.environ.get("USER", ""))
+    if out.get("seq") is None:
+        click.echo(f"cancel of {out['workload']} published (an earlier attempt was stored)")
+    else:
+        click.echo(f"cancel of {out['workload']} published (input {out['seq']})")
 
 
 def _ratios(row: dict[str, Any]) -> str:
@@ -237,10 +371,12 @@ def _ratios(row: dict[str, Any]) -> str:
 
 @main.command()
 @click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
 @click.option("--json", "as_json", is_flag=True)
-def queue(url: str | None, as_json: bool) -> None:
+def queue(url: str | None, timeout: float | None, token_file: Path | None, as_json: bool) -> None:
     """Pending workloads in scheduling order (with the ratios of their sort keys), then running ones."""
-    data = _call(_client(url).queue)
+    data = _call(_client(url, timeout, token_file).queue)
     if as_json:
         _echo_json(data)
         return
@@ -260,10 +396,12 @@ def queue(url: str | None, as_json: bool) -> None:
 
 @main.command()
 @click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
 @click.option("--json", "as_json", is_flag=True)
-def share(url: str | None, as_json: bool) -> None:
+def share(url: str | None, timeout: float | None, token_file: Path | None, as_json: bool) -> None:
     """The budget tree with usage against allocation (like sshare)."""
-    data = _call(_client(url).share)
+    data = _call(_client(url, timeout, token_file).share)
     if as_json:
         _echo_json(data)
         return
@@ -286,10 +424,14 @@ def share(url: str | None, as_json: bool) -> None:
 @main.command()
 @click.argument("workload")
 @click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
 @click.option("--json", "as_json", is_flag=True)
-def explain(workload: str, url: str | None, as_json: bool) -> None:
+def explain(
+    workload: str, url: str | None, timeout: float | None, token_file: Path | None, as_json: bool
+) -> None:
     """Why a workload is pending, running, preempted or ended."""
-    data = _call(_client(url).explain, workload)
+    data = _call(_client(url, timeout, token_file).explain, workload)
     if as_json:
         _echo_json(data)
         return
@@ -310,10 +452,14 @@ def _strip_detail(node: dict[str, Any]) -> dict[str, Any]:
 
 @budget.command("show")
 @click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
 @click.option("--json", "as_json", is_flag=True)
-def budget_show(url: str | None, as_json: bool) -> None:
+def budget_show(
+    url: str | None, timeout: float | None, token_file: Path | None, as_json: bool
+) -> None:
     """The tree as nested {path, weight, owner, global_share, usage_gpu_h, children}."""
-    data = _strip_detail(_call(_client(url).budget))
+    data = _strip_detail(_call(_client(url, timeout, token_file).budget))
     if as_json:
         _echo_json(data)
         return
@@ -359,13 +505,29 @@ def budget_from_toml(doc: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
 
 @budget.command("apply")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--as", "actor", default=None, help="who edits (default: the file's root owner)")
+@click.option(
+    "--as",
+    "actor",
+    default=None,
+    help="deprecated: who edits, for a gateway run with --no-auth only "
+    "(default: the file's root owner)",
+)
 @click.option(
     "--prune", is_flag=True, help="also remove nodes that are not in the file (leaves first)"
 )
 @click.option("--url", default=None, help=URL_HELP)
-def budget_apply(file: Path, actor: str | None, prune: bool, url: str | None) -> None:
-    """Make the tree match FILE's [budget] part (a cluster file or just [budget] tables)."""
+@_timeout_option
+@_token_option
+def budget_apply(
+    file: Path,
+    actor: str | None,
+    prune: bool,
+    url: str | None,
+    timeout: float | None,
+    token_file: Path | None,
+) -> None:
+    """Make the tree match FILE's [budget] part (a cluster file or just [budget] tables),
+    as the principal of your token (who must own the parents of what changes)."""
     try:
         doc = tomllib.loads(file.read_text())
     except OSError as exc:
@@ -373,7 +535,8 @@ def budget_apply(file: Path, actor: str | None, prune: bool, url: str | None) ->
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{file}: TOML syntax: {exc}") from None
     root_owner, nodes = budget_from_toml(doc)
-    client = _client(url)
+    client = _client(url, timeout, token_file)
+    _deprecated_as(client, actor)
     remove: list[str] = []
     if prune:
         current = _call(client.budget)
@@ -405,6 +568,19 @@ def budget_apply(file: Path, actor: str | None, prune: bool, url: str | None) ->
 @click.option("--port", default=8642, show_default=True, help="gateway: port")
 @click.option("--replicas", type=click.IntRange(1, 5), default=1, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
+@click.option(
+    "--credentials",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="APPORTION_CREDENTIALS",
+    default=None,
+    help="gateway: the credentials file of token hashes (default: $APPORTION_CREDENTIALS); "
+    "see docs/security.md",
+)
+@click.option(
+    "--no-auth",
+    is_flag=True,
+    help="gateway: authenticate nobody and take actors from request bodies (insecure)",
+)
 def serve(
     kind: str,
     cluster_name: str,
@@ -413,8 +589,12 @@ def serve(
     port: int,
     replicas: int,
     log_level: str,
+    credentials: Path | None,
+    no_auth: bool,
 ) -> None:
-    """Run one service in this process against $NATS_URL (production shape: one process per service)."""
+    """Run one service in this process against $NATS_URL (production shape: one process per service).
+
+    The gateway needs --credentials FILE (or $APPORTION_CREDENTIALS), or --no-auth."""
     from apportion.services import logs
     from apportion.services.runner import serve as run_service
 
@@ -423,10 +603,22 @@ def serve(
         raise UserError("set NATS_URL to the NATS server or cluster (apportion up starts its own)")
     if kind == "projector" and db is None:
         raise UserError("projector needs --db FILE")
+    if kind == "gateway" and credentials is not None and no_auth:
+        raise UserError("give --credentials FILE or --no-auth, not both")
     logs.configure(log_level)
     try:
         asyncio.run(
-            run_service(kind, url, cluster_name, db=db, host=host, port=port, replicas=replicas)
+            run_service(
+                kind,
+                url,
+                cluster_name,
+                db=db,
+                host=host,
+                port=port,
+                replicas=replicas,
+                credentials=credentials,
+                insecure=no_auth,
+            )
         )
     except (OSError, ValueError) as exc:
         raise UserError(f"{kind}: {exc}") from None

@@ -29,6 +29,9 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
 )
 
+OPERATOR = "ops"
+"""The root's owner: registers the hosts and reports finishes in the demo."""
+
 TREE = [
     # path, weight, owner, actor
     ("", 1, "ops", ""),
@@ -76,7 +79,7 @@ class _History:
                 owner=owner,
                 gpus=gpus,
                 min_runtime_ms=min_runtime_ms,
-                submitted_by=owner.rsplit("/", 1)[-1],
+                submitted_by=self.state.budget.nodes[owner].owner,
                 gpu_type=gpu_type,
                 priority=priority,
             )
@@ -98,7 +101,7 @@ class _History:
         )
 
     def finish(self, wid: str) -> None:
-        self.fold(WorkloadFinished(id=self._id(), at_ms=self.t, workload=wid))
+        self.fold(WorkloadFinished(id=self._id(), at_ms=self.t, workload=wid, actor=OPERATOR))
 
     def tick(self, t: int) -> None:
         self.t = t
@@ -111,9 +114,17 @@ def build() -> State:
     for path, weight, owner, actor in TREE:
         h.fold(BudgetSet(id=h._id(), at_ms=0, path=path, weight=weight, owner=owner, actor=actor))
     for i in range(4):
-        h.fold(NodeRegistered(id=h._id(), at_ms=0, node=f"h100-{i}", gpus=8, gpu_type="h100"))
+        h.fold(
+            NodeRegistered(
+                id=h._id(), at_ms=0, node=f"h100-{i}", gpus=8, gpu_type="h100", actor=OPERATOR
+            )
+        )
     for i in range(2):
-        h.fold(NodeRegistered(id=h._id(), at_ms=0, node=f"a100-{i}", gpus=8, gpu_type="a100"))
+        h.fold(
+            NodeRegistered(
+                id=h._id(), at_ms=0, node=f"a100-{i}", gpus=8, gpu_type="a100", actor=OPERATOR
+            )
+        )
 
     # day 0: alice pre-trains on two whole nodes; dan trains a detector; carol runs free work
     h.submit("alice-pt-1", "llm/pretrain/alice", 16, 8 * HOUR_MS, gpu_type="h100")

@@ -105,6 +105,14 @@ class BudgetTree:
             return owner == "" or owner == actor
         return any(self.nodes[a].owner == actor for a in ancestors_of(path) if a in self.nodes)
 
+    def owns(self, actor: str, path: str) -> bool:
+        """``actor`` owns ``path`` or a node above it (the root included)."""
+        if not actor:
+            return False
+        return any(
+            self.nodes[a].owner == actor for a in (*ancestors_of(path), path) if a in self.nodes
+        )
+
     def share(self, path: str) -> Fraction:
         """``weight / sum(sibling weights)`` (1 for the root)."""
         if path == ROOT:

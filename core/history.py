@@ -17,6 +17,15 @@ else raises :class:`HistoryOrderError` and changes nothing.
 :func:`decide_batch` is the only place that turns a state into the decision
 batch of a cycle (the scheduler publishes it before folding it back; the
 simulator folds it at once).
+
+A cycle's batch that would not fit in one message is published as several
+**parts** (:func:`split_batch`): consecutive batches with the cycle's basis,
+each saying how many decisions the history held before it
+(``decisions_before``) and whether another part follows (``more``). Folding
+the parts in order is folding the cycle's batch; :func:`fold_item` refuses a
+part anywhere but right after the decisions before it. The cut depends only on
+the batch and the byte limit; the audit does not need the limit: it cuts the
+batch it recomputes where the recorded parts were cut (:func:`batch_part`).
 """
 
 from __future__ import annotations
@@ -24,8 +33,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from apportion.schemas.bounds import clip_reason
+from apportion.schemas.codec import encode
 from apportion.schemas.events import DecisionBatch
 from apportion.schemas.history import HistoryItem, InputItem
+from msgspec import UNSET
 
 from .cycle import CycleResult, decide
 from .state import CorruptHistory, State, apply
@@ -35,7 +47,7 @@ Decider = Callable[[State], CycleResult]
 
 class HistoryOrderError(CorruptHistory):
     """An item that is not the next one in canonical order (a gap, a repeat, a
-    batch before the input it is based on)."""
+    batch before the input it is based on, a part of a cycle out of place)."""
 
 
 class Observer(Protocol):
@@ -62,15 +74,23 @@ def fold_item(state: State, item: HistoryItem) -> str | None:
             state.input_seq += 1
             if item.at_ms > state.now_ms:
                 state.now_ms = item.at_ms
-            rejections.append((item.ref, item.rejection or "malformed input"))
+            rejections.append((item.ref, clip_reason(item.rejection or "malformed input")))
         return rejections[-1][1] if len(rejections) > before else None
-    basis = item.batch.basis
+    batch = item.batch
+    basis = batch.basis
     if basis != state.input_seq:
         raise HistoryOrderError(
             f"decisions based on input {basis} arrived when input {state.input_seq} "
             "was the last one folded"
         )
-    for decision in item.batch.decisions:
+    after = batch.decisions_before
+    if isinstance(after, int) and after != state.decisions_folded:
+        raise HistoryOrderError(
+            f"a part of the cycle based on input {basis} belongs after decision {after}, "
+            f"but {state.decisions_folded} decisions were folded: a part repeated, missing "
+            "or out of order"
+        )
+    for decision in batch.decisions:
         apply(state, decision)
     return None
 
@@ -82,6 +102,62 @@ def decide_batch(state: State, decider: Decider = decide) -> tuple[DecisionBatch
         basis=state.input_seq, decisions=result.decisions, next_wakeup_ms=result.next_wakeup_ms
     )
     return batch, result
+
+
+def batch_part(cycle: DecisionBatch, start: int, stop: int, decisions_before: int) -> DecisionBatch:
+    """The part of the cycle's batch ``cycle`` that holds its decisions ``start:stop``,
+    in a history that held ``decisions_before`` decisions when the cycle began.
+
+    The last part (``stop`` at the end) carries the cycle's ``next_wakeup_ms``;
+    every other one says ``more``."""
+    last = stop >= len(cycle.decisions)
+    return DecisionBatch(
+        basis=cycle.basis,
+        decisions=cycle.decisions[start:stop],
+        next_wakeup_ms=cycle.next_wakeup_ms if last else None,
+        v=cycle.v,
+        decisions_before=decisions_before + start,
+        more=UNSET if last else True,
+    )
+
+
+def split_batch(
+    cycle: DecisionBatch, decisions_before: int, max_bytes: int, start: int = 0
+) -> list[DecisionBatch]:
+    """The batches that publish the cycle's batch ``cycle`` from its decision
+    ``start`` on, each encoded (JSON) in at most ``max_bytes`` bytes.
+
+    ``[cycle]`` itself when it fits whole (``start`` 0); else parts
+    (:func:`batch_part`), filled in order as long as they fit; a single
+    decision larger than ``max_bytes`` gets a part of its own. From ``start``
+    at the end, the one part that closes the cycle. ``decisions_before`` is
+    the number of decisions the history held when the cycle began."""
+    decisions = cycle.decisions
+    if start == 0 and len(encode(cycle)) <= max_bytes:
+        return [cycle]
+    # the largest envelope a part can have: the widest counter, ``more`` and the wake-up
+    envelope = len(
+        encode(
+            DecisionBatch(
+                basis=cycle.basis,
+                decisions=(),
+                next_wakeup_ms=cycle.next_wakeup_ms,
+                v=cycle.v,
+                decisions_before=decisions_before + len(decisions),
+                more=True,
+            )
+        )
+    )
+    parts: list[DecisionBatch] = []
+    first, size = start, envelope
+    for i in range(start, len(decisions)):
+        grow = len(encode(decisions[i])) + (1 if i > first else 0)  # a comma between decisions
+        if i > first and size + grow > max_bytes:
+            parts.append(batch_part(cycle, first, i, decisions_before))
+            first, size, grow = i, envelope, grow - 1
+        size += grow
+    parts.append(batch_part(cycle, first, len(decisions), decisions_before))
+    return parts
 
 
 def fold_history(

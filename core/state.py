@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import msgspec
+from apportion.schemas.bounds import clip_reason
 from apportion.schemas.events import (
     ANY_GPU_TYPE,
     DAY_MS,
@@ -63,6 +64,9 @@ class Policy(msgspec.Struct, kw_only=True):
     max_min_runtime_ms: int = 8 * HOUR_MS
     preemption_margin_ppm: int = 50_000
     reservations: bool = True
+    operators: tuple[str, ...] = ()
+    """Who may register hosts, change their health and report finishes, besides
+    the root's owner."""
 
 
 class ClusterNode(msgspec.Struct, kw_only=True):
@@ -282,16 +286,41 @@ def _tick(state: State, event: Event) -> None:
 
 
 def _reject(state: State, event: Event, reason: str) -> None:
-    state.rejections.append((event.id, reason))
+    state.rejections.append((event.id, clip_reason(reason)))
 
 
 # -- hosts ----------------------------------------------------------------
+
+
+def is_operator(state: State, actor: str) -> bool:
+    """The root's owner or one the policy names (anyone while the root has no owner)."""
+    root = state.budget.root.owner
+    return root == "" or (actor != "" and (actor == root or actor in state.policy.operators))
+
+
+def agent_of(node: str) -> str:
+    """The identity of a host's own agent."""
+    return f"agent:{node}"
+
+
+def may_manage_node(state: State, actor: str, node: str) -> bool:
+    """Register ``node``, change its health: an operator or the host's own agent."""
+    return actor == agent_of(node) or is_operator(state, actor)
+
+
+def _not_operator(actor: str, what: str, agent: str = "the host's own agent") -> str:
+    return (
+        f"{actor or '(no actor)'!s} may not {what}: only an operator (the budget root's "
+        f"owner or one the policy names) or {agent}"
+    )
 
 
 def _node_registered(state: State, e: NodeRegistered) -> None:
     _tick(state, e)
     if not e.node:
         return _reject(state, e, "node name is empty")
+    if not may_manage_node(state, e.actor, e.node):
+        return _reject(state, e, _not_operator(e.actor, f"register node {e.node!r}"))
     if e.gpus <= 0:
         return _reject(state, e, f"node {e.node!r}: gpus must be positive, got {e.gpus}")
     if not e.gpu_type or e.gpu_type == ANY_GPU_TYPE:
@@ -346,6 +375,8 @@ def _node_health_changed(state: State, e: NodeHealthChanged) -> None:
     node = state.nodes.get(e.node)
     if node is None:
         return _reject(state, e, f"unknown node {e.node!r}")
+    if not may_manage_node(state, e.actor, e.node):
+        return _reject(state, e, _not_operator(e.actor, f"change the health of node {e.node!r}"))
     if node.health == e.state:
         return _reject(state, e, f"node {e.node!r} is already {e.state} (no change)")
     index, key = state.node_index, (node.gpu_type, node.gpus)
@@ -435,6 +466,7 @@ def _policy_set(state: State, e: PolicySet) -> None:
         max_min_runtime_ms=e.max_min_runtime_ms,
         preemption_margin_ppm=e.preemption_margin_ppm,
         reservations=e.reservations,
+        operators=e.operators,
     )
     return None
 
@@ -454,6 +486,11 @@ def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
         return f"unknown owner {e.owner!r}: submit to a leaf of the budget tree"
     if not state.budget.is_leaf(e.owner):
         return f"owner {e.owner!r} is not a leaf of the budget tree (it has children)"
+    if not state.budget.owns(e.submitted_by, e.owner):
+        who = e.submitted_by or "(no submitter)"
+        return (
+            f"{who} may not submit to {e.owner!r}: only its owner or the owner of a node above it"
+        )
     if e.gpus <= 0:
         return f"gpus must be positive, got {e.gpus}"
     cap = state.policy.max_min_runtime_ms
@@ -521,11 +558,25 @@ def _stale_reason(state: State, workload: str, what: str) -> str:
     return f"{what}: workload {workload!r} already ended as {status} (stale report)"
 
 
+def cancel_authority_error(state: State, actor: str, w: Workload) -> str | None:
+    """Why ``actor`` may not cancel ``w``, or ``None``: its submitter, or the owner of
+    its leaf or of a node above it, may. Used by the fold and the gateway."""
+    if (actor and actor == w.submitted_by) or state.budget.owns(actor, w.owner):
+        return None
+    return (
+        f"{actor or '(no actor)'} may not cancel {w.id!r}: only its submitter or the "
+        f"owner of {w.owner!r} or a node above it"
+    )
+
+
 def _workload_cancelled(state: State, e: WorkloadCancelled) -> None:
     _tick(state, e)
     w = state.workloads.get(e.workload)
     if w is None:
         return _reject(state, e, _stale_reason(state, e.workload, "cancel"))
+    problem = cancel_authority_error(state, e.actor, w)
+    if problem:
+        return _reject(state, e, f"cancel: {problem}")
     if w.status == "running":
         _end_run(state, w)
     else:
@@ -549,6 +600,16 @@ def _workload_finished(state: State, e: WorkloadFinished) -> None:
             state,
             e,
             f"finished: report for attempt {e.attempt} of {e.workload!r}, which is on attempt {w.attempt} (stale report)",
+        )
+    if not any(e.actor == agent_of(s.node) for s in w.placement) and not is_operator(
+        state, e.actor
+    ):
+        return _reject(
+            state,
+            e,
+            _not_operator(
+                e.actor, f"report the end of {e.workload!r}", "the agent of a host it runs on"
+            ),
         )
     _end_run(state, w)
     _end(state, w, e.outcome)

@@ -8,6 +8,13 @@ recorded batch's encoding; then fold the recorded decisions and go on. At the
 end, compare the state digest with the one the log recorded (its ``end`` line,
 or the projection's state snapshot), or with one given.
 
+A cycle published in several parts (consecutive batches with one basis, see
+:mod:`apportion.core.history`) is recomputed once, at its first part, and cut
+where the recorded parts were cut (:func:`~apportion.core.history.batch_part`):
+each part's bytes are compared, counters and ``more`` included, so the parts
+together must be exactly the cycle's batch. A log that ends inside a cycle
+(read while its parts were being published) is checked up to its last part.
+
 The first difference stops the audit: :class:`Divergence` names the batch, the
 input it is based on and the first decision (or wake-up time) that differs.
 """
@@ -15,7 +22,7 @@ input it is based on and the first decision (or wake-up time) that differs.
 from __future__ import annotations
 
 import msgspec
-from apportion.core.history import Decider, decide_batch, fold_item
+from apportion.core.history import Decider, batch_part, decide_batch, fold_item
 from apportion.core.state import State
 from apportion.schemas.codec import encode
 from apportion.schemas.events import DecisionBatch
@@ -31,7 +38,7 @@ class Divergence(msgspec.Struct, kw_only=True):
     basis: int
     """The input sequence the batch is based on (the last input for a digest mismatch)."""
     what: str
-    """``decision N``, ``next_wakeup_ms``, ``digest``, ``fold`` ..."""
+    """``decision N``, ``next_wakeup_ms``, ``part``, ``digest``, ``fold`` ..."""
     expected: str
     recorded: str
 
@@ -50,19 +57,27 @@ class AuditResult(msgspec.Struct, kw_only=True):
     digest: str
     recorded_digest: str | None
     divergence: Divergence | None = None
+    foreign: list[str] = msgspec.field(default_factory=list)
+    """Messages of the source that are not part of the history (left out, named)."""
 
     @property
     def ok(self) -> bool:
-        return self.divergence is None
+        return self.divergence is None and not self.foreign
 
     def verdict(self) -> str:
+        foreign = [
+            f"audit: {len(self.foreign):,} messages on the decisions stream are not part of the "
+            "history (left out):",
+            *(f"  {note}" for note in self.foreign),
+        ]
         if self.divergence is not None:
-            return "\n".join(self.divergence.lines())
+            return "\n".join(self.divergence.lines() + (foreign if self.foreign else []))
         checked = "" if self.recorded_digest else ", no digest recorded to check"
-        return (
+        line = (
             f"audit: {self.inputs:,} inputs, {self.batches:,} decision batches, all reproduced "
             f"(digest {self.digest[:16]}{checked})"
         )
+        return "\n".join([line, *foreign]) if self.foreign else line
 
 
 def _text(obj: msgspec.Struct | None) -> str:
@@ -78,7 +93,16 @@ def first_difference(expected: DecisionBatch, recorded: DecisionBatch) -> tuple[
             return f"decision {i + 1}", _text(e), _text(r)
     if expected.next_wakeup_ms != recorded.next_wakeup_ms:
         return "next_wakeup_ms", str(expected.next_wakeup_ms), str(recorded.next_wakeup_ms)
+    if (expected.decisions_before, expected.more) != (recorded.decisions_before, recorded.more):
+        return "part", _part_text(expected), _part_text(recorded)
     return "batch", _text(expected), _text(recorded)
+
+
+def _part_text(batch: DecisionBatch) -> str:
+    if not batch.is_part:
+        return "a whole cycle"
+    follows = "more follow" if batch.continued else "the last part"
+    return f"a part after decision {batch.decisions_before}, {follows}"
 
 
 def audit(
@@ -101,16 +125,28 @@ def audit(
             digest=state.digest(),
             recorded_digest=recorded,
             divergence=div,
+            foreign=log.foreign,
         )
 
     items = iter(log)
+    cycle: DecisionBatch | None = None
+    """The recomputed batch of the cycle whose parts are being compared."""
+    cycle_start = done = 0
+    """Decisions folded when that cycle began; decisions of it compared so far."""
     try:
         for item in items:
             if isinstance(item, BatchItem):
                 batches += 1
                 recorded_batch = item.batch
-                expected, _ = decide_batch(state, decider)
-                expected = msgspec.structs.replace(expected, v=recorded_batch.v)
+                if cycle is None:
+                    expected, _ = decide_batch(state, decider)
+                    cycle = msgspec.structs.replace(expected, v=recorded_batch.v)
+                    cycle_start, done = state.decisions_folded, 0
+                if recorded_batch.is_part or done:
+                    stop = done + len(recorded_batch.decisions)
+                    expected = batch_part(cycle, done, stop, cycle_start)
+                else:
+                    expected = cycle
                 if encode(expected) != encode(recorded_batch):
                     what, e, r = first_difference(expected, recorded_batch)
                     div = Divergence(
@@ -118,6 +154,18 @@ def audit(
                     )
                     return result(div, None)
                 decisions += len(recorded_batch.decisions)
+                done += len(recorded_batch.decisions)
+                if not recorded_batch.continued:
+                    cycle = None
+            elif cycle is not None:
+                div = Divergence(
+                    batch=batches,
+                    basis=cycle.basis,
+                    what="part",
+                    expected=f"a part after decision {cycle_start + done}, the cycle goes on",
+                    recorded=f"input {item.seq}",
+                )
+                return result(div, None)
             fold_item(state, item)
     finally:
         items.close()  # releases the file at a divergence

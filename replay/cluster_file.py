@@ -160,6 +160,13 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
             "cluster.pool",
             "need at least one [[cluster.pool]] with prefix, count, gpus_per_node, gpu_type",
         )
+    budget_doc = doc.get("budget", {})
+    if not isinstance(budget_doc, dict):
+        raise fail("budget", "must be a table")
+    root_owner = budget_doc.get("owner", "root")
+    if not isinstance(root_owner, str) or not root_owner:
+        raise fail("budget.owner", "must be a non-empty string")
+    # the root's owner registers the hosts and sets the budget and the policy
     events: list[Input] = []
     nodes: list[tuple[str, int, str]] = []
     seen: set[str] = set()
@@ -196,15 +203,10 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
                     node=node,
                     gpus=pool["gpus_per_node"],
                     gpu_type=gpu_type,
+                    actor=root_owner,
                 )
             )
 
-    budget_doc = doc.get("budget", {})
-    if not isinstance(budget_doc, dict):
-        raise fail("budget", "must be a table")
-    root_owner = budget_doc.get("owner", "root")
-    if not isinstance(root_owner, str) or not root_owner:
-        raise fail("budget.owner", "must be a non-empty string")
     root_weight = budget_doc.get("weight", 1)
     if isinstance(root_weight, bool) or not isinstance(root_weight, int) or root_weight <= 0:
         raise fail("budget.weight", f"must be a positive integer, got {root_weight!r}")
@@ -251,7 +253,8 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
     if not isinstance(policy, dict):
         raise fail("policy", "must be a table")
     extra = sorted(
-        set(policy) - {"lookback", "max_min_runtime", "preemption_margin", "reservations"}
+        set(policy)
+        - {"lookback", "max_min_runtime", "preemption_margin", "reservations", "operators"}
     )
     if extra:
         raise fail(f"policy.{extra[0]}", "unknown key")
@@ -276,6 +279,11 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
         if not isinstance(policy["reservations"], bool):
             raise fail("policy.reservations", "must be true or false")
         kwargs["reservations"] = policy["reservations"]
+    if "operators" in policy:
+        ops = policy["operators"]
+        if not isinstance(ops, list) or not all(isinstance(o, str) and o for o in ops):
+            raise fail("policy.operators", "must be a list of names")
+        kwargs["operators"] = tuple(ops)
     events.append(PolicySet(id="cluster/policy", at_ms=at_ms, actor=root_owner, **kwargs))
     return ClusterSpec(name=name, events=events, nodes=nodes, budget=budget, root_owner=root_owner)
 

@@ -147,9 +147,18 @@ class CanonicalLog:
     """A readable history: ``header``, the items (iterate once), then ``end``
     (known only after iterating, ``None`` when the source records no end)."""
 
-    def __init__(self, header: Header, items: Iterable[HistoryItem], name: str) -> None:
+    def __init__(
+        self,
+        header: Header,
+        items: Iterable[HistoryItem],
+        name: str,
+        foreign: list[str] | None = None,
+    ) -> None:
         self.header = header
         self.name = name
+        self.foreign: list[str] = foreign or []
+        """Messages of the source that are not part of the history (a live cluster's
+        DECISIONS stream can hold them), described; the audit reports them."""
         self.end: End | None = None
         self._items = items
 
@@ -163,14 +172,16 @@ def _checked(log: CanonicalLog) -> Generator[HistoryItem, None, None]:
     seq = 0
     last_basis = 0
     batches = 0
+    continued = False  # the last batch was a part of a cycle that goes on in the next one
     for item in log._items:
         if isinstance(item, BatchItem):
             basis = item.batch.basis
-            if basis != seq or (basis <= last_basis and last_basis):
+            if basis != seq or (basis <= last_basis and last_basis and not continued):
                 raise LogError(
                     f"{name}: decisions based on input {basis} follow input {seq} (not canonical order)"
                 )
             last_basis = basis
+            continued = item.batch.continued
             batches += 1
         else:
             k = item.seq
@@ -353,6 +364,7 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
         )
         inputs, decisions = _rows(icur), _rows(dcur)
         bi = 0
+        folded = 0  # decisions before the batch: a part of a split cycle names it
         for seq in range(1, end.inputs + 1):
             if seq in malformed:
                 yield malformed[seq]
@@ -364,7 +376,11 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                     yield input_item(seq, decode_input(row[1]))
                 except EventDecodeError as exc:
                     raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
-            while bi < len(batches) and batches[bi][0] == seq:
+            run = bi
+            while run < len(batches) and batches[run][0] == seq:
+                run += 1
+            split = run - bi > 1  # a cycle in parts (the table keeps no part fields)
+            while bi < run:
                 basis, bpos, n, wake, v, number = batches[bi]
                 got = []
                 for k in range(n):
@@ -378,6 +394,10 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                     except EventDecodeError as exc:
                         raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
                 batch = DecisionBatch(basis=basis, decisions=tuple(got), next_wakeup_ms=wake, v=v)
+                if split:
+                    more = True if bi + 1 < run else msgspec.UNSET
+                    batch = msgspec.structs.replace(batch, decisions_before=folded, more=more)
+                folded += n
                 yield BatchItem(seq=number, batch=batch)
                 bi += 1
         if (

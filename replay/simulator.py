@@ -38,7 +38,7 @@ import duckdb
 from apportion.core.cycle import CycleResult
 from apportion.core.cycle import decide as budget_decide
 from apportion.core.history import Decider, Observer, decide_batch, fold_item, observe_all
-from apportion.core.state import State
+from apportion.core.state import State, agent_of
 from apportion.schemas.events import (
     DAY_MS,
     ClockTicked,
@@ -122,7 +122,10 @@ def input_origin(ref: str) -> tuple[str, str] | None:
     return ("input", ref)
 
 
-def submission(row: TraceRow, at_ms: int) -> WorkloadSubmitted:
+def submission(row: TraceRow, at_ms: int, state: State) -> WorkloadSubmitted:
+    """A trace row as submitted by the owner of its leaf (a row for a path that is
+    not a node gets no submitter, and the fold says why it is refused)."""
+    leaf = state.budget.nodes.get(row.owner)
     return WorkloadSubmitted(
         id=f"{_SUBMIT_ID}{row.id}",
         at_ms=at_ms,
@@ -133,7 +136,7 @@ def submission(row: TraceRow, at_ms: int) -> WorkloadSubmitted:
         gpu_type=row.gpu_type,
         resumable=row.resumable,
         priority=row.priority,
-        submitted_by=row.owner.rsplit("/", 1)[-1],
+        submitted_by=leaf.owner if leaf is not None else "",
         duration_ms=row.duration_ms,
         legacy_priority=row.legacy_priority,
         legacy_preemptible=row.legacy_preemptible,
@@ -281,10 +284,11 @@ def run_simulation(
                             at_ms=t,
                             workload=wid,
                             attempt=attempt,
+                            actor=agent_of(w.placement[0].node),
                         )
                     )
             elif kind == _SUBMIT:
-                inputs.append(submission(payload, t))
+                inputs.append(submission(payload, t, state))
             elif kind == _INPUT:
                 inputs.append(payload)
             elif kind == _HEALTH:
@@ -294,6 +298,7 @@ def run_simulation(
                         at_ms=t,
                         node=payload.node,
                         state=payload.state,
+                        actor=agent_of(payload.node),
                     )
                 )
             else:

@@ -1,7 +1,8 @@
 """JSON and msgpack codecs for events and decision batches.
 
 Each decoder is built once, at import. Every failure to decode (bad bytes, an
-unknown ``kind``, a missing or mistyped field, an unsupported ``v``) raises
+unknown ``kind``, a missing or mistyped field, a value out of its bounds
+(:mod:`apportion.schemas.bounds`), an unsupported ``v``) raises
 :class:`EventDecodeError` whose message says what to fix.
 """
 
@@ -11,6 +12,7 @@ from typing import Any, Literal, cast
 
 import msgspec
 
+from .bounds import plain_bound
 from .events import (
     SCHEMA_VERSION,
     SUPPORTED_VERSIONS,
@@ -57,9 +59,29 @@ def _decode(data: bytes | str, type_: Any, fmt: Format, what: str) -> Any:
     try:
         return _DECODERS[(fmt, type_)].decode(data)
     except msgspec.ValidationError as exc:
-        raise EventDecodeError(f"invalid {what}: {exc}") from None
+        raise EventDecodeError(f"invalid {what}: {plain_bound(str(exc))}") from None
     except msgspec.DecodeError as exc:
         raise EventDecodeError(f"malformed {fmt} for {what}: {exc}") from None
+
+
+def bounds_error(event: Input) -> str | None:
+    """Why ``event``, made in Python rather than decoded, is not a valid input (a
+    field out of its bounds, an unsupported ``v``), or ``None``.
+
+    The same check as decoding: the event goes through the msgpack codec."""
+    try:
+        decode_input(_msgpack_encoder.encode(event), "msgpack")
+    except OverflowError:
+        try:  # an integer beyond 64 bits: JSON holds it, so the decoder can name the field
+            decode_input(_json_encoder.encode(event))
+        except EventDecodeError as exc:
+            return str(exc)
+        return "invalid input event: an integer is out of range"
+    except (UnicodeEncodeError, msgspec.EncodeError, TypeError) as exc:
+        return f"invalid input event: cannot be encoded ({exc})"
+    except EventDecodeError as exc:
+        return str(exc)
+    return None
 
 
 def decode_input(data: bytes | str, fmt: Format = "json") -> Input:

@@ -13,14 +13,32 @@ Rules for evolving this file (see msgspec's schema-evolution guide):
    :mod:`apportion.schemas.codec`.
 
 GPUs, durations (``*_ms``) and times are integers. The preemption margin is an
-integer in parts per million so that the core compares it exactly.
+integer in parts per million so that the core compares it exactly. Every field
+has a bound (:mod:`apportion.schemas.bounds`) that the decoders enforce.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
+
+from .bounds import (
+    MAX_OPERATORS,
+    Count,
+    DeadlineMs,
+    DurationMs,
+    EventId,
+    Gpus,
+    Name,
+    Path,
+    Ppm,
+    Priority,
+    Reason,
+    TimeMs,
+    Weight,
+)
 
 SCHEMA_VERSION = 1
 """The version this code writes. :data:`SUPPORTED_VERSIONS` lists what it reads."""
@@ -44,9 +62,9 @@ PPM = 1_000_000
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     """The envelope every event shares."""
 
-    id: str
-    at_ms: int
-    v: int = SCHEMA_VERSION
+    id: EventId
+    at_ms: TimeMs
+    v: Count = SCHEMA_VERSION
 
 
 # --------------------------------------------------------------------------
@@ -55,18 +73,25 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 
 
 class NodeRegistered(Event, frozen=True, kw_only=True, tag="NodeRegistered"):
-    """A host joins the cluster (healthy) with ``gpus`` GPUs of ``gpu_type``."""
+    """A host joins the cluster (healthy) with ``gpus`` GPUs of ``gpu_type``.
 
-    node: str
-    gpus: int
-    gpu_type: str
+    ``actor`` must be an operator (the root's owner or one the policy names) or
+    the host's own agent, ``agent:<node>`` (anyone while the root has no owner)."""
+
+    node: Name
+    gpus: Gpus
+    gpu_type: Name
+    actor: Name = ""
 
 
 class NodeHealthChanged(Event, frozen=True, kw_only=True, tag="NodeHealthChanged"):
-    """A host becomes ``healthy``, ``draining`` (finish protected work, take none) or ``down``."""
+    """A host becomes ``healthy``, ``draining`` (finish protected work, take none) or ``down``.
 
-    node: str
+    ``actor``: as for :class:`NodeRegistered`."""
+
+    node: Name
     state: HealthState
+    actor: Name = ""
 
 
 class BudgetSet(Event, frozen=True, kw_only=True, tag="BudgetSet"):
@@ -76,27 +101,31 @@ class BudgetSet(Event, frozen=True, kw_only=True, tag="BudgetSet"):
     is edited by its own owner (or by anyone while it has none).
     """
 
-    path: str
-    weight: int
-    owner: str
-    actor: str
+    path: Path
+    weight: Weight
+    owner: Name
+    actor: Name
 
 
 class BudgetRemoved(Event, frozen=True, kw_only=True, tag="BudgetRemoved"):
     """Remove a budget node that has no children and no pending or running work."""
 
-    path: str
-    actor: str
+    path: Path
+    actor: Name
 
 
 class PolicySet(Event, frozen=True, kw_only=True, tag="PolicySet"):
-    """Scheduler policy; ``actor`` must own the root of the budget tree."""
+    """Scheduler policy; ``actor`` must own the root of the budget tree.
 
-    lookback_ms: int = 7 * DAY_MS
-    max_min_runtime_ms: int = 8 * HOUR_MS
-    preemption_margin_ppm: int = 50_000
-    actor: str = ""
+    ``operators`` may register hosts, change their health and report finishes,
+    besides the root's owner."""
+
+    lookback_ms: DurationMs = 7 * DAY_MS
+    max_min_runtime_ms: DurationMs = 8 * HOUR_MS
+    preemption_margin_ppm: Ppm = 50_000
+    actor: Name = ""
     reservations: bool = True
+    operators: Annotated[tuple[Name, ...], Meta(max_length=MAX_OPERATORS)] = ()
 
 
 class WorkloadSubmitted(Event, frozen=True, kw_only=True, tag="WorkloadSubmitted"):
@@ -108,15 +137,15 @@ class WorkloadSubmitted(Event, frozen=True, kw_only=True, tag="WorkloadSubmitted
     a hint for executors and simulators; the scheduler never reads it.
     """
 
-    workload: str
-    owner: str
-    gpus: int
-    min_runtime_ms: int
-    gpu_type: str = ANY_GPU_TYPE
+    workload: Name
+    owner: Path
+    gpus: Gpus
+    min_runtime_ms: DurationMs
+    gpu_type: Name = ANY_GPU_TYPE
     resumable: bool = True
-    priority: int = 0
-    submitted_by: str = ""
-    duration_ms: int | None = None
+    priority: Priority = 0
+    submitted_by: Name = ""
+    duration_ms: DurationMs | None = None
     legacy_priority: LegacyPriority = "high"
     """For the baseline priority policy only (simulation); the budget scheduler ignores it."""
     legacy_preemptible: bool = False
@@ -124,8 +153,10 @@ class WorkloadSubmitted(Event, frozen=True, kw_only=True, tag="WorkloadSubmitted
 
 
 class WorkloadCancelled(Event, frozen=True, kw_only=True, tag="WorkloadCancelled"):
-    workload: str
-    actor: str = ""
+    """``actor`` must be the workload's submitter or own its leaf or a node above it."""
+
+    workload: Name
+    actor: Name = ""
 
 
 class WorkloadFinished(Event, frozen=True, kw_only=True, tag="WorkloadFinished"):
@@ -136,9 +167,11 @@ class WorkloadFinished(Event, frozen=True, kw_only=True, tag="WorkloadFinished")
     current run.
     """
 
-    workload: str
+    workload: Name
     outcome: Outcome = "succeeded"
-    attempt: int | None = None
+    attempt: Count | None = None
+    actor: Name = ""
+    """An operator, or the agent of a host the run is on (``agent:<node>``)."""
 
 
 class ClockTicked(Event, frozen=True, kw_only=True, tag="ClockTicked"):
@@ -153,38 +186,38 @@ class ClockTicked(Event, frozen=True, kw_only=True, tag="ClockTicked"):
 class Slot(msgspec.Struct, frozen=True, array_like=True):
     """``gpus`` GPUs on ``node``: one element of a placement."""
 
-    node: str
-    gpus: int
+    node: Name
+    gpus: Gpus
 
 
 class WorkloadPlaced(Event, frozen=True, kw_only=True, tag="WorkloadPlaced"):
-    workload: str
+    workload: Name
     placement: tuple[Slot, ...]
     allocated: bool
-    protected_until_ms: int
-    attempt: int
+    protected_until_ms: DeadlineMs
+    attempt: Count
 
 
 class WorkloadPreempted(Event, frozen=True, kw_only=True, tag="WorkloadPreempted"):
     """``for_workload`` names the workload the preemption made room for, if any."""
 
-    workload: str
+    workload: Name
     reason: PreemptReason
     requeued: bool
-    for_workload: str | None = None
+    for_workload: Name | None = None
 
 
 class NodeDrained(Event, frozen=True, kw_only=True, tag="NodeDrained"):
     """A draining node is empty and ready for repair."""
 
-    node: str
+    node: Name
 
 
 class InputRejected(Event, frozen=True, kw_only=True, tag="InputRejected"):
     """An input that changed nothing: ``ref`` is its id, ``reason`` says why."""
 
-    ref: str
-    reason: str
+    ref: EventId
+    reason: Reason
 
 
 Input = (
@@ -236,9 +269,33 @@ def kind_of(event: Event) -> str:
 
 class DecisionBatch(msgspec.Struct, frozen=True, kw_only=True):
     """What the scheduler publishes to ``DECISIONS``: decisions computed from the
-    state after folding input ``basis`` (its sequence in ``INPUTS``)."""
+    state after folding input ``basis`` (its sequence in ``INPUTS``).
+
+    A cycle whose batch would not fit in one message is published as several
+    consecutive **parts**, all with the cycle's basis: their decisions, in
+    order, are the cycle's decisions, and the last part carries its
+    ``next_wakeup_ms``. Only parts carry ``decisions_before`` and ``more``
+    (unset fields are not encoded), so a cycle in one batch encodes as before.
+    """
 
     basis: int
     decisions: tuple[Decision, ...]
     next_wakeup_ms: int | None = None
     v: int = SCHEMA_VERSION
+    decisions_before: int | msgspec.UnsetType = msgspec.UNSET
+    """On a part: how many decisions the history holds before this part (the
+    folded state's ``decisions_folded``). A part folds only at exactly that
+    point, so a repeated, missing or reordered part is refused."""
+    more: bool | msgspec.UnsetType = msgspec.UNSET
+    """``True`` on every part of a cycle but the last: the next batch continues
+    the cycle."""
+
+    @property
+    def is_part(self) -> bool:
+        """One part of a cycle split over several batches."""
+        return self.decisions_before is not msgspec.UNSET
+
+    @property
+    def continued(self) -> bool:
+        """More parts of this cycle follow in the next batch."""
+        return self.more is True

@@ -19,9 +19,15 @@ decode have no ``event``; ``rejection`` then says why (``"malformed input:
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
+from .bounds import EVENT_ID_PATTERN, MAX_EVENT_ID_LEN, MAX_TIME_MS, clip_reason
+from .codec import bounds_error
 from .events import DecisionBatch, Input
+
+_EVENT_ID = re.compile(EVENT_ID_PATTERN)
 
 
 class InputItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,10 +59,27 @@ HistoryItem = InputItem | BatchItem
 
 
 def input_item(seq: int, event: Input) -> InputItem:
-    """Input ``seq`` carrying a decoded event (stored at the event's own ``at_ms``)."""
+    """Input ``seq`` carrying an event made in Python (stored at the event's own ``at_ms``).
+
+    The event is checked as the decoder checks bytes: one that breaks a bound of
+    its schema becomes a malformed input, exactly as if it had been published."""
+    problem = bounds_error(event)
+    if problem is not None:
+        at_ms = event.at_ms
+        if not (isinstance(at_ms, int) and 0 <= at_ms <= MAX_TIME_MS):
+            at_ms = 0  # folds at the current time
+        return malformed_item(seq, at_ms, str(event.id), problem)
     return InputItem(seq=seq, at_ms=event.at_ms, ref=event.id, event=event)
 
 
 def malformed_item(seq: int, at_ms: int, ref: str, error: str) -> InputItem:
-    """Input ``seq`` whose bytes did not decode because of ``error``."""
-    return InputItem(seq=seq, at_ms=at_ms, ref=ref, rejection=f"malformed input: {error}")
+    """Input ``seq`` whose bytes did not decode because of ``error``.
+
+    ``ref`` (a message id anyone may have chosen) is kept only if it is a valid
+    event id, else it becomes ``seq:<n>``; the reason is cut to its bound. So the
+    ``InputRejected`` decision that announces it always fits its own schema."""
+    if len(ref) > MAX_EVENT_ID_LEN or not _EVENT_ID.match(ref):
+        ref = f"seq:{seq}"
+    return InputItem(
+        seq=seq, at_ms=at_ms, ref=ref, rejection=clip_reason(f"malformed input: {error}")
+    )

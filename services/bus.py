@@ -13,6 +13,8 @@ Both streams use file storage, ``num_replicas`` 1 or 3, and are created
 idempotently. Inputs are published with ``Nats-Msg-Id = event.id`` (stored once
 within the duplicate window); decision batches with
 ``Nats-Expected-Last-Sequence`` (a second or stale scheduler is fenced out).
+A decision batch message holds at most :attr:`JetStreamLog.max_batch_bytes`
+(:func:`batch_byte_limit`): the scheduler splits a larger cycle into parts.
 
 An input's event time is the server's timestamp at ingestion: readers replace
 ``at_ms`` with it (the fold makes it non-decreasing). Bytes that do not decode
@@ -23,15 +25,21 @@ turns them into ``InputRejected`` (``ref`` = the ``Nats-Msg-Id``, else
 
 :class:`EventLog` is the port; :class:`MemoryLog` and :class:`JetStreamLog`
 implement it (one contract test suite runs against both).
+
+A message on ``DECISIONS`` that does not decode as a batch is logged and
+skipped by the tails that read it (their :attr:`~Tail.position` still moves past it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import dataclasses
+import hashlib
+import os
 import re
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -40,9 +48,39 @@ from apportion.schemas.codec import EventDecodeError, decode_batch, decode_input
 from apportion.schemas.events import DecisionBatch, Input, kind_of
 from apportion.schemas.history import BatchItem, InputItem, malformed_item
 
+from . import logs
+from .direct import DirectTail, StoredMessage
+
 T = TypeVar("T")
 
 _CLUSTER_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+BATCH_BYTES_CAP = 512 * 1024
+"""The most bytes (JSON) a decision batch message holds, whatever the server
+allows: half of NATS's default 1 MB ``max_payload``."""
+PAYLOAD_HEADROOM = 4096
+"""Room kept below the server's ``max_payload`` for a message's headers."""
+
+
+def batch_byte_limit(max_payload: int | None = None, max_msg_size: int | None = None) -> int:
+    """The byte limit of one decision batch: :data:`BATCH_BYTES_CAP`, or less when
+    the server's ``max_payload`` or the stream's ``max_msg_size`` (minus the
+    headers' :data:`PAYLOAD_HEADROOM`) is smaller."""
+    limit = BATCH_BYTES_CAP
+    for bound in (max_payload, max_msg_size):
+        if bound is not None and bound > 0:
+            limit = min(limit, bound - PAYLOAD_HEADROOM)
+    return max(limit, 1)
+
+
+class BatchTooLarge(Exception):
+    """The server refused a decision batch for its size. Not transient: publishing
+    it again fails again (the scheduler splits cycles so that this does not happen)."""
+
+
+class SnapshotUnreadable(Exception):
+    """A stored snapshot that cannot be used (its chunks missing or not matching its digest)."""
 
 
 class Fenced(Exception):
@@ -107,6 +145,11 @@ class Tail(Protocol[T]):
         """Nothing known to be left unread (as of the last item taken)."""
         ...
 
+    @property
+    def position(self) -> int:
+        """The stream sequence of the last message taken, one skipped as undecodable included."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -114,6 +157,8 @@ class EventLog(Protocol):
     """The port every service depends on: the two streams of one cluster."""
 
     subjects: Subjects
+    max_batch_bytes: int
+    """The most bytes one decision batch may encode to (:func:`batch_byte_limit`)."""
 
     async def setup(self) -> None: ...
 
@@ -173,6 +218,10 @@ class _MemoryTail(Generic[T]):
     def caught_up(self) -> bool:
         return self._next >= len(self._items)
 
+    @property
+    def position(self) -> int:
+        return self._next  # items hold sequences 1, 2, ...
+
     async def take(self, max_n: int, timeout: float) -> list[T]:
         if self._next >= len(self._items):
             self._changed.clear()
@@ -194,6 +243,7 @@ class MemoryLog:
 
     def __init__(self, cluster: str = "test", clock: Callable[[], int] | None = None) -> None:
         self.subjects = Subjects(cluster)
+        self.max_batch_bytes = BATCH_BYTES_CAP
         self.clock = clock or (lambda: time.time_ns() // 1_000_000)
         self.inputs: list[InputItem] = []
         self.batches: list[BatchItem] = []
@@ -284,6 +334,8 @@ class MemoryLease:
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_EXPECTED_LAST_SEQ = "Nats-Expected-Last-Sequence"
 WRONG_LAST_SEQUENCE = 10071
+MESSAGE_TOO_LARGE = 10054
+"""JetStream's "message size exceeds maximum allowed" (a stream's ``max_msg_size``)."""
 
 
 def parse_ack_reply(reply: str) -> tuple[int, int, int]:
@@ -298,95 +350,19 @@ def parse_ack_reply(reply: str) -> tuple[int, int, int]:
     return int(tokens[7]), int(tokens[9]), int(tokens[10])
 
 
-class _JsTail(Generic[T]):
-    """An ordered push consumer starting at ``from_seq``, buffered into a deque."""
+def _convert_input(m: StoredMessage) -> InputItem:
+    return to_input_item(m.seq, m.ts_ns // 1_000_000, m.data, m.headers.get(HDR_MSG_ID))
 
-    def __init__(
-        self,
-        log: JetStreamLog,
-        subject: str,
-        stream: str,
-        from_seq: int,
-        convert: Callable[[Any], T],
-    ) -> None:
-        self._log = log
-        self._subject = subject
-        self._stream = stream
-        self._from = from_seq
-        self._convert = convert
-        self._buf: deque[Any] = deque()
-        self._arrived = asyncio.Event()
-        self._sub: Any = None
-        self._pending = 1
-        self._lock = asyncio.Lock()
 
-    async def _ensure(self) -> None:
-        if self._sub is not None:
-            return
-        from nats.js import api
-
-        async def cb(msg: Any) -> None:
-            self._buf.append(msg)
-            self._arrived.set()
-
-        config = api.ConsumerConfig(
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=max(1, self._from),
-            inactive_threshold=60.0,
+def _convert_batch(m: StoredMessage) -> BatchItem | None:
+    seq = m.seq
+    try:
+        return BatchItem(seq=seq, batch=decode_batch(m.data))
+    except EventDecodeError as exc:
+        logs.get("bus").warning(
+            "skipped a DECISIONS message that is not a decision batch", seq=seq, error=str(exc)
         )
-        self._sub = await self._log.js.subscribe(
-            self._subject,
-            stream=self._stream,
-            cb=cb,
-            config=config,
-            ordered_consumer=True,
-            idle_heartbeat=2.0,
-            pending_msgs_limit=1_000_000,
-            pending_bytes_limit=1 << 30,
-        )
-
-    @property
-    def caught_up(self) -> bool:
-        return not self._buf and self._pending == 0
-
-    async def take(self, max_n: int, timeout: float) -> list[T]:
-        async with self._lock:
-            await self._ensure()
-            if not self._buf:
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), timeout)
-                except TimeoutError:
-                    return []
-            out: list[T] = []
-            buf = self._buf
-            convert = self._convert
-            while buf and len(out) < max_n:
-                msg = buf.popleft()
-                seq, ts_ns, pending = parse_ack_reply(msg.reply)
-                if seq < self._from:
-                    continue  # a reset ordered consumer may redeliver
-                self._from = seq + 1
-                self._pending = pending
-                out.append(convert((seq, ts_ns, msg)))
-            return out
-
-    async def close(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):  # the connection may be gone already
-                await self._sub.unsubscribe()
-            self._sub = None
-
-
-def _convert_input(item: tuple[int, int, Any]) -> InputItem:
-    seq, ts_ns, msg = item
-    headers = msg.headers or {}
-    return to_input_item(seq, ts_ns // 1_000_000, msg.data, headers.get(HDR_MSG_ID))
-
-
-def _convert_batch(item: tuple[int, int, Any]) -> BatchItem:
-    seq, _ts, msg = item
-    return BatchItem(seq=seq, batch=decode_batch(msg.data))
+        return None
 
 
 class JetStreamLog:
@@ -405,6 +381,13 @@ class JetStreamLog:
         self.replicas = replicas
         self.duplicate_window_s = duplicate_window_s
         self.max_async_pending = max_async_pending
+        self.max_batch_bytes = batch_byte_limit(self._max_payload())
+
+    def _max_payload(self) -> int | None:
+        """The connected server's ``max_payload`` (``None`` when it is not known)."""
+        nc = getattr(self.js, "_nc", None)  # nats-py keeps its client there
+        payload = getattr(nc, "max_payload", None)
+        return payload if isinstance(payload, int) else None
 
     async def setup(self, attempts: int = 30) -> None:
         """Create (or update) both streams; retries while a cluster elects a leader."""
@@ -421,6 +404,9 @@ class JetStreamLog:
                 duplicate_window=self.duplicate_window_s,
                 retention=api.RetentionPolicy.LIMITS,
                 discard=api.DiscardPolicy.NEW,
+                allow_direct=True,  # readers use batched direct gets (services/direct.py)
+                deny_delete=True,  # no message is ever deleted ...
+                deny_purge=True,  # ... or purged, by anyone
             ),
             api.StreamConfig(
                 name=s.decisions_stream,
@@ -429,20 +415,36 @@ class JetStreamLog:
                 num_replicas=self.replicas,
                 retention=api.RetentionPolicy.LIMITS,
                 discard=api.DiscardPolicy.NEW,
+                allow_direct=True,
+                deny_delete=True,
+                deny_purge=True,
             ),
         ]
+        infos = []
         for config in configs:
             for attempt in range(attempts):
                 try:
                     try:
-                        await self.js.stream_info(config.name)
+                        info = await self.js.stream_info(config.name)
+                        if not info.config.allow_direct:  # made by an older version
+                            info = await self.js.update_stream(
+                                dataclasses.replace(
+                                    info.config,
+                                    allow_direct=True,
+                                    deny_delete=True,
+                                    deny_purge=True,
+                                )
+                            )
                     except NotFoundError:
-                        await self.js.add_stream(config)
+                        info = await self.js.add_stream(config)
+                    infos.append(info)
                     break
                 except (APIError, ServiceUnavailableError, TimeoutError):
                     if attempt == attempts - 1:
                         raise
                     await asyncio.sleep(0.5)
+        max_msg_size = getattr(getattr(infos[-1], "config", None), "max_msg_size", None)
+        self.max_batch_bytes = batch_byte_limit(self._max_payload(), max_msg_size)
 
     # -- publishing ---------------------------------------------------
     async def publish_input(self, event: Input) -> PublishResult:
@@ -472,17 +474,27 @@ class JetStreamLog:
         return PublishResult(seq=ack.seq, duplicate=bool(ack.duplicate))
 
     async def publish_batch(self, batch: DecisionBatch, expected_last_seq: int) -> int:
+        from nats.errors import MaxPayloadError
         from nats.js.errors import APIError
 
+        data = encode(batch)
         try:
             ack = await self.js.publish(
                 self.subjects.decisions,
-                encode(batch),
+                data,
                 headers={HDR_EXPECTED_LAST_SEQ: str(expected_last_seq)},
             )
+        except MaxPayloadError:
+            raise BatchTooLarge(
+                f"a decision batch of {len(data):,} bytes is over the server's max_payload"
+            ) from None
         except APIError as exc:
             if exc.err_code == WRONG_LAST_SEQUENCE:
                 raise Fenced(expected_last_seq, str(exc.description or "")) from None
+            if exc.err_code == MESSAGE_TOO_LARGE:
+                raise BatchTooLarge(
+                    f"a decision batch of {len(data):,} bytes: {exc.description}"
+                ) from None
             raise
         return ack.seq
 
@@ -495,13 +507,18 @@ class JetStreamLog:
         info = await self.js.stream_info(self.subjects.decisions_stream)
         return info.state.last_seq
 
-    def tail_inputs(self, from_seq: int) -> _JsTail[InputItem]:
+    def tail_inputs(self, from_seq: int) -> DirectTail[InputItem]:
         s = self.subjects
-        return _JsTail(self, s.inputs_all, s.inputs_stream, from_seq, _convert_input)
+        return DirectTail(self.nc, s.inputs_stream, s.inputs_all, from_seq, _convert_input)
 
-    def tail_batches(self, from_seq: int) -> _JsTail[BatchItem]:
+    def tail_batches(self, from_seq: int) -> DirectTail[BatchItem]:
         s = self.subjects
-        return _JsTail(self, s.decisions, s.decisions_stream, from_seq, _convert_batch)
+        return DirectTail(self.nc, s.decisions_stream, s.decisions, from_seq, _convert_batch)
+
+    @property
+    def nc(self) -> Any:
+        """The NATS connection under ``js`` (nats-py keeps it there)."""
+        return self.js._nc
 
     async def snapshots(self) -> JetStreamSnapshots:
         return await JetStreamSnapshots.open(self.js, self.subjects.snapshot_bucket, self.replicas)
@@ -515,8 +532,10 @@ class JetStreamLog:
 class JetStreamSnapshots:
     """Snapshots in a JetStream object store (no 1 MB message limit)."""
 
-    def __init__(self, obs: Any) -> None:
+    def __init__(self, obs: Any, js: Any = None, bucket: str = "") -> None:
         self.obs = obs
+        self.js = js
+        self.bucket = bucket
 
     @classmethod
     async def open(cls, js: Any, bucket: str, replicas: int = 1) -> JetStreamSnapshots:
@@ -530,19 +549,69 @@ class JetStreamSnapshots:
                 bucket,
                 config=api.ObjectStoreConfig(storage=api.StorageType.FILE, replicas=replicas),
             )
-        return cls(obs)
+        return cls(obs, js, bucket)
 
     async def save(self, name: str, data: bytes) -> None:
         await self.obs.put(name, data)
 
-    async def load(self, name: str) -> bytes | None:
+    async def load(self, name: str, idle_timeout_s: float = 5.0) -> bytes | None:
+        """The object ``name``, checked against its stored SHA-256 digest (``None``
+        if there is none; :class:`SnapshotUnreadable` if its chunks are missing or
+        do not match).
+
+        The chunks are gathered by one ordered consumer and joined once (nats-py's
+        ``get`` appends to a bytes object chunk by chunk: minutes for 100 MB)."""
         from nats.js.errors import NotFoundError, ObjectNotFoundError
 
         try:
-            result = await self.obs.get(name)
+            info = await self.obs.get_info(name)
         except (ObjectNotFoundError, NotFoundError):
             return None
-        return result.data
+        if not info.size:
+            return b""
+        chunks: list[bytes] = []
+        arrived = asyncio.Event()
+        done = asyncio.Event()
+
+        async def cb(msg: Any) -> None:
+            chunks.append(msg.data)
+            arrived.set()
+            if parse_ack_reply(msg.reply)[2] == 0:
+                done.set()
+
+        sub = await self.js.subscribe(
+            f"$O.{self.bucket}.C.{info.nuid}",
+            cb=cb,
+            ordered_consumer=True,
+            pending_msgs_limit=1_000_000,
+            pending_bytes_limit=1 << 31,
+        )
+        try:
+            while not done.is_set():
+                arrived.clear()
+                try:
+                    await asyncio.wait_for(arrived.wait(), idle_timeout_s)
+                except TimeoutError:
+                    got = sum(len(c) for c in chunks)
+                    raise SnapshotUnreadable(
+                        f"snapshot {name!r}: its chunks stop at {got:,} of {info.size:,} bytes"
+                    ) from None
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        data = b"".join(chunks)
+        stored = str(info.digest or "")
+        if stored.upper().startswith("SHA-256="):
+            stored = stored[len("SHA-256=") :]
+        try:
+            expected = base64.urlsafe_b64decode(stored)
+        except ValueError:
+            expected = b""
+        if len(data) != info.size or hashlib.sha256(data).digest() != expected:
+            raise SnapshotUnreadable(
+                f"snapshot {name!r}: {len(data):,} bytes that do not match its stored digest"
+            )
+        return data
 
 
 class JetStreamLease:
@@ -601,19 +670,78 @@ class JetStreamLease:
         self.revision = None
 
 
-async def connect(url: str, name: str = "apportion") -> Any:
-    """A nats-py connection that keeps retrying (servers may restart under it).
+TIMEOUT_ENV = "APPORTION_TIMEOUT"
+DEFAULT_TIMEOUT_S = 10.0
+"""How long a client waits for NATS (or the gateway) before it gives up, unless
+``$APPORTION_TIMEOUT`` (seconds) says otherwise."""
 
-    ``url`` may list several servers separated by commas (a cluster)."""
+
+def client_timeout_s() -> float:
+    """``$APPORTION_TIMEOUT`` in seconds (a positive number), else :data:`DEFAULT_TIMEOUT_S`."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: give a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: give a positive number of seconds")
+    return value
+
+
+class NatsUnreachable(ConnectionError):
+    """No NATS server answered within the connect timeout (one line: where, how long, why)."""
+
+
+async def connect(
+    url: str, name: str = "apportion", *, timeout_s: float | None = None, reconnect: bool = True
+) -> Any:
+    """A nats-py connection, made within ``timeout_s`` (default :func:`client_timeout_s`)
+    or :class:`NatsUnreachable`.
+
+    ``url`` may list several servers separated by commas (a cluster). Once
+    connected, a service (``reconnect=True``) keeps reconnecting as long as it
+    runs (servers may restart under it) and logs each connection error as one
+    line, never a traceback; a one-shot client (``reconnect=False``) tries each
+    server a few more times, quietly, and then its requests fail."""
     import nats
+    import nats.errors
 
-    servers = [
-        u.strip() for u in url.split(",") if u.strip()
-    ]  # NATS_URL may list a cluster's nodes
-    return await nats.connect(
-        servers,
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        connect_timeout=5,
-    )
+    limit = client_timeout_s() if timeout_s is None else timeout_s
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise NatsUnreachable(f"no NATS server in the URL {url!r}")
+    logger = logs.get("nats", name=name)
+    last: list[BaseException] = []
+    connected = False
+
+    async def on_error(exc: Exception) -> None:
+        if not connected:
+            last[:] = [exc]  # reported once, if the connection is never made
+        elif reconnect:
+            logger.warning("nats error", error=f"{type(exc).__name__}: {exc}")
+
+    options: dict[str, Any] = {
+        "name": name,
+        "error_cb": on_error,
+        "max_reconnect_attempts": -1,  # the first connection: until the time limit
+        "reconnect_time_wait": 0.5,
+        "connect_timeout": min(5.0, limit),
+    }
+    nc = nats.NATS()
+    try:
+        await asyncio.wait_for(nc.connect(servers, **options), limit)
+    except (TimeoutError, OSError, ValueError, nats.errors.Error) as exc:
+        with contextlib.suppress(Exception):
+            await nc.close()
+        cause = last[0] if last else exc
+        why = f"{type(cause).__name__}: {cause}".rstrip(": ").splitlines()[0]
+        raise NatsUnreachable(
+            f"cannot reach NATS at {url}: {why} "
+            f"(gave up within {limit:g} s; {TIMEOUT_ENV}=SECONDS waits longer)"
+        ) from None
+    connected = True
+    if not reconnect:
+        nc.options["max_reconnect_attempts"] = 3
+    return nc

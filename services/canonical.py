@@ -17,11 +17,12 @@ import asyncio
 from collections import deque
 from typing import Any
 
-from apportion.core.history import fold_item
+from apportion.core.history import HistoryOrderError, fold_item
 from apportion.core.state import State
 from apportion.replay.eventlog import CanonicalLog, Header, LogError
 from apportion.schemas.history import BatchItem, HistoryItem, InputItem
 
+from . import logs
 from .bus import EventLog, JetStreamLog, Tail, connect
 
 
@@ -29,6 +30,9 @@ class CanonicalReader:
     """Merges the two streams of ``log`` into canonical order, from a position."""
 
     def __init__(self, log: EventLog, inputs_done: int = 0, batches_done: int = 0) -> None:
+        self._log = log
+        self.skipped = 0
+        """Decision batches left out: based on an input that INPUTS does not hold."""
         self.inputs_done = inputs_done
         self.batches_done = batches_done
         self._itail = log.tail_inputs(inputs_done + 1)
@@ -57,6 +61,17 @@ class CanonicalReader:
                 min(basis - self.inputs_done, limit - len(out)), timeout
             )
             if not inputs:
+                if self._itail.caught_up and basis > await self._log.last_input_seq():
+                    # the scheduler publishes a batch only after its basis is stored
+                    batches.popleft()
+                    self.batches_done = head.seq
+                    self.skipped += 1
+                    logs.get("canonical").warning(
+                        "skipped a decision batch based on an input not in INPUTS",
+                        seq=head.seq,
+                        basis=basis,
+                    )
+                    continue
                 break
             out.extend(inputs)
             self.inputs_done = inputs[-1].seq
@@ -74,13 +89,28 @@ class Follower:
         self.log = log
         self.state = State()
         self.reader = CanonicalReader(log)
+        self.skipped = 0
+        """Decision batches out of canonical order, skipped."""
 
     async def poll(self, timeout: float) -> list[HistoryItem]:
+        """Fold what arrived; return it (a batch out of canonical order is skipped,
+        logged and not returned)."""
         items = await self.reader.read(timeout)
         state = self.state
+        folded: list[HistoryItem] = []
         for item in items:
-            fold_item(state, item)
-        return items
+            try:
+                fold_item(state, item)
+            except HistoryOrderError as exc:
+                if not isinstance(item, BatchItem):
+                    raise
+                self.skipped += 1
+                logs.get("canonical").warning(
+                    "skipped a decision batch out of canonical order", seq=item.seq, why=str(exc)
+                )
+                continue
+            folded.append(item)
+        return folded
 
     async def close(self) -> None:
         await self.reader.close()
@@ -92,21 +122,29 @@ class Follower:
 
 
 async def _read_all(tail: Tail[Any], n: int, timeout: float, what: str) -> list[Any]:
-    """The first ``n`` messages of a stream tail, then close it."""
+    """The items of a stream tail's first ``n`` messages (a message the tail skips
+    gives none), then close it."""
     got: list[Any] = []
     try:
-        while len(got) < n:
+        while tail.position < n:
             more = await tail.take(10_000, timeout)
-            if not more:
-                raise LogError(f"{what} stopped at {len(got)} of {n} messages")
+            if not more and tail.position < n:
+                raise LogError(f"{what} stopped at message {tail.position} of {n}")
             got.extend(more)
     finally:
         await tail.close()
     return got
 
 
-async def read_history(log: EventLog, timeout: float) -> list[HistoryItem]:
-    """Both streams of ``log``, up to their last messages now, merged in canonical order."""
+async def read_history(
+    log: EventLog, timeout: float, foreign: list[str] | None = None
+) -> list[HistoryItem]:
+    """Both streams of ``log``, up to their last messages now, merged in canonical order.
+
+    A DECISIONS message that is not a decision batch, or a batch out of canonical
+    order (based on an input before the last batch's, again on the same input
+    without being the next part of a cycle, or on an input not in INPUTS), is left
+    out and described in ``foreign``: it is not part of the history."""
     cluster = log.subjects.cluster
     n_batches = await log.last_batch_seq()
     n_inputs = await log.last_input_seq()
@@ -116,33 +154,46 @@ async def read_history(log: EventLog, timeout: float) -> list[HistoryItem]:
     batches: list[BatchItem] = await _read_all(
         log.tail_batches(1), n_batches, timeout, f"nats {cluster}: DECISIONS"
     )
+    notes: list[str] = [] if foreign is None else foreign
+    decoded = {b.seq for b in batches}
+    notes += [
+        f"DECISIONS message {seq}: not a decision batch"
+        for seq in range(1, n_batches + 1)
+        if seq not in decoded
+    ]
     out: list[HistoryItem] = []
-    bi = 0
-    for item in inputs[:n_inputs]:
-        out.append(item)
-        while bi < n_batches and batches[bi].batch.basis == item.seq:
-            out.append(batches[bi])
-            bi += 1
-    if bi != n_batches:
-        raise LogError(
-            f"nats {cluster}: decision batch {bi + 1} is based on input "
-            f"{batches[bi].batch.basis}, not in INPUTS"
-        )
+    ii, last_basis, continued = 0, 0, False
+    for b in batches:
+        basis = b.batch.basis
+        in_order = basis > last_basis or (basis == last_basis and continued and basis > 0)
+        if not in_order or basis > n_inputs:
+            where = "not in INPUTS" if basis > n_inputs else "out of canonical order"
+            notes.append(f"DECISIONS message {b.seq}: based on input {basis}, {where}")
+            continue
+        while ii < basis:
+            out.append(inputs[ii])
+            ii += 1
+        out.append(b)
+        last_basis, continued = basis, b.batch.continued
+    out.extend(inputs[ii:n_inputs])
     return out
 
 
-async def _read_nats(url: str, cluster: str, timeout: float) -> list[HistoryItem]:
-    nc = await connect(url, name="apportion-history")
+async def _read_nats(
+    url: str, cluster: str, timeout: float, foreign: list[str]
+) -> list[HistoryItem]:
+    nc = await connect(url, name="apportion-history", reconnect=False)
     try:
-        return await read_history(JetStreamLog(nc.jetstream(), cluster), timeout)
+        return await read_history(JetStreamLog(nc.jetstream(), cluster), timeout, foreign)
     finally:
         await nc.close()
 
 
 def read_nats(url: str, cluster: str, timeout: float = 10.0) -> CanonicalLog:
     """A live cluster's history, up to its last messages now, as a :class:`CanonicalLog`."""
+    foreign: list[str] = []
     try:
-        items = asyncio.run(_read_nats(url, cluster, timeout))
+        items = asyncio.run(_read_nats(url, cluster, timeout, foreign))
     except LogError:
         raise
     except ValueError as exc:
@@ -151,5 +202,8 @@ def read_nats(url: str, cluster: str, timeout: float = 10.0) -> CanonicalLog:
         first = str(exc).splitlines()[0][:200] if str(exc) else "no answer"
         raise LogError(f"nats {url} cluster {cluster}: {type(exc).__name__}: {first}") from None
     return CanonicalLog(
-        Header(policy="budget", source="nats", cluster=cluster), items, f"nats:{cluster}"
+        Header(policy="budget", source="nats", cluster=cluster),
+        items,
+        f"nats:{cluster}",
+        foreign=foreign,
     )

@@ -2,6 +2,11 @@
 (for services: executors, health monitors, job front ends); :class:`GatewayClient`
 talks HTTP to the gateway (the CLI uses it; standard library only).
 
+:class:`GatewayClient` sends a bearer token (``Authorization: Bearer ...``): the
+one given, else the first of ``$APPORTION_TOKEN``, ``$APPORTION_TOKEN_FILE``,
+``~/.config/apportion/token`` and ``.apportion/credentials/admin.token`` (see
+:func:`apportion.services.auth.client_token`). A gateway answers 401 without one.
+
 Every event id is deterministic where a retry must not duplicate
 (``submit-<workload>``, ``cancel-<workload>``, ``finished-<workload>-<attempt>``),
 so a publish retried after a lost acknowledgement is stored once.
@@ -9,14 +14,18 @@ so a publish retried after a lost acknowledgement is stored once.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
+from apportion.core.state import agent_of
 from apportion.schemas.events import (
     ANY_GPU_TYPE,
     HealthState,
@@ -28,7 +37,8 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
 )
 
-from .bus import EventLog, PublishResult
+from .auth import TOKEN_ENV, TOKEN_FILE_ENV, client_token
+from .bus import TIMEOUT_ENV, EventLog, PublishResult, client_timeout_s
 
 DEFAULT_URL = "http://127.0.0.1:8642"
 URL_ENV = "APPORTION_URL"
@@ -81,8 +91,9 @@ class EventClient:
         )
 
     async def finished(
-        self, workload: str, attempt: int | None, outcome: Outcome = "succeeded"
+        self, workload: str, attempt: int | None, outcome: Outcome = "succeeded", actor: str = ""
     ) -> PublishResult:
+        """Report the end of a run, as ``actor`` (an operator or ``agent:<node>``)."""
         return await self.log.publish_input(
             WorkloadFinished(
                 id=f"finished-{workload}-{attempt}",
@@ -90,10 +101,14 @@ class EventClient:
                 workload=workload,
                 attempt=attempt,
                 outcome=outcome,
+                actor=actor,
             )
         )
 
-    async def node_registered(self, node: str, gpus: int, gpu_type: str) -> PublishResult:
+    async def node_registered(
+        self, node: str, gpus: int, gpu_type: str, actor: str | None = None
+    ) -> PublishResult:
+        """Register ``node`` as ``actor`` (default: the host's own agent)."""
         return await self.log.publish_input(
             NodeRegistered(
                 id=f"node-{node}-{uuid.uuid4().hex[:8]}",
@@ -101,64 +116,175 @@ class EventClient:
                 node=node,
                 gpus=gpus,
                 gpu_type=gpu_type,
+                actor=agent_of(node) if actor is None else actor,
             )
         )
 
-    async def node_health(self, node: str, state: HealthState) -> PublishResult:
+    async def node_health(
+        self, node: str, state: HealthState, actor: str | None = None
+    ) -> PublishResult:
+        """Change ``node``'s health as ``actor`` (default: the host's own agent)."""
         return await self.log.publish_input(
             NodeHealthChanged(
-                id=f"health-{node}-{uuid.uuid4().hex[:8]}", at_ms=_now_ms(), node=node, state=state
+                id=f"health-{node}-{uuid.uuid4().hex[:8]}",
+                at_ms=_now_ms(),
+                node=node,
+                state=state,
+                actor=agent_of(node) if actor is None else actor,
             )
         )
+
+
+NOT_AUTHENTICATED_HINT = (
+    f"set {TOKEN_ENV} or {TOKEN_FILE_ENV}, or pass --token-file FILE "
+    "(apportion up prints where its tokens are; apportion auth issue makes one)"
+)
 
 
 class GatewayError(Exception):
-    """The gateway answered 4xx/5xx (``reason`` is its ``error``) or could not be reached."""
+    """The gateway answered 4xx/5xx (``reason`` is its ``error``) or could not be reached.
 
-    def __init__(self, reason: str, status: int | None = None) -> None:
+    ``status`` is ``None`` when no answer came (``sent``: the request may have
+    reached the gateway, as when it timed out); ``retried`` says an earlier
+    attempt of the same request got no acknowledgement (504), so it may be stored."""
+
+    def __init__(self, reason: str, status: int | None = None, sent: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.sent = sent
+        self.retried = False
+
+
+def new_workload_id() -> str:
+    """A fresh workload id, made by the client so that a retried submit is stored once."""
+    return f"w-{uuid.uuid4().hex[:12]}"
+
+
+RETRY_PAUSE_S = 0.5
 
 
 class GatewayClient:
-    """Blocking HTTP client for the gateway. URL: argument, else ``$APPORTION_URL``, else :data:`DEFAULT_URL`."""
+    """Blocking HTTP client for the gateway. URL: argument, else ``$APPORTION_URL``, else :data:`DEFAULT_URL`.
 
-    def __init__(self, url: str | None = None, timeout: float = 10.0) -> None:
+    Every call ends within ``timeout`` seconds (argument, else ``$APPORTION_TIMEOUT``,
+    else 10). A submit or cancel that the gateway answers 504 (NATS did not
+    acknowledge the publish) is sent again, with the same workload id, until it
+    is acknowledged or the time is up; a submit without an id gets one here.
+
+    ``token`` is the bearer token to send; ``None`` looks for one as
+    :func:`~apportion.services.auth.client_token` does (``token_file`` first),
+    and a token file that cannot be read raises ``ValueError``. With no token at
+    all, requests go without one (fine for a gateway run with ``--no-auth``).
+    A 401 is a :class:`GatewayError` with ``status`` 401 whose reason says how
+    to give a token."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        timeout: float | None = None,
+        token: str | None = None,
+        token_file: str | Path | None = None,
+    ) -> None:
         self.url = (url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
-        self.timeout = timeout
+        self.timeout = client_timeout_s() if timeout is None else timeout
+        if token is None:
+            token, self.token_source = client_token(token_file)
+        else:
+            self.token_source = "the token given"
+        self.token = token
 
-    def _call(self, method: str, path: str, body: Any = None) -> Any:
-        data = json.dumps(body).encode() if body is not None else None
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
+
+    def _once(self, method: str, path: str, data: bytes | None, timeout: float) -> Any:
         req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+            self.url + path, data=data, method=method, headers=self._headers()
+        )
+        late = (
+            f"no answer from the gateway at {self.url} within {self.timeout:g} s "
+            f"({TIMEOUT_ENV}=SECONDS or --timeout waits longer)"
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return json.loads(resp.read() or b"null")
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read()
         except urllib.error.HTTPError as exc:
             try:
                 reason = json.loads(exc.read()).get("error") or exc.reason
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, OSError):
                 reason = str(exc.reason)
+            if exc.code == 401:
+                reason = self._unauthenticated(str(reason))
             raise GatewayError(str(reason), exc.code) from None
-        except (urllib.error.URLError, OSError) as exc:
+        except (TimeoutError, ConnectionResetError, http.client.HTTPException):
+            raise GatewayError(late, sent=True) from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
+            if isinstance(reason, TimeoutError):
+                raise GatewayError(late, sent=True) from None
             raise GatewayError(
                 f"cannot reach the gateway at {self.url} ({reason}); is `apportion up` running? "
                 f"(set {URL_ENV} or --url)"
             ) from None
+        try:
+            return json.loads(raw or b"null")
+        except ValueError:
+            raise GatewayError(
+                f"{self.url} did not answer JSON; is it an apportion gateway? (set {URL_ENV} or --url)"
+            ) from None
+
+    def _unauthenticated(self, reason: str) -> str:
+        """One line for a 401: the gateway's reason, what was sent, how to fix it."""
+        reason = reason.removeprefix("not authenticated: ")
+        sent = f"sent the token from {self.token_source}" if self.token else "sent no token"
+        return f"not authenticated: {reason} ({sent}); {NOT_AUTHENTICATED_HINT}"
+
+    def _call(self, method: str, path: str, body: Any = None, retry: bool = False) -> Any:
+        """One request; with ``retry``, sent again after a 504 while time is left."""
+        data = json.dumps(body).encode() if body is not None else None
+        deadline = time.monotonic() + self.timeout
+        retried = False
+        while True:
+            try:
+                return self._once(method, path, data, max(0.1, deadline - time.monotonic()))
+            except GatewayError as exc:
+                exc.retried = retried
+                if not (retry and exc.status == 504):
+                    raise
+                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    raise
+            retried = True
+            time.sleep(RETRY_PAUSE_S)
 
     def submit(self, **fields: Any) -> dict[str, Any]:
-        return self._call(
-            "POST", "/v1/workloads", {k: v for k, v in fields.items() if v is not None}
-        )
+        """Submit; ``fields["id"]`` is made here when not given (see :func:`new_workload_id`).
+
+        If a retry after a 504 finds the id taken, the earlier attempt was stored:
+        the answer is then ``{"workload": id, "seq": None, "duplicate": True}``."""
+        body = {k: v for k, v in fields.items() if v is not None}
+        body.setdefault("id", new_workload_id())
+        try:
+            return self._call("POST", "/v1/workloads", body, retry=True)
+        except GatewayError as exc:
+            if exc.retried and exc.status == 409 and "already exists" in exc.reason:
+                return {"workload": body["id"], "seq": None, "duplicate": True}
+            raise
 
     def cancel(self, workload: str, actor: str = "") -> dict[str, Any]:
-        return self._call("POST", f"/v1/workloads/{workload}/cancel", {"actor": actor})
+        """Cancel; a retry after a 504 that finds it cancelled means the earlier attempt was stored."""
+        path = f"/v1/workloads/{urllib.parse.quote(workload, safe='')}/cancel"
+        try:
+            return self._call("POST", path, {"actor": actor}, retry=True)
+        except GatewayError as exc:
+            if exc.retried and exc.status == 409 and "as cancelled" in exc.reason:
+                return {"workload": workload, "seq": None, "duplicate": True}
+            raise
 
     def workload(self, workload: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/workloads/{workload}")
+        return self._call("GET", f"/v1/workloads/{urllib.parse.quote(workload, safe='')}")
 
     def queue(self) -> dict[str, Any]:
         return self._call("GET", "/v1/queue")
@@ -167,7 +293,7 @@ class GatewayClient:
         return self._call("GET", "/v1/share")
 
     def explain(self, workload: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/explain/{workload}")
+        return self._call("GET", f"/v1/explain/{urllib.parse.quote(workload, safe='')}")
 
     def budget(self) -> dict[str, Any]:
         return self._call("GET", "/v1/budget")

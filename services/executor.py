@@ -18,6 +18,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from apportion.core.state import agent_of
 from apportion.schemas.events import WorkloadFinished
 from apportion.schemas.history import BatchItem
 
@@ -87,11 +88,14 @@ class Executor:
         task.add_done_callback(self._tasks.discard)
 
     async def _publish(self, workload: str, attempt: int) -> None:
+        # it reports as the agent of the (first) host the run is on
+        w = self.follower.state.running.get(workload)
         event = WorkloadFinished(
             id=f"finished-{workload}-{attempt}",
             at_ms=self.clock(),
             workload=workload,
             attempt=attempt,
+            actor=agent_of(w.placement[0].node) if w is not None and w.placement else "",
         )
         try:
             await self.log.publish_input(event)

@@ -16,20 +16,40 @@ rejected by the scheduler (an ``InputRejected`` decision) when two requests race
 | GET | ``/v1/share`` | budget tree with usage against allocation (``sshare``) |
 | GET | ``/v1/explain/{id}`` | why pending / preempted / ended |
 | GET | ``/v1/budget`` | the budget tree |
-| POST | ``/v1/budget`` | ``{"actor","set":[{"path","weight","owner"}],"remove":[paths]}`` |
-| GET | ``/v1/status`` | positions of the gateway's view |
-| GET | ``/openapi.json`` | this API as OpenAPI 3.1 |
+| POST | ``/v1/budget`` | ``{"set":[{"path","weight","owner"}],"remove":[paths]}`` |
+| GET | ``/v1/status`` | positions of the gateway's view (no credential needed: a health check) |
+| GET | ``/openapi.json`` | this API as OpenAPI 3.1 (no credential needed) |
+
+**Identity.** Every other ``/v1/...`` request carries ``Authorization: Bearer
+<token>``; the gateway's :class:`~apportion.services.auth.Authenticator` turns
+it into a principal, and a request without one, or with a token it does not
+know, is answered 401 with ``WWW-Authenticate: Bearer``. The principal is the
+actor of every input the gateway publishes (``submitted_by`` of a submission,
+``actor`` of a cancel and of budget edits); an ``actor`` or ``submitted_by``
+in the body is ignored. A gateway made with ``auth=None`` (``serve gateway
+--no-auth``, ``up --no-auth``) authenticates nobody and takes the actor from
+the body, as before; it logs a warning when it starts.
+
+Every error is JSON ``{"error": reason}``: 400 for a request that does not
+decode or breaks a bound of the schemas (the reason names the field and the
+bound), 401 (no or an unknown credential), 403 (the principal lacks the
+authority the fold checks), 404 (also an unknown path), 405, 409, 413 for a
+body over :data:`MAX_BODY_BYTES`, 500 for a bug (logged; the gateway keeps serving) and
+504 when NATS does not acknowledge a publish in time: it may still be stored,
+and a retry of the same request (the same workload id) is stored once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
-from apportion.core.state import State, apply, submission_error
+from apportion.core.state import State, apply, cancel_authority_error, submission_error
+from apportion.schemas.bounds import DurationMs, Gpus, Name, Path, Priority, Weight, plain_bound
 from apportion.schemas.events import (
     ANY_GPU_TYPE,
     BudgetRemoved,
@@ -39,68 +59,136 @@ from apportion.schemas.events import (
 )
 
 from . import logs
+from .auth import Authenticator, AuthError
 from .bus import EventLog
 from .canonical import Follower
 from .views import History, budget_tree, explain, queue_view, workload_json
 
+T = TypeVar("T")
 
+MAX_BODY_BYTES = 64 * 1024
+"""Largest request body; a larger one is answered 413 before it is read."""
+
+PUBLISH_UNACKNOWLEDGED = (
+    "NATS did not acknowledge the publish in time ({cause}): it may still be stored. "
+    "Retrying the same request is safe: a submit or cancel of the same workload id "
+    "is stored once, and a budget change made twice changes nothing more"
+)
+
+
+# Request bodies: the fields of the events they become, with the same bounds.
 class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    owner: str
-    gpus: int
-    min_runtime_ms: int
-    id: str | None = None
-    duration_ms: int | None = None
-    priority: int = 0
+    owner: Path
+    gpus: Gpus
+    min_runtime_ms: DurationMs
+    id: Name | None = None
+    duration_ms: DurationMs | None = None
+    priority: Priority = 0
     resumable: bool = True
-    gpu_type: str = ANY_GPU_TYPE
-    submitted_by: str = ""
+    gpu_type: Name = ANY_GPU_TYPE
+    submitted_by: Name = ""
+    """Ignored by a gateway that authenticates (the credential's principal is used)."""
 
 
 class CancelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    actor: str = ""
+    actor: Name = ""
+    """Ignored by a gateway that authenticates (the credential's principal is used)."""
 
 
 class BudgetNodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    path: str
-    weight: int
-    owner: str
+    path: Path
+    weight: Weight
+    owner: Name
 
 
 class BudgetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    actor: str
+    actor: Name = ""
+    """Ignored by a gateway that authenticates (the credential's principal is used);
+    required by one that does not."""
     set: list[BudgetNodeRequest] = msgspec.field(default_factory=list)
-    remove: list[str] = msgspec.field(default_factory=list)
+    remove: list[Path] = msgspec.field(default_factory=list)
 
 
-def _error(status: int, reason: str) -> web.Response:
-    return web.json_response({"error": reason}, status=status)
+class _HttpError(Exception):
+    """Answer ``status`` with ``{"error": reason}`` (raised by handlers, turned into
+    a response by the error middleware)."""
+
+    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+
+
+def _error(
+    status: int, reason: str, *, headers: dict[str, str] | None = None, **extra: Any
+) -> web.Response:
+    return web.json_response({"error": reason, **extra}, status=status, headers=headers)
+
+
+_PRINCIPAL_KEY: Any = (
+    web.RequestKey("principal", str) if hasattr(web, "RequestKey") else "apportion.principal"
+)
+"""Where an authenticated request keeps its principal (``RequestKey`` from aiohttp 3.13)."""
+
+PUBLIC = {("GET", "/v1/status"), ("HEAD", "/v1/status")}
+"""``/v1/...`` requests that need no credential (the health check)."""
+
+
+def needs_credential(method: str, path: str) -> bool:
+    """Every ``/v1/...`` request but :data:`PUBLIC` ones carries a credential."""
+    return (path == "/v1" or path.startswith("/v1/")) and (method, path) not in PUBLIC
 
 
 async def _body(request: web.Request, type_: Any) -> Any:
-    data = await request.read()
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise _HttpError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    data = await request.read()  # chunked bodies: aiohttp stops at client_max_size (413)
     try:
         return msgspec.json.decode(data or b"{}", type=type_)
     except msgspec.ValidationError as exc:
-        raise web.HTTPBadRequest(
-            text=msgspec.json.encode({"error": f"invalid request: {exc}"}).decode(),
-            content_type="application/json",
-        ) from None
+        raise _HttpError(400, f"invalid request: {plain_bound(str(exc))}") from None
     except msgspec.DecodeError as exc:
-        raise web.HTTPBadRequest(
-            text=msgspec.json.encode({"error": f"request body is not JSON: {exc}"}).decode(),
-            content_type="application/json",
-        ) from None
+        raise _HttpError(400, f"request body is not JSON: {exc}") from None
+
+
+class _Unacknowledged(Exception):
+    """A publish NATS did not acknowledge (``workload``: the submission's id, if any)."""
+
+    def __init__(self, cause: BaseException, workload: str | None) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}".rstrip(": ").splitlines()[0])
+        self.workload = workload
+
+
+async def _published(publish: Awaitable[T], workload: str | None = None) -> T:
+    """``await publish``; a NATS outage (a timeout, a closed or reconnecting
+    connection, no JetStream responder) becomes :class:`_Unacknowledged`."""
+    import nats.errors
+
+    try:
+        return await publish
+    except (nats.errors.Error, TimeoutError, ConnectionError) as exc:
+        raise _Unacknowledged(exc, workload) from None
 
 
 class Gateway:
-    def __init__(self, log: EventLog) -> None:
+    """The HTTP API on ``log``.
+
+    ``auth`` checks every request's credential (see the module doc); it must be
+    given: ``None`` is the explicit choice of a gateway that authenticates
+    nobody and takes actors from request bodies (it logs a warning at start)."""
+
+    def __init__(self, log: EventLog, *, auth: Authenticator | None) -> None:
         self.log = log
+        self.auth = auth
         self.follower = Follower(log)
         self.history = History()
         self.logger = logs.get("gateway", cluster=log.subjects.cluster)
         self.url: str | None = None
         self.ready = asyncio.Event()
-        self.app = web.Application()
+        self.app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._authenticate]
+        )
         r = self.app.router
         r.add_post("/v1/workloads", self.submit)
         r.add_get("/v1/workloads/{id}", self.get_workload)
@@ -137,11 +225,69 @@ class Gateway:
         bound = sockets[0].getsockname()[1] if sockets else port
         self.url = f"http://{host}:{bound}"
         self.ready.set()
-        self.logger.info("listening", url=self.url)
+        self.logger.info("listening", url=self.url, auth=self.auth is not None)
+        if self.auth is None:
+            self.logger.warning(
+                "no authentication: anyone who reaches this gateway may act as anyone "
+                "(actors are taken from request bodies)",
+                url=self.url,
+            )
         try:
             await self.follow(stop)
         finally:
             await runner.cleanup()
+
+    # -- errors ---------------------------------------------------------
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every error as JSON ``{"error": ...}``; a bug is a logged 500, never a stop."""
+        try:
+            return await handler(request)
+        except _HttpError as exc:
+            return _error(exc.status, exc.reason, headers=exc.headers)
+        except web.HTTPException as exc:  # aiohttp's own: unknown path, method, body size
+            if exc.status < 400:
+                raise
+            return _error(exc.status, _http_reason(request, exc))
+        except _Unacknowledged as exc:
+            self.logger.warning("publish not acknowledged", path=request.path, error=str(exc))
+            extra: dict[str, Any] = {"workload": exc.workload} if exc.workload else {}
+            return _error(504, PUBLISH_UNACKNOWLEDGED.format(cause=exc), **extra)
+        except Exception as exc:
+            self.logger.exception("request failed", method=request.method, path=request.path)
+            return _error(500, f"internal error ({type(exc).__name__}); see the gateway's log")
+
+    # -- identity -------------------------------------------------------
+    @web.middleware
+    async def _authenticate(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """401 for a ``/v1/...`` request without a valid credential (before its
+        body is read); else the principal is kept for :meth:`_actor`."""
+        if self.auth is not None and needs_credential(request.method, request.path):
+            try:
+                request[_PRINCIPAL_KEY] = self.auth.authenticate(request.headers)
+            except AuthError as exc:
+                self.logger.warning(
+                    "not authenticated", method=request.method, path=request.path, why=exc.reason
+                )
+                challenge = self.auth.challenge
+                if exc.error:
+                    challenge += f', error="{exc.error}"'
+                raise _HttpError(
+                    401, f"not authenticated: {exc.reason}", {"WWW-Authenticate": challenge}
+                ) from None
+        return await handler(request)
+
+    def _actor(self, request: web.Request, stated: str) -> str:
+        """Who acts: the authenticated principal; ``stated`` (from the body) only
+        when the gateway authenticates nobody."""
+        if self.auth is None:
+            return stated
+        principal: str = request[_PRINCIPAL_KEY]
+        return principal
 
     # -- handlers -------------------------------------------------------
     async def submit(self, request: web.Request) -> web.Response:
@@ -157,13 +303,13 @@ class Gateway:
             gpu_type=body.gpu_type,
             resumable=body.resumable,
             priority=body.priority,
-            submitted_by=body.submitted_by,
+            submitted_by=self._actor(request, body.submitted_by),
             duration_ms=body.duration_ms,
         )
         problem = submission_error(self.state, event)
         if problem:
-            return _error(409 if "already exists" in problem else 400, problem)
-        ack = await self.log.publish_input(event)
+            return _error(_refusal_status(problem), problem)
+        ack = await _published(self.log.publish_input(event), workload)
         self.logger.info("submitted", workload=workload, seq=ack.seq, duplicate=ack.duplicate)
         return web.json_response(
             {"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202
@@ -175,14 +321,21 @@ class Gateway:
         status = self.state.status_of(workload)
         if status is None:
             return _error(404, f"unknown workload {workload!r}")
-        if workload not in self.state.workloads:
+        w = self.state.workloads.get(workload)
+        if w is None:
             return _error(409, f"workload {workload!r} already ended as {status}")
-        ack = await self.log.publish_input(
-            WorkloadCancelled(
-                id=f"cancel-{workload}",
-                at_ms=self.state.now_ms,
-                workload=workload,
-                actor=body.actor,
+        actor = self._actor(request, body.actor)
+        problem = cancel_authority_error(self.state, actor, w)
+        if problem:  # the fold's rule, asked early for a 403; the fold has the final word
+            return _error(403, problem)
+        ack = await _published(
+            self.log.publish_input(
+                WorkloadCancelled(
+                    id=f"cancel-{workload}",
+                    at_ms=self.state.now_ms,
+                    workload=workload,
+                    actor=actor,
+                )
             )
         )
         return web.json_response(
@@ -219,6 +372,9 @@ class Gateway:
 
     async def post_budget(self, request: web.Request) -> web.Response:
         body: BudgetRequest = await _body(request, BudgetRequest)
+        actor = self._actor(request, body.actor)
+        if not actor:
+            return _error(400, "invalid request: give 'actor' (this gateway does not authenticate)")
         trial = self.state.copy()
         events: list[Any] = []
         for n in body.set:
@@ -229,13 +385,13 @@ class Gateway:
                     path=n.path,
                     weight=n.weight,
                     owner=n.owner,
-                    actor=body.actor,
+                    actor=actor,
                 )
             )
         for path in body.remove:
             events.append(
                 BudgetRemoved(
-                    id=f"budget-{uuid.uuid4().hex}", at_ms=trial.now_ms, path=path, actor=body.actor
+                    id=f"budget-{uuid.uuid4().hex}", at_ms=trial.now_ms, path=path, actor=actor
                 )
             )
         if not events:
@@ -243,11 +399,8 @@ class Gateway:
         for e in events:
             apply(trial, e)
             if trial.rejections:
-                return _error(
-                    403 if "does not own" in trial.rejections[-1][1] else 400,
-                    trial.rejections[-1][1],
-                )
-        acks = await self.log.publish_inputs(events)
+                return _error(_refusal_status(trial.rejections[-1][1]), trial.rejections[-1][1])
+        acks = await _published(self.log.publish_inputs(events))
         return web.json_response({"published": len(acks), "last_seq": acks[-1].seq}, status=202)
 
     async def status(self, request: web.Request) -> web.Response:
@@ -268,6 +421,28 @@ class Gateway:
         return web.json_response(openapi_document())
 
 
+def _refusal_status(reason: str) -> int:
+    """The status of an input the fold would refuse: 409 for a used id, 403 when the
+    actor lacks the authority, else 400."""
+    if "already exists" in reason:
+        return 409
+    if "does not own" in reason or "may not" in reason:
+        return 403
+    return 400
+
+
+def _http_reason(request: web.Request, exc: web.HTTPException) -> str:
+    """One line for an error aiohttp raised before a handler ran."""
+    if exc.status == 404:
+        return f"no such path: {request.method} {request.path}"
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return f"method {request.method} not allowed on {request.path} (allowed: {allowed})"
+    if exc.status == 413:
+        return f"request body over {MAX_BODY_BYTES} bytes"
+    return exc.reason
+
+
 def openapi_document() -> dict[str, Any]:
     """OpenAPI 3.1 for the gateway; request schemas come from the msgspec Structs."""
     (submit, cancel, budget), components = msgspec.json.schema_components(
@@ -279,8 +454,17 @@ def openapi_document() -> dict[str, Any]:
     }
     components["Error"] = {
         "type": "object",
-        "properties": {"error": {"type": "string"}},
+        "properties": {
+            "error": {"type": "string"},
+            "workload": {"type": "string", "description": "504 of a submit: the id to retry with"},
+        },
         "required": ["error"],
+    }
+    publishing = {"413": err, "504": err}
+    unauthenticated = {
+        "description": "no credential, or one the gateway does not know",
+        "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}},
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
     }
     ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
     accepted = {
@@ -292,7 +476,7 @@ def openapi_document() -> dict[str, Any]:
     def body(schema: dict[str, Any]) -> dict[str, Any]:
         return {"required": True, "content": {"application/json": {"schema": schema}}}
 
-    return {
+    doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "apportion gateway", "version": "1"},
         "paths": {
@@ -300,7 +484,13 @@ def openapi_document() -> dict[str, Any]:
                 "post": {
                     "summary": "Submit a workload",
                     "requestBody": body(submit),
-                    "responses": {"202": accepted, "400": err, "409": err},
+                    "responses": {
+                        "202": accepted,
+                        "400": err,
+                        "403": err,
+                        "409": err,
+                        **publishing,
+                    },
                 }
             },
             "/v1/workloads/{id}": {
@@ -315,7 +505,13 @@ def openapi_document() -> dict[str, Any]:
                     "summary": "Cancel a workload",
                     "parameters": wid,
                     "requestBody": body(cancel),
-                    "responses": {"202": accepted, "404": err, "409": err},
+                    "responses": {
+                        "202": accepted,
+                        "403": err,
+                        "404": err,
+                        "409": err,
+                        **publishing,
+                    },
                 }
             },
             "/v1/queue": {
@@ -342,12 +538,29 @@ def openapi_document() -> dict[str, Any]:
                 "post": {
                     "summary": "Set and remove budget nodes",
                     "requestBody": body(budget),
-                    "responses": {"202": accepted, "400": err, "403": err},
+                    "responses": {"202": accepted, "400": err, "403": err, **publishing},
                 },
             },
             "/v1/status": {
                 "get": {"summary": "Positions of the gateway's view", "responses": {"200": ok}}
             },
         },
-        "components": {"schemas": components},
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "an apportion token (apt_...): apportion auth issue",
+                }
+            },
+        },
+        "security": [{"bearer": []}],
     }
+    for path, item in doc["paths"].items():
+        for operation in item.values():
+            if path == "/v1/status":
+                operation["security"] = []  # the health check needs no credential
+            else:
+                operation["responses"]["401"] = unauthenticated
+    return doc

@@ -6,25 +6,128 @@ It reads both streams in canonical order (input ``k``, then the batch based on
 that position in one transaction, so a restart resumes with no duplicate and no
 gap. A batch's position is its DECISIONS sequence (the stream holds batches
 only, so "batches folded" is also the last sequence read).
+
+The file heals: :func:`open_projection` reads every table of it through (DuckDB
+checks each block's checksum) and decodes the saved state; a file that is
+truncated, bit-flipped or otherwise unreadable is moved aside
+(``<file>.corrupt-<UTC time>``, with its WAL), logged, and replaced by an empty
+one, which the projector rebuilds from the streams; so is a file ahead of the
+streams (:func:`open_projection_for`). A decision batch out of canonical order
+is logged and skipped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import duckdb
-from apportion.core.history import fold_item
+from apportion.core.history import HistoryOrderError, fold_item
 from apportion.replay.projection import Projection
+from apportion.schemas.history import BatchItem
 
 from . import logs
 from .bus import EventLog
 from .canonical import CanonicalReader
 
 
-def open_projection(path: str | Path | None) -> Projection:
-    return Projection(duckdb.connect(str(path) if path else ":memory:"))
+class ProjectionCorrupt(Exception):
+    """A projection file that cannot be used as it is."""
+
+
+def check_projection(projection: Projection) -> None:
+    """Read every table of ``projection`` through and decode its saved state;
+    raise :class:`ProjectionCorrupt` (or a ``duckdb.Error``) if anything is damaged."""
+    con = projection.con
+    tables = [
+        r[0]
+        for r in con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main'"
+        ).fetchall()
+    ]
+    for table in tables:
+        # hashing every value makes DuckDB read (and checksum) every block of the table
+        con.execute(f'SELECT sum(hash(COLUMNS(*))) FROM "{table}"').fetchall()
+    try:
+        state = projection.saved_state()
+    except Exception as exc:  # noqa: BLE001 - a saved state that does not decode, however it fails
+        raise ProjectionCorrupt(
+            f"its saved state does not decode ({type(exc).__name__}: {exc})"
+        ) from None
+    if state.input_seq != projection.position[0]:
+        raise ProjectionCorrupt(
+            f"its saved state is at input {state.input_seq}, its position at {projection.position[0]}"
+        )
+
+
+def _is_lock_error(exc: BaseException) -> bool:
+    """DuckDB refusing a file another process has open: not damage, never moved aside."""
+    text = str(exc).lower()
+    return "could not set lock" in text or "conflicting lock" in text
+
+
+def move_aside(path: Path) -> Path:
+    """Rename ``path`` (and its ``.wal``) to ``<path>.corrupt-<UTC time>``; returns the new name."""
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    path.rename(aside)
+    wal = path.with_name(path.name + ".wal")
+    if wal.exists():
+        wal.rename(aside.with_name(aside.name + ".wal"))
+    return aside
+
+
+def open_projection(path: str | Path | None, logger: Any = None) -> Projection:
+    """The projection in the DuckDB file ``path`` (in memory for ``None``); a
+    damaged file is moved aside (logged) and an empty one takes its place."""
+    if path is None:
+        return Projection(duckdb.connect(":memory:"))
+    path = Path(path)
+    con: duckdb.DuckDBPyConnection | None = None
+    try:
+        con = duckdb.connect(str(path))
+        projection = Projection(con)
+        check_projection(projection)
+        return projection
+    except (duckdb.Error, ProjectionCorrupt) as exc:
+        if con is not None:
+            con.close()
+        if isinstance(exc, duckdb.Error) and _is_lock_error(exc):
+            raise
+        reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    aside = move_aside(path)
+    (logger or logs.get("projector")).warning(
+        "projection file unreadable; moved aside, rebuilding it from the streams",
+        path=str(path),
+        moved_to=str(aside),
+        reason=reason,
+    )
+    return Projection(duckdb.connect(str(path)))
+
+
+async def open_projection_for(
+    path: str | Path | None, log: EventLog, logger: Any = None
+) -> Projection:
+    """:func:`open_projection`, then also moved aside when the file is ahead of the
+    streams (they lost their tail in an OS crash: its rows would not be theirs)."""
+    projection = await asyncio.to_thread(open_projection, path, logger)
+    inputs, batches = projection.position
+    last_input, last_batch = await log.last_input_seq(), await log.last_batch_seq()
+    if path is None or (inputs <= last_input and batches <= last_batch):
+        return projection
+    projection.con.close()
+    aside = move_aside(Path(path))
+    (logger or logs.get("projector")).warning(
+        "projection file ahead of the streams; moved aside, rebuilding it from the streams",
+        path=str(path),
+        moved_to=str(aside),
+        position=[inputs, batches],
+        streams=[last_input, last_batch],
+    )
+    return Projection(duckdb.connect(str(path)))
 
 
 class Projector:
@@ -38,6 +141,8 @@ class Projector:
         self.logger = logs.get("projector", cluster=log.subjects.cluster)
         self.position: tuple[int, int] = projection.position
         self.state = projection.saved_state()
+        self.skipped = 0
+        """Decision batches skipped as out of canonical order."""
 
     async def run(self, stop: asyncio.Event) -> None:
         inputs_done, batches_done = self.projection.position
@@ -50,16 +155,34 @@ class Projector:
             while not stop.is_set():
                 items = await reader.read(0.2, limit=5000)
                 for item in items:
-                    p(item, state, fold_item(state, item))
+                    try:
+                        why = fold_item(state, item)
+                    except HistoryOrderError as exc:
+                        if not isinstance(item, BatchItem):
+                            raise
+                        self.skipped += 1
+                        self.logger.warning(
+                            "skipped a decision batch out of canonical order",
+                            seq=item.seq,
+                            why=str(exc),
+                        )
+                        continue
+                    p(item, state, why)
                 dirty = dirty or bool(items)
                 if dirty and (not items or time.monotonic() - last_commit >= self.commit_every_s):
                     p.commit(state)
                     dirty = False
                     last_commit = time.monotonic()
                     self.position = p.position
+        except Exception:
+            # a database that failed may be damaged: let go of it, so that the next
+            # open (a restart by the supervisor) checks the file afresh
+            dirty = False
+            p.con.close()
+            raise
         finally:
+            await reader.close()
             if dirty:
                 p.commit(state)
                 self.position = p.position
-            await reader.close()
             self.logger.info("stopped", input_seq=self.position[0], batches=self.position[1])

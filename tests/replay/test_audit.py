@@ -446,7 +446,7 @@ def test_a_live_clusters_streams_are_a_log_source(tmp_path):
         asyncio.run(run_cluster())
         r = cli("audit", "--cluster", cluster, "--nats", url)
         assert r.exit_code == 0, r.output
-        assert r.stdout.startswith("audit: 22 inputs, 8 decision batches, all reproduced")
+        assert r.stdout.startswith("audit: 25 inputs, 8 decision batches, all reproduced")
         out = tmp_path / "live.jsonl"
         r = cli(
             "replay",

@@ -32,7 +32,9 @@ def _setup(*nodes: tuple[str, int, str]) -> list[Event]:
     ]
     for name, gpus, gpu_type in nodes:
         events.append(
-            NodeRegistered(id=f"n-{name}", at_ms=0, node=name, gpus=gpus, gpu_type=gpu_type)
+            NodeRegistered(
+                id=f"n-{name}", at_ms=0, node=name, gpus=gpus, gpu_type=gpu_type, actor="root"
+            )
         )
     return events
 
@@ -47,6 +49,7 @@ def _submit(workload: str, at_ms: int, gpus: int = 8, gpu_type: str = "any") -> 
         min_runtime_ms=0,
         gpu_type=gpu_type,
         legacy_priority="normal",
+        submitted_by="root",
     )
 
 
@@ -66,7 +69,10 @@ def decisions(first: str, second: str) -> list[str]:
         apply(state, e)
     cycle()
     running = next(iter(state.running))
-    apply(state, WorkloadFinished(id="fin", at_ms=100, workload=running, attempt=1))
+    apply(
+        state,
+        WorkloadFinished(id="fin", at_ms=100, workload=running, attempt=1, actor="root"),
+    )
     cycle()
     return out
 

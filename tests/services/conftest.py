@@ -145,3 +145,34 @@ async def jlog(js: JetStreamContext, cluster: str):
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_logs() -> None:
     logs.configure("warning")
+
+
+class Credentials:
+    """Gateway credentials for the tests: a credentials file under a temporary folder,
+    a token for each principal of :data:`services_helpers.PRINCIPALS`, and the
+    :class:`~apportion.services.auth.TokenAuthenticator` a gateway checks them with."""
+
+    def __init__(self, folder: Path) -> None:
+        from apportion.services.auth import (
+            TokenAuthenticator,
+            credentials_file,
+            ensure_local_credentials,
+            read_token_file,
+        )
+        from services_helpers import PRINCIPALS
+
+        self.folder = folder
+        self.token_files = ensure_local_credentials(folder, PRINCIPALS)
+        self.tokens = {p: read_token_file(f) for p, f in self.token_files.items()}
+        self.file = credentials_file(folder)
+        self.authenticator = TokenAuthenticator(self.file)
+
+    def headers(self, principal: str = "ops") -> dict[str, str]:
+        """``Authorization: Bearer <principal's token>``."""
+        return {"Authorization": f"Bearer {self.tokens[principal]}"}
+
+
+@pytest.fixture
+def creds(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
+    """A fresh set of gateway credentials (see :class:`Credentials`)."""
+    return Credentials(tmp_path_factory.mktemp("creds"))

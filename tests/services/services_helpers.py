@@ -18,6 +18,10 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
 )
 
+PRINCIPALS = ("ops", "alice", "a", "b", "vic", "mallory")
+"""Who the tests' gateway credentials name: the owners of :func:`small_cluster`, and
+``mallory``, who owns nothing."""
+
 
 def small_cluster(nodes: int = 2, gpus: int = 8) -> list[Input]:
     """``nodes`` h100 nodes of ``gpus`` GPUs; budget root(ops) -> llm(alice) -> llm/a, llm/b; vision."""
@@ -38,6 +42,7 @@ def small_cluster(nodes: int = 2, gpus: int = 8) -> list[Input]:
 def submit(
     workload: str, owner: str = "llm/a", gpus: int = 4, min_runtime_ms: int = 60_000, **kw
 ) -> WorkloadSubmitted:
+    kw.setdefault("submitted_by", "ops")  # the root's owner may submit anywhere
     return WorkloadSubmitted(
         id=f"submit-{workload}",
         at_ms=0,

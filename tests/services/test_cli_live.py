@@ -39,15 +39,20 @@ def stack(nats_server, tmp_path: Path, cluster: str):
         stderr=err,
         start_new_session=True,
     )
-    url = None
+    url = token_file = None
     deadline = time.monotonic() + 60
-    while url is None and time.monotonic() < deadline and proc.poll() is None:
+    while token_file is None and time.monotonic() < deadline and proc.poll() is None:
         err.seek(0)
-        m = re.search(r"gateway: (http://\S+)", err.read())
+        printed = err.read()
+        m = re.search(r"gateway: (http://\S+)", printed)
         url = m.group(1) if m else None
+        m = re.search(r"export APPORTION_TOKEN_FILE=(\S+)", printed)
+        token_file = m.group(1) if m else None
         time.sleep(0.05)
     assert url, f"apportion up did not print its gateway URL: {(tmp_path / 'up.err').read_text()}"
+    assert token_file == str((tmp_path / "data" / "credentials" / "admin.token").resolve())
     env["APPORTION_URL"] = url
+    env["APPORTION_TOKEN_FILE"] = token_file
     try:
         yield env, proc
     finally:

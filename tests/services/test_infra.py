@@ -6,7 +6,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from apportion.schemas.events import DecisionBatch
 from apportion.services.bus import JetStreamLog
 from apportion.services.scheduler import Scheduler
 from services_helpers import small_cluster, submit
@@ -64,33 +63,101 @@ async def _connect(port: int, user: str):
     return nc, errors
 
 
-async def test_accounts_enforce_roles(secure_server: int) -> None:
+ROLES = ("scheduler", "gateway", "operator", "agent", "projector", "auditor")
+INPUT_KINDS = {
+    "scheduler": {"ClockTicked"},
+    "gateway": {"WorkloadSubmitted", "WorkloadCancelled", "BudgetSet", "BudgetRemoved"},
+    "operator": {
+        "WorkloadSubmitted",
+        "WorkloadCancelled",
+        "BudgetSet",
+        "BudgetRemoved",
+        "PolicySet",
+        "NodeRegistered",
+        "NodeHealthChanged",
+        "WorkloadFinished",
+    },
+    "agent": {"NodeRegistered", "NodeHealthChanged", "WorkloadFinished"},
+    "projector": set(),
+    "auditor": set(),
+}
+ALL_KINDS = sorted(set().union(*INPUT_KINDS.values()))
+
+
+async def _refused(nc, subject: str, payload: bytes = b"{}") -> bool:
+    """A JetStream API request or a stream publish that gets no answer (the server
+    drops what a user may not publish) is refused."""
     import nats.errors
 
-    sched_nc, _ = await _connect(secure_server, "scheduler")
-    gw_nc, _ = await _connect(secure_server, "gateway")
-    aud_nc, _ = await _connect(secure_server, "auditor")
     try:
-        sched = JetStreamLog(sched_nc.jetstream(), "demo")
+        await nc.request(subject, payload, timeout=0.4)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+        return True
+    return False
+
+
+async def _stored(nc, stream: str) -> int:
+    info = await nc.jetstream().stream_info(stream)
+    return info.state.messages
+
+
+async def test_accounts_enforce_roles(secure_server: int) -> None:
+    """Every role reads; each publishes only its input kinds; only the scheduler
+    writes decisions; nobody creates a consumer on the streams (whose deliver
+    subject could be DECISIONS), deletes or purges."""
+    import asyncio
+    import json
+
+    conns = {role: (await _connect(secure_server, role))[0] for role in ROLES}
+    try:
+        sched = JetStreamLog(conns["scheduler"].jetstream(), "demo")
         await sched.setup()
-        gw = JetStreamLog(gw_nc.jetstream(timeout=1.0), "demo")
-        aud = JetStreamLog(aud_nc.jetstream(timeout=1.0), "demo")
-        # gateway and services publish inputs; the scheduler decides, snapshots and holds its lease
-        await gw.publish_inputs(small_cluster() + [submit("w1")])
+        op = JetStreamLog(conns["operator"].jetstream(timeout=1.0), "demo")
+        await op.publish_inputs(small_cluster() + [submit("w1")])
         s = Scheduler(sched, await sched.snapshots(), await sched.lease("s1"))
         await s.recover()
         assert await s.cycle() is not None
         await s.save_snapshot()
         await s._tail.close()  # noqa: SLF001
-        # nobody else publishes decisions, the auditor publishes nothing, and all can read
-        with pytest.raises((nats.errors.TimeoutError, TimeoutError)):
-            await gw.publish_batch(DecisionBatch(basis=99, decisions=()), 1)
-        with pytest.raises((nats.errors.TimeoutError, TimeoutError)):
-            await aud.publish_input(submit("w2"))
-        tail = aud.tail_batches(1)
-        assert [b.batch.basis for b in await tail.take(10, 10.0)] == [len(small_cluster()) + 1]
-        await tail.close()
-        assert await sched.last_batch_seq() == 1
+        inputs, decisions = await _stored(conns["scheduler"], "INPUTS_demo"), 1
+        for role, nc in conns.items():
+            # reads: every role, by direct get
+            tail = JetStreamLog(nc.jetstream(timeout=1.0), "demo").tail_batches(1)
+            assert [b.seq for b in await tail.take(10, 5.0)] == [1], role
+            await tail.close()
+            # inputs: only its kinds (the refusals are asked all at once)
+            kinds = await asyncio.gather(
+                *(_refused(nc, f"apportion.demo.inputs.{k}", b"not json") for k in ALL_KINDS)
+            )
+            assert dict(zip(ALL_KINDS, kinds, strict=True)) == {
+                k: k not in INPUT_KINDS[role] for k in ALL_KINDS
+            }, role
+            inputs += kinds.count(False)
+            # no consumer on the streams, not even for the scheduler: a push consumer's
+            # deliver subject is where the server writes; no deletes, no purges
+            body = json.dumps({"config": {"deliver_subject": "apportion.demo.decisions"}}).encode()
+            routes = [
+                (f"$JS.API.{api}.{stream}{suffix}", payload)
+                for stream in ("INPUTS_demo", "DECISIONS_demo")
+                for api, suffix, payload in (
+                    ("CONSUMER.CREATE", "", body),
+                    ("CONSUMER.CREATE", ".x.>", body),
+                    ("CONSUMER.DURABLE.CREATE", ".x", body),
+                    ("STREAM.DELETE", "", b""),
+                    ("STREAM.PURGE", "", b""),
+                    ("STREAM.MSG.DELETE", "", b'{"seq": 1}'),
+                )
+            ]
+            if role != "scheduler":
+                routes.append(("apportion.demo.decisions", b"garbage"))
+            refused = await asyncio.gather(*(_refused(nc, r, p) for r, p in routes))
+            assert all(refused), (
+                role,
+                [r for (r, _), ok in zip(routes, refused, strict=True) if not ok],
+            )
+        # what was refused left no trace; what was allowed was stored
+        assert await _stored(conns["scheduler"], "DECISIONS_demo") == decisions
+        assert await _stored(conns["scheduler"], "INPUTS_demo") == inputs
     finally:
-        for nc in (sched_nc, gw_nc, aud_nc):
+        for nc in conns.values():
             await nc.close()

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 import duckdb
@@ -24,6 +24,9 @@ from apportion.services.gateway import Gateway
 from apportion.services.projector import Projector
 from apportion.services.scheduler import Scheduler, load_snapshot
 from services_helpers import eventually, small_cluster, submit
+
+if TYPE_CHECKING:
+    from conftest import Credentials
 
 TABLES = ("events", "workloads", "runs", "waits", "nodes", "health", "budget")
 
@@ -72,11 +75,13 @@ def full_fold(inputs: list[InputItem], batches: list[BatchItem]) -> State:
     return fold_history(merged)
 
 
-async def test_submit_placed_finished_end_to_end(jlog: JetStreamLog, tmp_path: Path) -> None:
+async def test_submit_placed_finished_end_to_end(
+    jlog: JetStreamLog, tmp_path: Path, creds: Credentials
+) -> None:
     await jlog.publish_inputs(small_cluster())
     scheduler = Scheduler(jlog)
     executor = Executor(jlog)
-    gateway = Gateway(jlog)
+    gateway = Gateway(jlog, auth=creds.authenticator)
     async with running(scheduler, executor, gateway):
         await eventually(
             lambda: gateway.state.input_seq >= len(small_cluster()), what="gateway caught up"
@@ -259,9 +264,11 @@ async def test_bad_input_yields_input_rejected_and_changes_nothing(jlog: JetStre
     assert after.rejections == [] and after.input_seq == before.input_seq + 5
 
 
-async def test_gateway_answers_4xx_with_a_json_reason(jlog: JetStreamLog) -> None:
+async def test_gateway_answers_4xx_with_a_json_reason(
+    jlog: JetStreamLog, creds: Credentials
+) -> None:
     await jlog.publish_inputs(small_cluster())
-    scheduler, gateway = Scheduler(jlog), Gateway(jlog)
+    scheduler, gateway = Scheduler(jlog), Gateway(jlog, auth=creds.authenticator)
     async with running(scheduler, gateway), aiohttp.ClientSession() as http:
         await gateway.ready.wait()
         await eventually(
@@ -269,8 +276,8 @@ async def test_gateway_answers_4xx_with_a_json_reason(jlog: JetStreamLog) -> Non
         )
         url = gateway.url
 
-        async def call(method: str, path: str, **kw: object) -> tuple[int, dict]:
-            async with http.request(method, url + path, **kw) as r:
+        async def call(method: str, path: str, as_: str = "a", **kw: object) -> tuple[int, dict]:
+            async with http.request(method, url + path, headers=creds.headers(as_), **kw) as r:
                 return r.status, await r.json()
 
         cases = [
@@ -309,10 +316,8 @@ async def test_gateway_answers_4xx_with_a_json_reason(jlog: JetStreamLog) -> Non
                 "POST",
                 "/v1/budget",
                 {
-                    "json": {
-                        "actor": "mallory",
-                        "set": [{"path": "llm/c", "weight": 1, "owner": "m"}],
-                    }
+                    "as_": "mallory",
+                    "json": {"set": [{"path": "llm/c", "weight": 1, "owner": "m"}]},
                 },
                 403,
                 "does not own",
@@ -345,11 +350,11 @@ async def test_gateway_answers_4xx_with_a_json_reason(jlog: JetStreamLog) -> Non
         assert status == 200 and ex["status"] == "running"
 
 
-async def test_clock_ticks_at_the_protection_expiry(jlog: JetStreamLog) -> None:
+async def test_clock_ticks_at_the_protection_expiry(jlog: JetStreamLog, creds: Credentials) -> None:
     """Nothing arrives after the second submit; only the scheduler's ClockTicked lets
     v1 preempt a1 once a1's minimum runtime has passed."""
     await jlog.publish_inputs(small_cluster(nodes=1))
-    scheduler, gateway = Scheduler(jlog), Gateway(jlog)
+    scheduler, gateway = Scheduler(jlog), Gateway(jlog, auth=creds.authenticator)
     async with running(scheduler, gateway):
         await jlog.publish_input(submit("a1", owner="llm/a", gpus=8, min_runtime_ms=400))
         await eventually(lambda: "a1" in gateway.state.running, what="a1 running")

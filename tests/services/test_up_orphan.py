@@ -73,6 +73,7 @@ def test_up_after_a_sigkilled_up_stops_the_orphaned_nats_server(tmp_path: Path) 
     env = {**os.environ}
     env.pop("NATS_URL", None)  # `up` starts its own server
     env.pop("APPORTION_URL", None)
+    env["APPORTION_TOKEN_FILE"] = str(data / "credentials" / "admin.token")  # made by `up`
     procs: list[subprocess.Popen] = []
     try:
         first, url = start_up(data, tmp_path / "up1.err", env)

@@ -1,0 +1,167 @@
+"""Reading a stream without a consumer: batched direct gets.
+
+A reader that may create JetStream consumers may also choose a consumer's
+*deliver subject*, and the server then publishes the stream's messages there:
+with the DECISIONS subject as the deliver subject, any reader could write into
+the decisions log. So no role but the scheduler has consumer permissions
+(docs/security.md); every reader reads with **batched direct gets** instead
+(``$JS.API.DIRECT.GET.<stream>`` with ``{"seq": N, "batch": K}``; the stream has
+``allow_direct``): the server answers with up to ``K`` stored messages from
+sequence ``N`` on, then an end-of-batch status (``204 EOB``, with the number of
+messages still pending), or ``404`` when nothing is stored from ``N`` on.
+
+Waiting for new messages: a plain subscription on the stream's subjects wakes
+the reader (subscribing reads, it cannot write); a poll every
+:data:`POLL_S` covers a wake-up that was missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+BATCH = 1000
+"""Messages per direct-get request."""
+POLL_S = 0.25
+"""How often a waiting reader asks again even without a wake-up."""
+REQUEST_TIMEOUT_S = 5.0
+"""How long one batch may take to arrive (then the reader raises)."""
+
+
+class DirectGetError(Exception):
+    """The server refused a direct get (no permission, no such stream, no ``allow_direct``)."""
+
+
+def stamp_ns(value: str) -> int:
+    """``Nats-Time-Stamp`` (RFC 3339, UTC, up to nanoseconds) as epoch nanoseconds."""
+    date, _, frac = value.rstrip("Z").partition(".")
+    whole = datetime.fromisoformat(date).replace(tzinfo=UTC)
+    ns = int((frac + "000000000")[:9]) if frac else 0
+    return int(whole.timestamp()) * 1_000_000_000 + ns
+
+
+class StoredMessage:
+    """One message as a direct get returns it: its stream sequence, store time,
+    subject, the publisher's headers and its bytes."""
+
+    __slots__ = ("seq", "ts_ns", "subject", "headers", "data")
+
+    def __init__(self, msg: Any) -> None:
+        h = msg.headers or {}
+        self.seq = int(h["Nats-Sequence"])
+        self.ts_ns = stamp_ns(h["Nats-Time-Stamp"])
+        self.subject: str = h.get("Nats-Subject", "")
+        self.headers: dict[str, str] = dict(h)
+        self.data: bytes = msg.data
+
+
+async def get_batch(
+    nc: Any, stream: str, from_seq: int, batch: int
+) -> tuple[list[StoredMessage], int]:
+    """Up to ``batch`` stored messages of ``stream`` from ``from_seq`` on, and how many
+    are stored after the last one returned."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    out: list[StoredMessage] = []
+    try:
+        request = json.dumps({"seq": max(1, from_seq), "batch": batch}).encode()
+        await nc.publish(f"$JS.API.DIRECT.GET.{stream}", request, reply=inbox)
+        while True:
+            msg = await sub.next_msg(timeout=REQUEST_TIMEOUT_S)
+            status = (msg.headers or {}).get("Status")
+            if status is None:
+                out.append(StoredMessage(msg))
+                continue
+            if status == "204":  # end of batch
+                return out, int(msg.headers.get("Nats-Num-Pending", "0"))
+            if status == "404":  # nothing stored from from_seq on
+                return out, 0
+            detail = msg.headers.get("Description", "") if msg.headers else ""
+            raise DirectGetError(f"direct get on {stream}: {status} {detail}".strip())
+    finally:
+        with contextlib.suppress(Exception):  # the connection may be gone already
+            await sub.unsubscribe()
+
+
+class DirectTail(Generic[T]):
+    """A :class:`~apportion.services.bus.Tail` over ``stream`` from ``from_seq``,
+    by batched direct gets; ``convert`` turns a :class:`StoredMessage` into an item,
+    or ``None`` for a message to skip (it logs why)."""
+
+    def __init__(
+        self,
+        nc: Any,
+        stream: str,
+        wake_subject: str,
+        from_seq: int,
+        convert: Callable[[StoredMessage], T | None],
+    ) -> None:
+        self._nc = nc
+        self._stream = stream
+        self._wake_subject = wake_subject
+        self._from = max(1, from_seq)
+        self._convert = convert
+        self._buf: list[StoredMessage] = []
+        self._pending = 1
+        self._woken = asyncio.Event()
+        self._sub: Any = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def caught_up(self) -> bool:
+        return not self._buf and self._pending == 0
+
+    @property
+    def position(self) -> int:
+        return self._from - 1
+
+    async def _fill(self, want: int) -> None:
+        if self._sub is None:
+
+            async def wake(_msg: Any) -> None:
+                self._woken.set()
+
+            self._sub = await self._nc.subscribe(self._wake_subject, cb=wake)
+        self._woken.clear()
+        got, pending = await get_batch(self._nc, self._stream, self._from, min(BATCH, max(1, want)))
+        self._buf.extend(got)
+        self._pending = pending
+
+    async def take(self, max_n: int, timeout: float) -> list[T]:
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while True:
+                if not self._buf:
+                    await self._fill(max_n)
+                if self._buf:
+                    break
+                left = deadline - loop.time()
+                if left <= 0:
+                    return []
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._woken.wait(), min(left, POLL_S))
+            out: list[T] = []
+            buf = self._buf
+            n = 0
+            while n < len(buf) and len(out) < max_n:
+                m = buf[n]
+                n += 1
+                self._from = m.seq + 1
+                item = self._convert(m)
+                if item is not None:
+                    out.append(item)
+            del buf[:n]
+            return out
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None

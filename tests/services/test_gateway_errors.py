@@ -1,0 +1,409 @@
+"""The gateway's errors on a real nats-server: every error is JSON ``{"error": ...}``,
+bad requests never get a 5xx, a bug is a logged 500 that does not stop the
+gateway, and a NATS outage is a 504 after which a retry with the same id is
+stored once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+from apportion.schemas.bounds import MAX_DURATION_MS, MAX_GPUS
+from apportion.schemas.events import DAY_MS, WorkloadSubmitted
+from apportion.schemas.history import InputItem
+from apportion.services import gateway as gateway_module
+from apportion.services.bus import JetStreamLog, connect
+from apportion.services.canonical import read_history
+from apportion.services.client import GatewayClient, GatewayError
+from apportion.services.gateway import MAX_BODY_BYTES, Gateway
+from apportion.services.runner import supervise_scheduler
+from apportion.services.scheduler import Scheduler
+from apportion.services.stack import free_port, nats_server_binary, stop_process
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from services_helpers import eventually, small_cluster, wait_port
+
+if TYPE_CHECKING:
+    from conftest import Credentials
+
+APPORTION = [sys.executable, "-m", "apportion"]
+
+
+@contextlib.asynccontextmanager
+async def serving(log: JetStreamLog, creds: Credentials) -> AsyncIterator[Gateway]:
+    """A scheduler and a gateway on ``log`` (the small cluster published first),
+    the gateway caught up with it and checking ``creds``."""
+    await log.publish_inputs(small_cluster())
+    scheduler, gateway = Scheduler(log), Gateway(log, auth=creds.authenticator)
+    stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(supervise_scheduler(scheduler, stop)),
+        asyncio.create_task(gateway.serve(stop, port=0)),
+    ]
+    try:
+        await gateway.ready.wait()
+        await eventually(
+            lambda: gateway.state.input_seq >= len(small_cluster()), what="gateway caught up"
+        )
+        yield gateway
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+
+
+def http(
+    method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """``(status, JSON body)``; a body that is not JSON fails the test."""
+    req = urllib.request.Request(
+        url,
+        data=body,
+        method=method,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        raise AssertionError(
+            f"{method} {url} -> {status} with a body that is not JSON: {raw!r}"
+        ) from None
+
+
+# -- fuzz ------------------------------------------------------------------------------
+
+EXTREME_INTS = [0, 1, -1, 8, 2**31, -(2**31) - 1, 2**63, 2**64, 10**12, MAX_GPUS + 1, 10**30]
+EXTREME_STRINGS = ["", "llm/a", "vision", "a" * 129, "a/b", "a//b", "a\x00b", "a\n", "é", "ops"]
+values = st.one_of(
+    st.sampled_from(EXTREME_INTS),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from(EXTREME_STRINGS),
+    st.text(max_size=10),
+    st.none(),
+    st.booleans(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+SUBMIT_FIELDS = [
+    "owner",
+    "gpus",
+    "min_runtime_ms",
+    "id",
+    "duration_ms",
+    "priority",
+    "resumable",
+    "gpu_type",
+    "submitted_by",
+]
+good_submit = {"owner": "llm/a", "gpus": 1, "min_runtime_ms": 0}
+BIG = b"<a body over the limit>"
+GET_ONLY = ("/v1/queue", "/v1/share", "/v1/status", "/openapi.json", "/v1/explain/")
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[str, str, bytes | None]:
+    """A method, a path and a body: mostly well-typed bodies with extreme values."""
+    wid = draw(st.sampled_from(["ghost", "a" * 300, "%00", "a%2Fb", "..", "%C3%A9", "%0A"]))
+    path = draw(
+        st.sampled_from(
+            [
+                "/v1/workloads",
+                "/v1/budget",
+                f"/v1/workloads/{wid}/cancel",
+                f"/v1/workloads/{wid}",
+                f"/v1/explain/{wid}",
+                "/v1/queue",
+                "/v1/share",
+                "/v1/status",
+                "/openapi.json",
+                "/nope",
+                "/v1/workloads/x/y/z",
+            ]
+        )
+    )
+    if draw(st.integers(0, 3)):  # mostly a method the path takes
+        read = path.startswith(GET_ONLY) or (
+            path.startswith("/v1/workloads/") and not path.endswith("/cancel")
+        )
+        method = "GET" if read else "POST"
+    else:
+        method = draw(st.sampled_from(["POST", "GET", "PUT", "DELETE"]))
+    shape = draw(st.integers(0, 9))
+    if shape == 0:
+        return method, path, draw(st.binary(max_size=64))
+    if shape == 1:
+        return method, path, json.dumps(draw(values)).encode()
+    if shape == 2:
+        return method, path, BIG
+    if shape <= 6:
+        body = dict(good_submit)
+        for name in draw(st.lists(st.sampled_from(SUBMIT_FIELDS), max_size=4)):
+            body[name] = draw(values)
+        return method, path, json.dumps(body).encode()
+    budget: dict[str, Any] = {
+        "actor": draw(st.one_of(st.just("ops"), values)),
+        "set": [
+            {"path": draw(values), "weight": draw(values), "owner": draw(values)}
+            for _ in range(draw(st.integers(0, 2)))
+        ],
+        "remove": draw(st.lists(values, max_size=2)),
+    }
+    return method, path, json.dumps(budget).encode()
+
+
+async def test_bad_requests_get_a_json_error_and_never_a_5xx(
+    jlog: JetStreamLog, creds: Credentials
+) -> None:
+    async with serving(jlog, creds) as gateway:
+        url = gateway.url
+        assert url is not None
+        seen: dict[int, int] = {}
+
+        @settings(
+            max_examples=200,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        )
+        @given(requests())
+        @example(("POST", "/v1/workloads", BIG))
+        @example(("PUT", "/v1/queue", None))
+        @example(("GET", "/v1/nope", None))
+        @example(("POST", "/v1/workloads", b"{not json"))
+        def fuzz(request: tuple[str, str, bytes | None]) -> None:
+            method, path, body = request
+            if body == BIG:
+                body = b'{"owner": "' + b"x" * MAX_BODY_BYTES + b'"}'
+            status, answer = http(method, url + path, body, creds.headers())
+            seen[status] = seen.get(status, 0) + 1
+            assert status < 500, (method, path, body[:200] if body else body, answer)
+            if status >= 400:
+                assert isinstance(answer, dict) and isinstance(answer.get("error"), str)
+
+        await asyncio.to_thread(fuzz)
+        assert {400, 404, 405, 413} <= set(seen), seen  # the fuzz reached each kind of error
+        status, answer = await asyncio.to_thread(http, "GET", url + "/v1/status")
+        assert status == 200 and answer["input_seq"] >= len(small_cluster())
+
+
+async def test_bounds_and_sizes_are_named_in_4xx(jlog: JetStreamLog, creds: Credentials) -> None:
+    async with (
+        serving(jlog, creds) as gateway,
+        aiohttp.ClientSession(headers=creds.headers()) as session,
+    ):
+        url = gateway.url
+
+        async def post(path: str, **kw: Any) -> tuple[int, dict[str, Any]]:
+            async with session.post(f"{url}{path}", **kw) as r:
+                assert r.content_type == "application/json"
+                return r.status, await r.json()
+
+        cases = [
+            ({"duration_ms": 99999999999999999999 * DAY_MS}, "$.duration_ms", str(MAX_DURATION_MS)),
+            ({"duration_ms": 2**63}, "$.duration_ms", str(MAX_DURATION_MS)),
+            ({"priority": 2**31}, "$.priority", "2147483647"),
+            ({"gpus": 10**12}, "$.gpus", str(MAX_GPUS)),
+            ({"gpus": 2**64}, "$.gpus", str(MAX_GPUS)),
+            ({"id": "a" * 200}, "$.id", "length <= 128"),
+            ({"id": "a/b"}, "$.id", "no '/'"),
+        ]
+        for over, field, bound in cases:
+            status, body = await post("/v1/workloads", json={**good_submit, **over})
+            assert status == 400 and field in body["error"] and bound in body["error"], body
+        status, body = await post(
+            "/v1/budget",
+            json={"actor": "ops", "set": [{"path": "llm/c", "weight": 2**31, "owner": "o"}]},
+        )
+        assert status == 400 and "$.set[0].weight" in body["error"], body
+        # a 450 KB id: refused before it is read, let alone published
+        status, body = await post("/v1/workloads", json={**good_submit, "id": "i" * 450_000})
+        assert status == 413 and str(MAX_BODY_BYTES) in body["error"]
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: read up to the limit
+            yield b'{"owner": "'
+            for _ in range(20):
+                yield b"x" * 8192
+            yield b'"}'
+
+        status, body = await post("/v1/workloads", data=chunks())
+        assert status == 413, body
+        async with session.get(f"{url}/v1/status") as r:
+            assert r.status == 200
+        inputs = [i for i in await read_history(jlog, 10.0) if isinstance(i, InputItem)]
+        assert len(inputs) == len(small_cluster())  # nothing out of bounds was published
+
+
+async def test_a_bug_in_a_handler_is_a_logged_500_and_the_gateway_keeps_serving(
+    jlog: JetStreamLog, monkeypatch: pytest.MonkeyPatch, creds: Credentials
+) -> None:
+    def broken(state: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gateway_module, "queue_view", broken)
+    async with serving(jlog, creds) as gateway:
+        url = gateway.url
+        auth = creds.headers()
+        status, body = await asyncio.to_thread(http, "GET", f"{url}/v1/queue", None, auth)
+        assert status == 500 and "RuntimeError" in body["error"]
+        status, body = await asyncio.to_thread(http, "GET", f"{url}/v1/status")
+        assert status == 200
+        status, body = await asyncio.to_thread(
+            http,
+            "POST",
+            f"{url}/v1/workloads",
+            json.dumps({**good_submit, "id": "after"}).encode(),
+            auth,
+        )
+        assert status == 202 and body["workload"] == "after"
+
+
+# -- a NATS outage ------------------------------------------------------------------
+
+
+class OwnServer:
+    """A nats-server of this test's own (it is stopped and started again)."""
+
+    def __init__(self, store: Path) -> None:
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.store = store
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.port)]
+            + ["-sd", str(self.store)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_port(self.port, self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+            self.proc = None
+
+
+def stored(inputs: list[InputItem], workload: str) -> int:
+    return sum(
+        1 for i in inputs if isinstance(i.event, WorkloadSubmitted) and i.event.workload == workload
+    )
+
+
+async def test_an_outage_is_a_504_and_a_retry_with_the_same_id_is_stored_once(
+    tmp_path: Path, cluster: str, creds: Credentials
+) -> None:
+    try:
+        nats_server_binary()
+    except FileNotFoundError:
+        pytest.skip("needs a nats-server binary of its own to stop and start")
+    server = OwnServer(tmp_path / "store")
+    server.start()
+    nc = await connect(server.url, name="test-outage")
+    log = JetStreamLog(nc.jetstream(timeout=1.0), cluster)
+    await log.setup()
+    try:
+        async with serving(log, creds) as gateway:
+            url = gateway.url
+            auth = creds.headers()
+            server.stop()
+            body = json.dumps({**good_submit, "id": "during"}).encode()
+            status, answer = await asyncio.to_thread(
+                http, "POST", f"{url}/v1/workloads", body, auth
+            )
+            assert status == 504 and "may still be stored" in answer["error"], answer
+            assert answer["workload"] == "during" and "same" in answer["error"]
+            status, answer = await asyncio.to_thread(http, "GET", f"{url}/v1/nope", None, auth)
+            assert status == 404 and "error" in answer
+
+            # a client that retries on its own: the server comes back while it does
+            result: dict[str, Any] = {}
+
+            def client_submit() -> None:
+                try:
+                    client = GatewayClient(url, timeout=90, token=creds.tokens["ops"])
+                    result["ok"] = client.submit(**good_submit)
+                except GatewayError as exc:
+                    result["error"] = exc.reason
+
+            thread = threading.Thread(target=client_submit)
+            thread.start()
+            await asyncio.sleep(1.5)  # not a timing assertion: either order must end well
+            server.start()
+            await asyncio.to_thread(thread.join, 120)
+            assert "ok" in result, result
+            made = result["ok"]["workload"]
+            assert made.startswith("w-")
+
+            while True:  # the same request again, until the gateway answers it
+                status, answer = await asyncio.to_thread(
+                    http, "POST", f"{url}/v1/workloads", body, auth
+                )
+                if status != 504:
+                    break
+            assert status in (202, 409), answer
+            if status == 409:
+                assert "already exists" in answer["error"]
+            await eventually(
+                lambda: {"during", made} <= set(gateway.state.workloads), what="both folded"
+            )
+        inputs = [i for i in await read_history(log, 10.0) if isinstance(i, InputItem)]
+        assert stored(inputs, "during") == 1 and stored(inputs, made) == 1
+    finally:
+        await nc.close()
+        server.stop()
+
+
+async def test_the_cli_names_the_bound_in_one_line(jlog: JetStreamLog, creds: Credentials) -> None:
+    async with serving(jlog, creds) as gateway:
+        env = {
+            "APPORTION_URL": gateway.url or "",
+            "PATH": "/usr/bin:/bin",
+            "APPORTION_TOKEN": creds.tokens["a"],
+        }
+
+        async def cli(*args: str) -> tuple[int, str, str]:
+            proc = await asyncio.create_subprocess_exec(
+                *APPORTION,
+                *args,
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            assert proc.returncode is not None
+            return proc.returncode, out.decode(), err.decode()
+
+        base = ["submit", "--owner", "llm/a", "--gpus", "1", "--min-runtime", "0"]
+        for extra, words in [
+            (["--duration", "99999999999999999999d"], ["duration_ms", str(MAX_DURATION_MS)]),
+            (["--priority", str(2**31)], ["priority", "2147483647"]),
+            (["--gpus", str(10**12)], ["gpus", str(MAX_GPUS)]),
+            (["--id", "x" * 200], ["id", "length <= 128"]),
+        ]:
+            code, out, err = await cli(*base, *extra)
+            assert code == 2 and out == "" and err.count("\n") == 1, (extra, err)
+            assert err.startswith("apportion: ") and all(w in err for w in words), err
+        code, out, err = await cli(*base, "--json")
+        assert code == 0, err
+        made = json.loads(out)["workload"]
+        assert made.startswith("w-")  # the CLI made the id
+        await eventually(lambda: made in gateway.state.workloads, what="submitted")
+        code, out, err = await cli("cancel", made)
+        assert code == 0 and urllib.parse.quote(made) in out, err

@@ -92,8 +92,35 @@ def _register(module: str) -> None:
             raise
 
 
+LOG_LEVEL = click.Choice(["debug", "info", "warning", "error", "critical"], case_sensitive=False)
+"""The values of ``--log-level`` (Python's logging levels): click refuses any other
+with its usage error (exit 2, one line) before a service starts."""
+
+_CHOICES = {"log_level": LOG_LEVEL}
+"""Options that are really a choice, by parameter name, wherever a command declares them."""
+
+
+def _validate_choices(group: click.Group) -> None:
+    """Give every option named in :data:`_CHOICES` that a command declared as free
+    text its :class:`click.Choice`, so one list holds for every command (``up``,
+    ``serve``, ...) and a bad value is a usage error, not a traceback."""
+    for cmd in group.commands.values():
+        if isinstance(cmd, click.Group):
+            _validate_choices(cmd)
+        for param in cmd.params:
+            choice = _CHOICES.get(param.name or "")
+            if (
+                choice is not None
+                and isinstance(param, click.Option)
+                and param.type is click.STRING
+            ):
+                param.type = choice
+
+
 for _module in ("apportion.cli_sim", "apportion.cli_live", "apportion.cli_auth"):
     _register(_module)
+_register("apportion.cli_sql")
+_validate_choices(main)
 
 
 def run() -> None:  # pragma: no cover - console entry alias

@@ -21,11 +21,17 @@ from apportion.cli import UserError, main
 from apportion.replay.run import DEFAULT_DAYS, DEFAULT_SCENARIO
 
 DEFAULT_SEED = 1
+SCENARIO_NAMES = ["ai2", "debug", "family"]
+"""The bundled scenarios (``replay.scenarios.SCENARIOS``, not imported here: the CLI starts fast)."""
 MAX_REPORTED = 20
 
 
 def _warn(message: str) -> None:
     click.echo(f"apportion: {message}", err=True)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
 def _report_errors(errors: list[str], what: str) -> None:
@@ -100,6 +106,7 @@ def _run_with_progress(inp: Any, policy: str, quiet: bool, **kw: Any) -> tuple[A
 @click.option("--health", type=click.Path(dir_okay=False, path_type=Path), help="health CSV")
 @click.option(
     "--scenario",
+    type=click.Choice(SCENARIO_NAMES),
     default=DEFAULT_SCENARIO,
     show_default=True,
     help="bundled scenario when no --trace",
@@ -212,7 +219,7 @@ def trace() -> None:
 @trace.command("generate")
 @click.option(
     "--scenario",
-    type=click.Choice(["ai2", "debug", "family"]),
+    type=click.Choice(SCENARIO_NAMES),
     default=DEFAULT_SCENARIO,
     show_default=True,
 )
@@ -253,9 +260,19 @@ def trace_generate(scenario, days, seed, knobs, out_dir) -> None:
     help="virtual-cluster sizes (default: philly_vc_nodes_helios.csv beside FILE)",
 )
 @click.option(
-    "--from", "date_from", default=None, help="first submit day kept, YYYY-MM-DD (inclusive)"
+    "--from",
+    "date_from",
+    type=click.DateTime(["%Y-%m-%d"]),
+    default=None,
+    help="first submit day kept (inclusive)",
 )
-@click.option("--to", "date_to", default=None, help="last submit day, YYYY-MM-DD (exclusive)")
+@click.option(
+    "--to",
+    "date_to",
+    type=click.DateTime(["%Y-%m-%d"]),
+    default=None,
+    help="last submit day (exclusive)",
+)
 @click.option(
     "--capacity-scale",
     type=float,
@@ -283,8 +300,8 @@ def trace_import(
             file,
             out_dir,
             vc_file=vc_file,
-            date_from=date_from,
-            date_to=date_to,
+            date_from=None if date_from is None else f"{date_from:%Y-%m-%d}",
+            date_to=None if date_to is None else f"{date_to:%Y-%m-%d}",
             capacity_scale=capacity_scale,
             min_runtime_rule=min_runtime,
         )
@@ -292,8 +309,8 @@ def trace_import(
         raise UserError(str(exc)) from None
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    except OSError as exc:
-        raise UserError(f"{out_dir}: {exc.strerror}") from None
+    except OSError as exc:  # writing: the file it names, else the folder
+        raise UserError(f"{exc.filename or out_dir}: {exc.strerror}") from None
     _report_errors([str(e) for e in report.errors], "trace")
     for line in report.lines():
         click.echo(line)
@@ -424,7 +441,8 @@ def audit_cmd(log, nats_url, cluster_name, expected_digest, policy) -> None:
     "max_min_runtime",
     type=str,
     default=None,
-    help="cap on min runtime, e.g. 4h",
+    help="the policy's cap on min runtime, e.g. 1h; submissions that declared more are "
+    "replayed with the cap as their contract",
 )
 @click.option("--no-reservations", is_flag=True, help="no fragmentation reservations")
 @click.option(
@@ -472,10 +490,18 @@ def whatif_cmd(
         _warn(
             f"{res.dropped_no_duration} submissions have no duration_ms and never finished in the log; left out"
         )
-    rejected = res.whatif.get("rejected", 0) - res.original.get("rejected", 0)
-    if rejected > 0:
+    if res.capped:
         _warn(
-            f"{rejected} more submissions rejected in the what-if (owners missing from the new budget?)"
+            f"{_plural(res.capped, 'submission')} declared a min runtime above {max_min_runtime}; "
+            f"replayed with {max_min_runtime} (the new cap)"
+        )
+    if res.new_rejections:
+        _warn(
+            f"{_plural(len(res.new_rejections), 'input')} the original accepted "
+            "refused in the what-if:"
+        )
+        _report_errors(
+            [f"{ref}: {reason}" for ref, reason in res.new_rejections], "what-if rejection"
         )
     if as_json:
         click.echo(json.dumps({"original": res.original, "whatif": res.whatif}))

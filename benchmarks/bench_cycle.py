@@ -52,7 +52,9 @@ def build_state(pending: int = 10_000, seed: int = 1):
                 leaves.append(leaf)
     for n in range(128):
         events.append(
-            NodeRegistered(id=f"n{n}", at_ms=0, node=f"n{n:03d}", gpus=8, gpu_type="h100")
+            NodeRegistered(
+                actor="root", id=f"n{n}", at_ms=0, node=f"n{n:03d}", gpus=8, gpu_type="h100"
+            )
         )
     state = fold(events)
     # fill the cluster: ~1,000 running workloads from a third of the leaves, placed over 7 days
@@ -67,6 +69,7 @@ def build_state(pending: int = 10_000, seed: int = 1):
             [
                 ClockTicked(id=f"c{k}", at_ms=at),
                 WorkloadSubmitted(
+                    submitted_by="root",
                     id=f"r{k}",
                     at_ms=at,
                     workload=f"run{k}",
@@ -87,6 +90,7 @@ def build_state(pending: int = 10_000, seed: int = 1):
         fold(
             [
                 WorkloadSubmitted(
+                    submitted_by="root",
                     id=f"q{i}",
                     at_ms=now,
                     workload=f"pend{i}",
@@ -140,8 +144,9 @@ def main(quick: bool = False) -> None:
         finished = sorted(state.running)[rng.randrange(len(state.running))]
         fold(
             [
-                WorkloadFinished(id=f"sf{i}", at_ms=now, workload=finished),
+                WorkloadFinished(actor="root", id=f"sf{i}", at_ms=now, workload=finished),
                 WorkloadSubmitted(
+                    submitted_by="root",
                     id=f"ss{i}",
                     at_ms=now,
                     workload=f"steady{i}",

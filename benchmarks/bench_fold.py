@@ -94,7 +94,12 @@ def tree_events(at_ms: int = 0) -> tuple[list[Event], list[str]]:
 def node_events() -> list[Event]:
     return [
         NodeRegistered(
-            id=f"n-{i}", at_ms=0, node=f"node{i:04d}", gpus=GPUS_PER_NODE, gpu_type="h100"
+            actor="admin",
+            id=f"n-{i}",
+            at_ms=0,
+            node=f"node{i:04d}",
+            gpus=GPUS_PER_NODE,
+            gpu_type="h100",
         )
         for i in range(NODES)
     ]
@@ -141,6 +146,7 @@ def mixed_history(n_events: int, seed: int = 7) -> list[Event]:
             t = nt
             events.append(
                 WorkloadSubmitted(
+                    submitted_by="admin",
                     id=eid,
                     at_ms=t,
                     workload=wid,
@@ -185,6 +191,7 @@ def mixed_history(n_events: int, seed: int = 7) -> list[Event]:
             t = nt
             events.append(
                 WorkloadFinished(
+                    actor="admin",
                     id=eid,
                     at_ms=t,
                     workload=wid,
@@ -211,12 +218,14 @@ def mixed_history(n_events: int, seed: int = 7) -> list[Event]:
             del pending[wid]
             ended.append(wid)
             t = nt
-            events.append(WorkloadCancelled(id=eid, at_ms=t, workload=wid))
+            events.append(WorkloadCancelled(actor="admin", id=eid, at_ms=t, workload=wid))
         elif r < 0.90 and ended:
             # a stale report, then the scheduler's InputRejected for it
             t = nt
             events.append(
-                WorkloadFinished(id=eid, at_ms=t, workload=ended[rng.randrange(len(ended))])
+                WorkloadFinished(
+                    actor="admin", id=eid, at_ms=t, workload=ended[rng.randrange(len(ended))]
+                )
             )
             events.append(InputRejected(id=f"{eid}r", at_ms=t, ref=eid, reason="stale"))
         elif r < 0.905:
@@ -224,7 +233,11 @@ def mixed_history(n_events: int, seed: int = 7) -> list[Event]:
             healthy[node] = not healthy[node]
             t = nt
             state = "healthy" if healthy[node] else "draining"
-            events.append(NodeHealthChanged(id=eid, at_ms=t, node=f"node{node:04d}", state=state))
+            events.append(
+                NodeHealthChanged(
+                    actor="admin", id=eid, at_ms=t, node=f"node{node:04d}", state=state
+                )
+            )
         elif r < 0.906:
             leaf = rng.choice(leaves)
             team = leaf.rpartition("/")[0]
@@ -289,11 +302,12 @@ def keys_state(n_pending: int, seed: int = 11) -> State:
         ends.sort()
         while ends and ends[0][0] <= t:
             end, wid = ends.pop(0)
-            batch.append(WorkloadFinished(id=f"f{wid}", at_ms=end, workload=wid))
+            batch.append(WorkloadFinished(actor="admin", id=f"f{wid}", at_ms=end, workload=wid))
         wid = f"h{n}"
         gpus = rng.choice((1, 2, 4, 8))
         batch.append(
             WorkloadSubmitted(
+                submitted_by="admin",
                 id=f"s{wid}",
                 at_ms=t,
                 workload=wid,
@@ -319,12 +333,13 @@ def keys_state(n_pending: int, seed: int = 11) -> State:
             )
             ends.append((t + rng.randint(10 * MINUTE_MS, 6 * HOUR_MS), wid))
         else:
-            batch.append(WorkloadCancelled(id=f"c{wid}", at_ms=t, workload=wid))
+            batch.append(WorkloadCancelled(actor="admin", id=f"c{wid}", at_ms=t, workload=wid))
     fold(batch, state)
     now = state.now_ms
     fold(
         (
             WorkloadSubmitted(
+                submitted_by="admin",
                 id=f"q{i}",
                 at_ms=now,
                 workload=f"q{i}",

@@ -46,7 +46,12 @@ def cluster_events() -> list:
 
     events: list = [
         NodeRegistered(
-            id=f"node-{i}", at_ms=0, node=f"n{i:04d}", gpus=GPUS_PER_NODE, gpu_type="h100"
+            actor="ops",
+            id=f"node-{i}",
+            at_ms=0,
+            node=f"n{i:04d}",
+            gpus=GPUS_PER_NODE,
+            gpu_type="h100",
         )
         for i in range(NODES)
     ]
@@ -90,6 +95,7 @@ async def _throughput(url: str, n_inputs: int, tmp: Path) -> tuple[float, int]:
             team = TEAMS[i % len(TEAMS)][0]
             events.append(
                 WorkloadSubmitted(
+                    submitted_by="ops",
                     id=f"s{i}",
                     at_ms=0,
                     workload=f"w{i}",
@@ -99,7 +105,9 @@ async def _throughput(url: str, n_inputs: int, tmp: Path) -> tuple[float, int]:
                 )
             )
             if i >= keep:
-                events.append(WorkloadCancelled(id=f"c{i}", at_ms=0, workload=f"w{i - keep}"))
+                events.append(
+                    WorkloadCancelled(actor="ops", id=f"c{i}", at_ms=0, workload=f"w{i - keep}")
+                )
         t0 = time.perf_counter()
         chunk = 2000
         for j in range(0, len(events), chunk):
@@ -144,6 +152,7 @@ async def _latency(url: str, samples: int) -> list[float]:
             t0 = time.perf_counter()
             await log.publish_input(
                 WorkloadSubmitted(
+                    submitted_by="ops",
                     id=f"s{i}",
                     at_ms=0,
                     workload=f"w{i}",
@@ -161,7 +170,9 @@ async def _latency(url: str, samples: int) -> list[float]:
                     )
             if i >= 5:  # the first few warm the connections
                 out.append((time.perf_counter() - t0) * 1000)
-            await log.publish_input(WorkloadCancelled(id=f"c{i}", at_ms=0, workload=f"w{i}"))
+            await log.publish_input(
+                WorkloadCancelled(actor="ops", id=f"c{i}", at_ms=0, workload=f"w{i}")
+            )
             await tail.take(100, 10.0)
     finally:
         await tail.close()

@@ -49,6 +49,7 @@ from apportion.schemas.events import (
 )
 
 from .errors import InputFileError
+from .textfile import read_text
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d|w)\s*$")
 _UNIT_MS = {
@@ -128,14 +129,9 @@ def margin_ppm(value: Any) -> int:
 def load_cluster(path: str | Path, at_ms: int = 0) -> ClusterSpec:
     """Read a cluster TOML file; raise :class:`InputFileError` on any problem."""
     path = Path(path)
+    text = read_text(path)  # UTF-8 (a byte-order mark is dropped) or one clear error
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise InputFileError(str(path), None, f"cannot read: {exc.strerror}") from None
-    try:
-        doc = tomllib.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise InputFileError(str(path), None, "not UTF-8 text") from None
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputFileError(str(path), None, f"TOML syntax: {exc}") from None
     return cluster_from_dict(doc, str(path), at_ms)

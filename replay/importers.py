@@ -33,16 +33,20 @@ cluster``) plus the Helios table of virtual-cluster sizes (``vc, node num``,
 from __future__ import annotations
 
 import csv
+import io
+from collections.abc import Iterator
 from datetime import datetime
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from apportion.schemas.events import HOUR_MS, MINUTE_MS
 
 from .cluster_file import parse_duration_ms, write_cluster
 from .errors import InputFileError
-from .trace import TraceRow, write_trace
+from .textfile import read_text
+from .trace import TraceRow, time_to_ms, write_trace
 
 PHILLY_VC_FILE = "philly_vc_nodes_helios.csv"
 GPUS_PER_NODE = 8
@@ -108,28 +112,34 @@ def _date(text: str | None, what: str) -> datetime | None:
         raise ValueError(f"{what} must be a date YYYY-MM-DD, got {text!r}") from None
 
 
-def read_vc_file(path: Path) -> list[tuple[str, int]]:
+def _csv_rows(reader: Any, file: str | Path) -> Iterator[Any]:
+    """The reader's rows; a CSV error (a NUL byte, an unclosed quote) as :class:`InputFileError`."""
     try:
-        fh = open(path, newline="", encoding="utf-8")  # noqa: SIM115
-    except OSError as exc:
-        raise InputFileError(str(path), None, f"cannot read: {exc.strerror}") from None
-    with fh:
-        reader = csv.DictReader(fh)
-        if (
-            not reader.fieldnames
-            or "vc" not in reader.fieldnames
-            or "node num" not in reader.fieldnames
-        ):
-            raise InputFileError(str(path), 1, "need columns vc, node num")
-        out = []
-        for rec in reader:
-            try:
-                n = int(rec["node num"])
-                if n <= 0 or not rec["vc"]:
-                    raise ValueError
-            except (ValueError, TypeError):
-                raise InputFileError(str(path), reader.line_num, f"bad row {rec}") from None
-            out.append((rec["vc"].strip(), n))
+        yield from reader
+    except csv.Error as exc:
+        raise InputFileError(str(file), reader.line_num, f"CSV: {exc}") from None
+
+
+def read_vc_file(path: Path) -> list[tuple[str, int]]:
+    """``(vc, nodes)`` rows of the virtual-cluster table (columns ``vc, node num``)."""
+    text = read_text(path)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        header = [h.strip() for h in (reader.fieldnames or [])]
+    except csv.Error as exc:
+        raise InputFileError(str(path), 1, f"CSV: {exc}") from None
+    reader.fieldnames = header
+    if "vc" not in header or "node num" not in header:
+        raise InputFileError(str(path), 1, "need columns vc, node num")
+    out = []
+    for rec in _csv_rows(reader, path):
+        try:
+            n = int(rec["node num"])
+            if n <= 0 or not rec["vc"]:
+                raise ValueError
+        except (ValueError, TypeError):
+            raise InputFileError(str(path), reader.line_num, f"bad row {rec}") from None
+        out.append((rec["vc"].strip(), n))
     return out
 
 
@@ -153,54 +163,60 @@ def import_philly(
     if not capacity_scale > 0:
         raise ValueError("--capacity-scale must be positive")
     t_from, t_to = _date(date_from, "--from"), _date(date_to, "--to")
-    vcs = read_vc_file(vc_path)
+    text = read_text(file)  # the job file first: a missing FILE is named as FILE
+    try:
+        vcs = read_vc_file(vc_path)
+    except InputFileError as exc:
+        if vc_file is None and exc.reason.startswith("cannot read"):
+            raise InputFileError(
+                exc.file,
+                None,
+                f"{exc.reason} (the virtual-cluster sizes, looked for beside {file.name}; "
+                "give the file with --vc-file)",
+            ) from None
+        raise
     scale = Fraction(str(capacity_scale))
     vc_nodes = {vc: max(1, round(n * scale)) for vc, n in vcs}
     report = ImportReport(source=str(file))
-    try:
-        fh = open(file, newline="", encoding="utf-8")  # noqa: SIM115
-    except OSError as exc:
-        raise InputFileError(str(file), None, f"cannot read: {exc.strerror}") from None
     jobs: list[tuple[datetime, int, int, int, str]] = []  # (submit, line, duration_ms, gpus, vc)
     seen: set[tuple[str, ...]] = set()
-    with fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        need = ["timestamp", "duration", "num_gpus", "cluster"]
-        if header is None or any(c not in header for c in need):
-            raise InputFileError(str(file), 1, f"need columns {', '.join(need)}")
-        ix = {c: header.index(c) for c in need}
-        for rec in reader:
-            line = reader.line_num
-            if not rec:
-                continue  # a blank line
-            report.read += 1
-            key = tuple(rec)
-            if key in seen:
-                report.duplicates += 1
-                continue
-            seen.add(key)
-            try:
-                if len(rec) != len(header):
-                    raise ValueError(f"{len(rec)} fields, the header has {len(header)}")
-                submit = datetime.strptime(rec[ix["timestamp"]].strip(), "%Y-%m-%d %H:%M:%S")
-                dur = Fraction(rec[ix["duration"]].strip())
-                if dur < 0:
-                    raise ValueError(f"negative duration {rec[ix['duration']]}")
-                gpus = int(rec[ix["num_gpus"]])
-                if gpus <= 0:
-                    raise ValueError(f"num_gpus must be positive, got {gpus}")
-                vc = rec[ix["cluster"]].strip()
-            except ValueError as exc:
-                report.errors.append(str(InputFileError(str(file), line, str(exc))))
-                continue
-            if (t_from and submit < t_from) or (t_to and submit >= t_to):
-                report.outside_window += 1
-                continue
-            if vc not in vc_nodes:
-                report.dropped_vcs[vc] = report.dropped_vcs.get(vc, 0) + 1
-                continue
-            jobs.append((submit, line, round(dur * 1000), gpus, vc))
+    reader = csv.reader(io.StringIO(text, newline=""))
+    records = _csv_rows(reader, file)
+    header = next(records, None)
+    header = None if header is None else [h.strip() for h in header]
+    need = ["timestamp", "duration", "num_gpus", "cluster"]
+    if header is None or any(c not in header for c in need):
+        raise InputFileError(str(file), 1, f"need columns {', '.join(need)}")
+    ix = {c: header.index(c) for c in need}
+    for rec in records:
+        line = reader.line_num
+        if not rec:
+            continue  # a blank line
+        report.read += 1
+        key = tuple(rec)
+        if key in seen:
+            report.duplicates += 1
+            continue
+        seen.add(key)
+        try:
+            if len(rec) != len(header):
+                raise ValueError(f"{len(rec)} fields, the header has {len(header)}")
+            submit = datetime.strptime(rec[ix["timestamp"]].strip(), "%Y-%m-%d %H:%M:%S")
+            dur_ms = time_to_ms(rec[ix["duration"]], "duration")
+            gpus = int(rec[ix["num_gpus"]])
+            if gpus <= 0:
+                raise ValueError(f"num_gpus must be positive, got {gpus}")
+            vc = rec[ix["cluster"]].strip()
+        except ValueError as exc:
+            report.errors.append(str(InputFileError(str(file), line, str(exc))))
+            continue
+        if (t_from and submit < t_from) or (t_to and submit >= t_to):
+            report.outside_window += 1
+            continue
+        if vc not in vc_nodes:
+            report.dropped_vcs[vc] = report.dropped_vcs.get(vc, 0) + 1
+            continue
+        jobs.append((submit, line, dur_ms, gpus, vc))
     jobs.sort()
     origin = t_from or (
         datetime(jobs[0][0].year, jobs[0][0].month, jobs[0][0].day)

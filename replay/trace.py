@@ -5,27 +5,31 @@ min_runtime`` and optionally ``resumable`` (default true), ``priority``
 (default 0), ``gpu_type`` (default ``any``), ``legacy_priority``
 (``low``/``normal``/``high``, default ``high``), ``legacy_preemptible``
 (default false). Times are seconds (fractional allowed) from the start of the
-simulation, rounded to the nearest millisecond.
+simulation, rounded to the nearest millisecond, or durations with a unit as in
+the cluster file and the CLI (``90s``, ``45m``, ``1h``, ``2d``): :func:`time_to_ms`.
 
-**Health CSV**: ``at`` (seconds), ``node``, ``state`` (healthy/draining/down).
+**Health CSV**: ``at`` (a time as above), ``node``, ``state`` (healthy/draining/down).
 
-A malformed row is reported as :class:`InputFileError` (file, line, reason) and
-skipped; the valid rows still run. A missing file or a missing required column
-stops the read.
+Text: UTF-8 with or without a byte-order mark (:mod:`.textfile`). A malformed
+row is reported as :class:`InputFileError` (file, line, reason) and skipped; the
+valid rows still run. A missing or undecodable file, or a missing required
+column, stops the read.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 from collections.abc import Iterable, Iterator
 from fractions import Fraction
 from pathlib import Path
-from typing import TextIO
 
 import msgspec
 from apportion.schemas.events import HealthState, LegacyPriority
 
+from .cluster_file import parse_duration_ms
 from .errors import InputFileError
+from .textfile import read_text
 
 TRACE_COLUMNS = ("id", "submit", "owner", "gpus", "duration", "min_runtime")
 TRACE_OPTIONAL = ("resumable", "priority", "gpu_type", "legacy_priority", "legacy_preemptible")
@@ -107,6 +111,25 @@ def seconds_to_ms(text: str) -> int:
     return round(value * 1000)
 
 
+def time_to_ms(text: str, column: str) -> int:
+    """A time cell: a bare number is seconds (``"90"``, ``"12.5"``, rounded to the
+    nearest ms as :func:`seconds_to_ms`); with a unit it is a duration as in the
+    cluster file and the CLI (``"90s"``, ``"45m"``, ``"1h"``, ``"2d"``, ``"1.5h"``,
+    :func:`~.cluster_file.parse_duration_ms`: a whole number of milliseconds)."""
+    t = text.strip()
+    try:
+        if t.startswith("-"):
+            raise ValueError("negative time")
+        return parse_duration_ms(t) if t[-1:].isalpha() else seconds_to_ms(t)
+    except ValueError as exc:
+        reason = str(exc)
+        if reason.startswith("duration"):  # parse_duration_ms: a fraction of a millisecond
+            reason = "not a whole number of milliseconds"
+        elif not reason.startswith("negative"):
+            reason = "not a number of seconds or a duration such as 90s, 45m, 1h or 2d"
+        raise ValueError(f"{reason}: {column} {text!r}") from None
+
+
 def ms_to_seconds(ms: int) -> str:
     """``12500`` -> ``"12.5"``; ``12000`` -> ``"12"``."""
     if ms % 1000 == 0:
@@ -132,32 +155,35 @@ def _int(text: str, column: str) -> int:
         raise ValueError(f"{column} must be an integer, got {text!r}") from None
 
 
-def _open_csv(
-    path: str | Path, required: tuple[str, ...]
-) -> tuple[list[str], csv.DictReader[str], TextIO]:
+def _reader(path: str | Path, required: tuple[str, ...]) -> csv.DictReader[str]:
+    """A reader over the file's text (:mod:`.textfile`: UTF-8 with or without a BOM),
+    its header trimmed and checked for the ``required`` columns."""
+    text = read_text(path)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
     try:
-        fh = open(path, newline="", encoding="utf-8")  # noqa: SIM115 - closed by the caller
-    except OSError as exc:
-        raise InputFileError(str(path), None, f"cannot read: {exc.strerror}") from None
-    reader = csv.DictReader(fh)
-    header = [h.strip() for h in (reader.fieldnames or [])]
+        header = [h.strip() for h in (reader.fieldnames or [])]
+    except csv.Error as exc:
+        raise InputFileError(str(path), 1, f"CSV: {exc}") from None
+    if not header:
+        raise InputFileError(
+            str(path), None, f"empty file; need a header line with {', '.join(required)}"
+        )
     reader.fieldnames = header
     missing = [c for c in required if c not in header]
     if missing:
-        fh.close()
         raise InputFileError(
             str(path), 1, f"missing column(s) {', '.join(missing)}; need {', '.join(required)}"
         )
-    return header, reader, fh
+    return reader
 
 
 def _records(
     path: str | Path, required: tuple[str, ...], errors: list[InputFileError]
 ) -> Iterator[tuple[int, dict[str, str]]]:
     """``(line, record)`` for each data row with the header's number of fields; a
-    row with more or fewer fields, and a CSV or encoding error (which stops the
-    reading), go to ``errors`` with their line."""
-    _, reader, fh = _open_csv(path, required)
+    row with more or fewer fields, and a CSV error (which stops the reading), go to
+    ``errors`` with their line. A file that cannot be read or decoded raises."""
+    reader = _reader(path, required)
     try:
         for rec in reader:
             line = reader.line_num
@@ -169,12 +195,6 @@ def _records(
                 yield line, rec
     except csv.Error as exc:
         errors.append(InputFileError(str(path), reader.line_num, f"CSV: {exc}"))
-    except UnicodeDecodeError:
-        errors.append(
-            InputFileError(str(path), reader.line_num + 1, "not UTF-8 text; reading stopped here")
-        )
-    finally:
-        fh.close()
 
 
 def read_trace(path: str | Path) -> tuple[list[TraceRow], list[InputFileError]]:
@@ -195,9 +215,9 @@ def read_trace(path: str | Path) -> tuple[list[TraceRow], list[InputFileError]]:
             gpus = _int(rec["gpus"], "gpus")
             if gpus <= 0:
                 raise ValueError(f"gpus must be positive, got {gpus}")
-            submit = seconds_to_ms(rec["submit"])
-            duration = seconds_to_ms(rec["duration"])
-            min_rt = seconds_to_ms(rec["min_runtime"])
+            submit = time_to_ms(rec["submit"], "submit")
+            duration = time_to_ms(rec["duration"], "duration")
+            min_rt = time_to_ms(rec["min_runtime"], "min_runtime")
             row = TraceRow(
                 id=wid,
                 submit_ms=submit,
@@ -234,7 +254,7 @@ def read_health(path: str | Path) -> tuple[list[HealthRow], list[InputFileError]
     errors: list[InputFileError] = []
     for line, rec in _records(path, HEALTH_COLUMNS, errors):
         try:
-            at = seconds_to_ms(rec["at"])
+            at = time_to_ms(rec["at"], "at")
             node = rec["node"].strip()
             if not node:
                 raise ValueError("node is empty")

@@ -16,7 +16,11 @@ From the log take what the world did, not what the scheduler did:
   reacts to the recorded schedule), ``ClockTicked`` or undecodable inputs.
 
 Changes: every ``PolicySet`` gets the new margin / lookback / cap /
-reservations (one is added after the cluster if the log has none); ``budget``
+reservations (one is added after the cluster if the log has none); with a new
+cap (``max_min_runtime``), every submission that declared a longer minimum
+runtime is replayed with the cap as its contract, as users under that policy
+would have declared it (not rejected: the what-if asks what the cap does to the
+schedule, not how many submissions it would refuse); ``budget``
 replaces every budget input by the given tree, set at the start; ``policy``
 picks the budget scheduler or the baseline. The horizon is the log's: from its
 first input's time to its last. The same policy with no change re-makes the
@@ -40,13 +44,15 @@ from apportion.schemas.events import (
     BudgetRemoved,
     BudgetSet,
     Input,
+    InputRejected,
     NodeHealthChanged,
     NodeRegistered,
     PolicySet,
     WorkloadSubmitted,
 )
-from apportion.schemas.history import HistoryItem, InputItem
+from apportion.schemas.history import BatchItem, HistoryItem, InputItem
 
+from .cluster_file import format_duration
 from .eventlog import CONFIG_TYPES, CanonicalLog
 from .kpi import compute_kpis
 from .projection import Projection
@@ -82,6 +88,10 @@ class WhatIf(msgspec.Struct, kw_only=True):
     end_ms: int
     submissions: int
     dropped_no_duration: int
+    capped: int = 0
+    """Submissions whose minimum runtime was lowered to the new ``max_min_runtime``."""
+    new_rejections: list[tuple[str, str]] = msgspec.field(default_factory=list)
+    """``(input id, reason)`` of inputs the what-if refused that the original accepted."""
     sim: Any = None
     """The :class:`SimResult` of the what-if run (its projection in ``sim.con``)."""
 
@@ -168,6 +178,13 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
             for e in timed
         ]
     fields = change.policy_fields()
+    if change.max_min_runtime_ms is not None:
+        lookback = change.lookback_ms or _policy_of(cluster)["lookback_ms"]
+        if change.max_min_runtime_ms > lookback:
+            raise ValueError(
+                f"max min runtime {format_duration(change.max_min_runtime_ms)} is longer than "
+                f"the lookback {format_duration(lookback)}; the policy would be refused"
+            )
     if fields:
         if not any(type(e) is PolicySet for e in cluster):
             at = cluster[-1].at_ms if cluster else start_ms
@@ -178,6 +195,13 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
             msgspec.structs.replace(e, **fields) if type(e) is PolicySet else e for e in cluster
         ]
         timed = [msgspec.structs.replace(e, **fields) if type(e) is PolicySet else e for e in timed]
+    capped = 0
+    if change.max_min_runtime_ms is not None:
+        cap = change.max_min_runtime_ms
+        for i, e in enumerate(timed):
+            if type(e) is WorkloadSubmitted and e.min_runtime_ms > cap:
+                timed[i] = msgspec.structs.replace(e, min_runtime_ms=cap)
+                capped += 1
 
     # 4. re-simulate
     policy = change.policy or log.header.policy
@@ -187,6 +211,13 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
     )
     assert sim.con is not None
     kpis = compute_kpis(sim.con, start_ms, end_ms, time.perf_counter() - wall0)
+    refused_before = {
+        d.ref
+        for it in items
+        if isinstance(it, BatchItem)
+        for d in it.batch.decisions
+        if isinstance(d, InputRejected)
+    }
     return WhatIf(
         original=original,
         whatif=kpis,
@@ -196,6 +227,8 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
         end_ms=end_ms,
         submissions=submissions,
         dropped_no_duration=dropped,
+        capped=capped,
+        new_rejections=[(ref, why) for ref, why in sim.rejected if ref not in refused_before],
         sim=sim,
     )
 
@@ -206,14 +239,12 @@ def load_budget(path: str | Path) -> list[tuple[str, int, str]]:
     :class:`~apportion.replay.errors.InputFileError`."""
     from .cluster_file import cluster_from_dict
     from .errors import InputFileError
+    from .textfile import read_text
 
     path = Path(path)
+    text = read_text(path)  # UTF-8 (a byte-order mark is dropped) or one clear error
     try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise InputFileError(str(path), None, f"cannot read: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise InputFileError(str(path), None, "not UTF-8 text") from None
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputFileError(str(path), None, f"TOML syntax: {exc}") from None
     if "budget" not in doc:

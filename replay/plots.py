@@ -1,25 +1,75 @@
 """Charts for ``apportion simulate --plot DIR`` (matplotlib, Agg backend, PNG).
 
-1. ``usage_vs_budget.png``: per team, its allocated GPU use over the trailing
-   lookback window (7 days) as a share of the cluster, against its global
-   share (dashed): the view Ai2 gave its researchers.
-2. ``gpu_timeline.png``: one row per GPU, a bar per run coloured by team,
-   hatched where the work was preemptible (unallocated under the budget
-   policy, ``legacy_preemptible`` under the baseline), a red edge where it was
-   preempted; the first ``window_days`` days.
+matplotlib is an optional extra (``pip install 'apportion[plot]'``), imported
+only when a chart is drawn; without it :func:`write_plots` raises
+:class:`PlotExtraMissing`, one line saying how to install it.
+
+1. ``usage_vs_budget.png``: one panel per team, all on one y-scale: its
+   allocated GPU use over the trailing lookback window (7 days) as a percentage
+   of its budget (its global share of the healthy GPU-hours; the budget line is
+   100%), and its allocated demand (pending or running) on the same scale.
+   With ``--compare`` every policy is drawn in each panel. The figures come
+   from the projection's ``team_usage_hourly`` view (docs/analyst.md).
+2. ``gpu_timeline.png`` (``gpu_timeline_POLICY.png`` for the other policies):
+   one row per GPU, a bar per run coloured by team, hatched where the work was
+   preemptible (unallocated under the budget policy, ``legacy_preemptible``
+   under the baseline), a red edge where it was preempted; the first
+   ``window_days`` days, the same axes for every policy.
 3. ``wait_distribution.png``: the distribution of queue waits per class
-   (debug, large >= 64 GPUs, other) for every policy run.
+   (debug, large >= 64 GPUs, other) for every policy run, one y-scale; a class
+   no run has a wait of gets no panel.
+
+Time axes are in hours up to 2 days, in days beyond.
 """
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
-TEAM_SQL = "CASE WHEN strpos(w.owner, '/') > 0 THEN regexp_replace(w.owner, '/[^/]*$', '') ELSE w.owner END"
+from .projection import TEAM_SQL as _TEAM
+
+TEAM_SQL = _TEAM.format("w.owner")
+INSTALL_HINT = "matplotlib is not installed; install the plot extra: pip install 'apportion[plot]'"
+HOUR_MS = 3_600_000
+DAY_MS = 24 * HOUR_MS
+POLICY_STYLE = {
+    "budget": {"color": "tab:blue", "ls": "-"},
+    "priority": {"color": "tab:orange", "ls": "--"},
+}
+POLICY_LABEL = {"budget": "budget policy", "priority": "baseline (priorities)"}
+WAIT_TICKS = [
+    (1, "1 s"),
+    (10, "10 s"),
+    (60, "1 min"),
+    (600, "10 min"),
+    (3600, "1 h"),
+    (6 * 3600, "6 h"),
+    (86400, "1 d"),
+    (7 * 86400, "7 d"),
+]
+
+
+class PlotExtraMissing(OSError):
+    """matplotlib is not installed (an ``OSError``, so callers that report an
+    unwritable chart directory report this as one line too)."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.ENOENT, INSTALL_HINT)
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`PlotExtraMissing` unless matplotlib can be imported (a CLI
+    can call this before a long simulation)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotExtraMissing() from None
 
 
 def _plt():
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,65 +78,116 @@ def _plt():
     return plt
 
 
-def usage_vs_budget(sim: Any, path: Path) -> None:
+def time_unit(span_ms: float) -> tuple[float, str]:
+    """(ms per unit, axis label) for a time axis spanning ``span_ms``."""
+    return (HOUR_MS, "hour") if span_ms <= 2 * DAY_MS else (DAY_MS, "day")
+
+
+def _style(policy: str) -> dict[str, Any]:
+    return POLICY_STYLE.get(policy, {"color": "tab:green", "ls": "-."})
+
+
+def team_usage(sim: Any) -> tuple[list[str], dict[str, float], dict[str, dict[str, Any]]]:
+    """Per team, hourly arrays of allocated, demand and share GPU-hours over the
+    run's horizon (from ``team_usage_hourly``); the teams and their global shares."""
     import numpy as np
 
-    plt = _plt()
     con = sim.con
-    hours = max(1, (sim.end_ms - sim.start_ms) // 3_600_000)
-    cap = con.execute("SELECT SUM(gpus) FROM nodes").fetchone()[0] or 1
-    teams = [
-        r[0]
-        for r in con.execute(
-            f"SELECT DISTINCT {TEAM_SQL.replace('w.owner', 'path')} FROM budget b WHERE path <> '' AND NOT EXISTS "
-            "(SELECT 1 FROM budget c WHERE c.path LIKE b.path || '/%') ORDER BY 1"
-        ).fetchall()
-    ]
-    shares = dict(con.execute("SELECT path, global_share FROM budget").fetchall())
+    h0 = sim.start_ms // HOUR_MS
+    hours = max(1, -(-(sim.end_ms - sim.start_ms) // HOUR_MS))
     rows = con.execute(
-        f"""SELECT team, h, SUM(GREATEST(0, LEAST(e, {sim.start_ms} + (h + 1) * 3600000) - GREATEST(s, {sim.start_ms} + h * 3600000)) * gpus)
-        FROM (SELECT *, unnest(range(CAST(FLOOR((s - {sim.start_ms}) / 3600000) AS BIGINT),
-                                     CAST(CEIL((e - {sim.start_ms}) / 3600000.0) AS BIGINT))) AS h
-              FROM (SELECT {TEAM_SQL} AS team, r.gpus, r.start_ms AS s, LEAST(COALESCE(r.end_ms, {sim.end_ms}), {sim.end_ms}) AS e
-                    FROM runs r JOIN workloads w USING (workload) WHERE r.allocated))
-        WHERE h < {hours} GROUP BY ALL"""
+        "SELECT team, hour, gpu_hours_allocated, gpu_hours_demand, gpu_hours_share "
+        "FROM team_usage_hourly WHERE hour >= ? AND hour < ? ORDER BY team, hour",
+        [h0, h0 + hours],
     ).fetchall()
-    use = {t: np.zeros(hours) for t in teams}
-    for team, h, gms in rows:
-        if team in use and 0 <= h < hours:
-            use[team][h] = gms
-    window = 7 * 24
+    shares = {
+        t: float(g) for t, g in con.execute("SELECT path, global_share FROM budget").fetchall()
+    }
+    data: dict[str, dict[str, Any]] = {}
+    for team, hour, alloc, demand, share in rows:
+        d = data.setdefault(team, {k: np.zeros(hours) for k in ("allocated", "demand", "share")})
+        i = hour - h0
+        d["allocated"][i], d["demand"][i], d["share"][i] = alloc, demand, share
+    teams = sorted(t for t in data if shares.get(t, 0) > 0)
+    return teams, shares, data
+
+
+def _trailing(values: Any, window: int) -> Any:
+    import numpy as np
+
+    cum = np.cumsum(values)
+    if len(cum) <= window:
+        return cum
+    return cum - np.concatenate([np.zeros(window), cum[:-window]])
+
+
+def usage_vs_budget(sims: dict[str, Any] | Any, path: Path) -> None:
+    import numpy as np
+
+    if not isinstance(sims, dict):
+        sims = {sims.policy: sims}
+    plt = _plt()
+    first = next(iter(sims.values()))
+    window_h = max(1, first.state.policy.lookback_ms // HOUR_MS)
+    per_policy = {policy: team_usage(sim) for policy, sim in sims.items()}
+    teams = sorted({t for ts, _, _ in per_policy.values() for t in ts})
+    shares = per_policy[next(iter(per_policy))][1]
+    span = first.end_ms - first.start_ms
+    unit, unit_label = time_unit(span)
+    curves: dict[str, list[tuple[str, str, Any, Any]]] = {t: [] for t in teams}
+    top = 120.0
+    for policy, (_, _, data) in per_policy.items():
+        for team in teams:
+            d = data.get(team)
+            if d is None:
+                continue
+            share = _trailing(d["share"], window_h)
+            ok = share > 0
+            x = (np.arange(len(share)) * HOUR_MS + first.start_ms % HOUR_MS) / unit
+            used = np.where(
+                ok, 100 * _trailing(d["allocated"], window_h) / np.where(ok, share, 1), np.nan
+            )
+            demand = np.where(
+                ok, 100 * _trailing(d["demand"], window_h) / np.where(ok, share, 1), np.nan
+            )
+            curves[team].append((policy, "used", x, used))
+            if policy == next(iter(per_policy)):
+                curves[team].append((policy, "demand", x, demand))
+            top = max(top, float(np.nanmax(used, initial=0)), float(np.nanmax(demand, initial=0)))
+    top = min(top * 1.05, 400.0)
     n = len(teams)
     cols = 4 if n > 6 else max(1, n)
-    nrows = -(-n // cols)
+    nrows = max(1, -(-n // cols))
     fig, axes = plt.subplots(
-        nrows, cols, figsize=(4 * cols, 2.6 * nrows), squeeze=False, sharex=True
+        nrows, cols, figsize=(4 * cols, 2.6 * nrows + 0.8), squeeze=False, sharex=True, sharey=True
     )
-    x = np.arange(hours) / 24
     for i, team in enumerate(teams):
         ax = axes[i // cols][i % cols]
-        cum = np.cumsum(use[team])
-        trailing = (
-            cum - np.concatenate([np.zeros(window), cum[:-window]]) if hours > window else cum
-        )
-        span = np.minimum(np.arange(1, hours + 1), window) * 3_600_000 * cap
-        ax.plot(x, 100 * trailing / span, lw=1.2, label="used (trailing 7 d)")
-        ax.axhline(
-            100 * float(shares.get(team, 0)),
-            color="k",
-            ls="--",
-            lw=1,
-            label="budget (global share)",
-        )
-        ax.set_title(team, fontsize=9)
+        for policy, what, x, y in curves[team]:
+            if what == "used":
+                ax.plot(
+                    x,
+                    y,
+                    lw=1.3,
+                    label=f"used, {POLICY_LABEL.get(policy, policy)}",
+                    **_style(policy),
+                )
+            else:
+                ax.plot(x, y, lw=1.0, color="grey", ls=":", label="allocated demand")
+        ax.axhline(100, color="k", ls="--", lw=0.9, label="budget (its share)")
+        ax.set_ylim(0, top)
+        ax.set_title(f"{team} (share {100 * shares.get(team, 0):.1f}%)", fontsize=9)
         ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.25)
     for j in range(n, nrows * cols):
-        axes[j // cols][j % cols].axis("off")
-    axes[0][0].legend(fontsize=7)
-    fig.supxlabel("day")
-    fig.supylabel("% of cluster GPU time")
-    fig.suptitle(f"allocated usage against budget per team ({sim.policy} policy)")
-    fig.tight_layout()
+        axes[j // cols][j % cols].set_visible(False)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    height = 2.6 * nrows + 0.8
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.supxlabel(unit_label, y=0.35 / height + 0.01)
+    fig.supylabel(f"% of budget, trailing {window_h / 24:g} d", x=0.004)
+    fig.suptitle("allocated usage and demand against budget per team")
+    fig.tight_layout(rect=(0.012, 0.4 / height, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -97,7 +198,8 @@ def gpu_timeline(sim: Any, path: Path, window_days: float = 3.0, max_nodes: int 
 
     con = sim.con
     t0 = sim.start_ms
-    t1 = min(sim.end_ms, t0 + int(window_days * 86_400_000))
+    t1 = min(sim.end_ms, t0 + int(window_days * DAY_MS))
+    unit, unit_label = time_unit(t1 - t0)
     nodes = con.execute(
         "SELECT node, gpus FROM nodes ORDER BY node LIMIT ?", [max_nodes]
     ).fetchall()
@@ -130,7 +232,7 @@ def gpu_timeline(sim: Any, path: Path, window_days: float = 3.0, max_nodes: int 
         for i in idx:
             frees[i] = e
             y = base[node] + i
-            xs, xe = (max(s, t0) - t0) / 86_400_000, (e - t0) / 86_400_000
+            xs, xe = (max(s, t0) - t0) / unit, (e - t0) / unit
             poly = [(xs, y), (xe, y), (xe, y + 0.9), (xs, y + 0.9)]
             polys.append(poly)
             colours.append(colour[team])
@@ -149,9 +251,9 @@ def gpu_timeline(sim: Any, path: Path, window_days: float = 3.0, max_nodes: int 
         )
     if red:
         ax.add_collection(LineCollection(red, colors="red", linewidths=1.2))
-    ax.set_xlim(0, (t1 - t0) / 86_400_000)
+    ax.set_xlim(0, (t1 - t0) / unit)
     ax.set_ylim(row, 0)
-    ax.set_xlabel("day")
+    ax.set_xlabel(unit_label)
     ax.set_ylabel(f"GPU (first {len(nodes)} nodes)")
     from matplotlib.patches import Patch
 
@@ -159,7 +261,7 @@ def gpu_timeline(sim: Any, path: Path, window_days: float = 3.0, max_nodes: int 
     handles.append(Patch(facecolor="grey", hatch="////", label="preemptible"))
     handles.append(Patch(color="red", label="preempted"))
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_title(f"GPU timeline ({sim.policy} policy)")
+    ax.set_title(f"GPU timeline ({POLICY_LABEL.get(sim.policy, sim.policy)})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -174,9 +276,8 @@ def wait_distribution(sims: dict[str, Any], path: Path) -> None:
         "large (>= 64 GPUs)": "x.gpus >= 64",
         "other": "NOT (x.gpus <= 8 AND x.min_runtime_ms <= 900000) AND x.gpus < 64",
     }
-    fig, axes = plt.subplots(1, len(classes), figsize=(5 * len(classes), 3.8), sharey=True)
-    styles = {"budget": "-", "priority": "--"}
-    for ax, (label, cond) in zip(axes, classes.items(), strict=True):
+    found: dict[str, dict[str, Any]] = {}
+    for label, cond in classes.items():
         for policy, sim in sims.items():
             waits = [
                 r[0]
@@ -185,23 +286,35 @@ def wait_distribution(sims: dict[str, Any], path: Path) -> None:
                     WHERE w.placed_ms IS NOT NULL AND {cond} ORDER BY 1"""
                 ).fetchall()
             ]
-            if not waits:
-                continue
-            xs = np.maximum(np.array(waits), 1.0)
+            if waits:
+                found.setdefault(label, {})[policy] = np.maximum(np.array(waits), 1.0)
+    panels = [label for label in classes if label in found] or ["all"]
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(5 * len(panels), 3.8), sharey=True, sharex=True, squeeze=False
+    )
+    longest = max((float(xs[-1]) for d in found.values() for xs in d.values()), default=60.0)
+    for ax, label in zip(axes[0], panels, strict=True):
+        for policy, xs in found.get(label, {}).items():
             ax.step(
                 xs,
                 np.arange(1, len(xs) + 1) / len(xs),
                 where="post",
-                ls=styles.get(policy, "-"),
-                label=f"{policy} (n={len(xs):,})",
+                lw=1.3,
+                label=f"{POLICY_LABEL.get(policy, policy)} (n={len(xs):,})",
+                **_style(policy),
             )
         ax.set_xscale("log")
+        ticks = [(t, name) for t, name in WAIT_TICKS if t <= longest * 1.5]
+        ax.set_xticks([t for t, _ in ticks], [name for _, name in ticks])
+        ax.minorticks_off()
+        ax.set_xlim(1, max(60.0, longest * 1.5))
+        ax.set_ylim(0, 1.02)
         ax.set_title(label)
-        ax.set_xlabel("queue wait (s, log; 0 shown at 1 s)")
+        ax.set_xlabel("queue wait (log; under 1 s shown at 1 s)")
         ax.grid(alpha=0.3)
         if ax.get_lines():
-            ax.legend(fontsize=8)
-    axes[0].set_ylabel("fraction of placements")
+            ax.legend(fontsize=8, loc="lower right")
+    axes[0][0].set_ylabel("fraction of placements")
     fig.suptitle("queue wait distribution per class")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -209,12 +322,15 @@ def wait_distribution(sims: dict[str, Any], path: Path) -> None:
 
 
 def write_plots(sims: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Every chart of ``sims`` (policy -> simulation result with a projection)
+    into ``out_dir``; raises :class:`PlotExtraMissing` (an ``OSError``) without matplotlib."""
+    require_matplotlib()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     first = next(iter(sims.values()))
     paths = []
     p = out / "usage_vs_budget.png"
-    usage_vs_budget(first, p)
+    usage_vs_budget(sims, p)
     paths.append(p)
     for policy, sim in sims.items():
         p = out / ("gpu_timeline.png" if sim is first else f"gpu_timeline_{policy}.png")

@@ -40,15 +40,36 @@ Additions that make the history exactly recoverable from the file (the
   decode (no ``events`` row; their ``InputRejected`` decision has one);
 - ``log_meta(key, value)``: e.g. ``policy`` (``budget`` or ``priority``) when
   the simulator wrote the file.
+
+Analyst additions (docs/analyst.md documents each with an example query):
+
+- a ``team`` column at the end of ``workloads`` and ``runs`` (the team rule of
+  the KPIs, :func:`apportion.core.budget.team_of`; the SQL macro ``team_of(path)``
+  holds the same rule for queries);
+- views ``attempts`` (one row per placement: a workload's run attempt, all its
+  nodes), ``preemptions`` (one row per ``WorkloadPreempted`` decision, victim
+  and beneficiary with their teams, the victim's contract state),
+  ``team_usage_hourly`` and ``team_usage_daily`` (GPU-hours per team: allocated,
+  unallocated, demand, share, owed and delivered as the KPIs count them).
+
+A projection in a file written by a long-lived writer (no ``commit_every``: the
+live projector) also keeps a read-only copy ``<file>.snapshot.duckdb``
+(:meth:`Projection.write_snapshot`), because DuckDB lets no other process open
+a file a writer holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import duckdb
 import msgspec
-from apportion.core.budget import ROOT
+from apportion.core.budget import ROOT, team_of
 from apportion.core.state import State
 from apportion.schemas.events import (
     BudgetRemoved,
@@ -86,6 +107,126 @@ CREATE TABLE IF NOT EXISTS malformed_inputs(seq BIGINT, at_ms BIGINT, ref VARCHA
 CREATE TABLE IF NOT EXISTS log_meta(key VARCHAR, value VARCHAR);
 """
 
+TEAM_SQL = "CASE WHEN strpos({0}, '/') > 0 THEN regexp_replace({0}, '/[^/]*$', '') ELSE {0} END"
+"""The team of an owner leaf in SQL (``TEAM_SQL.format("owner")``): its parent, or
+the leaf itself under the root; the rule of :func:`apportion.core.budget.team_of`
+and of the KPIs (replay/kpi.py)."""
+
+# files written before the team column: add it and fill it (idempotent)
+MIGRATE = f"""
+ALTER TABLE workloads ADD COLUMN IF NOT EXISTS team VARCHAR;
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS team VARCHAR;
+UPDATE workloads SET team = {TEAM_SQL.format("owner")} WHERE team IS NULL AND owner IS NOT NULL;
+UPDATE runs SET team = (SELECT w.team FROM workloads w WHERE w.workload = runs.workload)
+ WHERE team IS NULL;
+"""
+
+HOUR_MS = 3_600_000
+
+VIEWS = f"""
+CREATE OR REPLACE MACRO team_of(path) AS {TEAM_SQL.format("path")};
+
+CREATE OR REPLACE VIEW attempts AS
+SELECT workload, attempt, any_value(team) AS team, min(start_ms) AS start_ms, max(end_ms) AS end_ms,
+       sum(gpus)::INTEGER AS gpus, count(*)::INTEGER AS nodes,
+       string_agg(node, ',' ORDER BY node) AS node_list, bool_or(allocated) AS allocated,
+       any_value(end_reason) AS end_reason
+FROM runs GROUP BY workload, attempt;
+
+CREATE OR REPLACE VIEW preemptions AS
+WITH p AS (
+    SELECT pos, at_ms, workload, json_extract_string(body, '$.id') AS decision,
+           json_extract_string(body, '$.reason') AS reason,
+           CAST(json_extract(body, '$.requeued') AS BOOLEAN) AS requeued,
+           json_extract_string(body, '$.for_workload') AS for_workload
+    FROM events WHERE kind = 'WorkloadPreempted'),
+pl AS (
+    SELECT pos, at_ms, workload, CAST(json_extract(body, '$.attempt') AS INTEGER) AS attempt,
+           CAST(json_extract(body, '$.allocated') AS BOOLEAN) AS allocated,
+           CAST(json_extract(body, '$.protected_until_ms') AS BIGINT) AS protected_until_ms
+    FROM events WHERE kind = 'WorkloadPlaced')
+SELECT p.pos, p.at_ms, p.decision, p.workload, v.team, v.owner, v.gpus AS gpus_freed,
+       p.reason, p.requeued, p.for_workload, b.team AS for_team, b.owner AS for_owner,
+       pl.attempt, pl.allocated, pl.at_ms AS placed_ms, pl.protected_until_ms,
+       p.at_ms >= pl.protected_until_ms AS past_protection, p.at_ms - pl.at_ms AS ran_ms
+FROM p ASOF LEFT JOIN pl ON p.workload = pl.workload AND p.pos > pl.pos
+LEFT JOIN workloads v ON v.workload = p.workload
+LEFT JOIN workloads b ON b.workload = p.for_workload;
+
+CREATE OR REPLACE VIEW team_usage_hourly AS
+WITH bounds AS (SELECT min(at_ms) AS t0, max(at_ms) AS t1 FROM events),
+hours AS (
+    SELECT unnest(range(t0 // {HOUR_MS}, (t1 + {HOUR_MS - 1}) // {HOUR_MS})) AS hour
+    FROM bounds WHERE t1 IS NOT NULL),
+teams AS (
+    SELECT team_of(b.path) AS team FROM budget b
+    WHERE b.path <> '' AND NOT EXISTS (SELECT 1 FROM budget c WHERE c.path LIKE b.path || '/%')
+    UNION SELECT team FROM workloads WHERE status <> 'rejected'),
+seg AS (
+    SELECT s.node, n.gpus, s.state, s.at_ms AS s,
+           COALESCE(LEAD(s.at_ms) OVER (PARTITION BY s.node ORDER BY s.at_ms, s.ord),
+                    (SELECT t1 FROM bounds)) AS e
+    FROM (SELECT node, 'healthy' AS state, min(at_ms) AS at_ms, -1 AS ord FROM events
+          WHERE kind = 'NodeRegistered' GROUP BY node
+          UNION ALL SELECT node, state, at_ms, rowid FROM health) s
+    JOIN nodes n USING (node)),
+spans AS (
+    SELECT 'healthy' AS what, NULL AS team, gpus, s, e FROM seg WHERE state = 'healthy'
+    UNION ALL
+    SELECT CASE WHEN allocated THEN 'allocated' ELSE 'unallocated' END, team, gpus, start_ms,
+           COALESCE(end_ms, (SELECT t1 FROM bounds)) FROM runs
+    UNION ALL
+    SELECT 'demand', team, gpus, submitted_ms, COALESCE(ended_ms, (SELECT t1 FROM bounds))
+    FROM workloads WHERE min_runtime_ms > 0 AND status <> 'rejected'),
+per_hour AS (
+    SELECT what, team, h AS hour,
+           SUM(GREATEST(0, LEAST(e, (h + 1) * {HOUR_MS}) - GREATEST(s, h * {HOUR_MS})) * gpus) AS gpu_ms
+    FROM (SELECT *, unnest(range(s // {HOUR_MS}, (e + {HOUR_MS - 1}) // {HOUR_MS})) AS h
+          FROM spans WHERE e > s)
+    GROUP BY ALL),
+grid AS (
+    SELECT t.team, hours.hour, COALESCE(bu.global_share, 0) AS global_share,
+           COALESCE(hl.gpu_ms, 0) / {HOUR_MS}.0 AS healthy,
+           COALESCE(al.gpu_ms, 0) / {HOUR_MS}.0 AS allocated,
+           COALESCE(un.gpu_ms, 0) / {HOUR_MS}.0 AS unallocated,
+           COALESCE(de.gpu_ms, 0) / {HOUR_MS}.0 AS demand
+    FROM teams t CROSS JOIN hours
+    LEFT JOIN budget bu ON bu.path = t.team
+    LEFT JOIN per_hour hl ON hl.what = 'healthy' AND hl.hour = hours.hour
+    LEFT JOIN per_hour al ON al.what = 'allocated' AND al.team = t.team AND al.hour = hours.hour
+    LEFT JOIN per_hour un ON un.what = 'unallocated' AND un.team = t.team AND un.hour = hours.hour
+    LEFT JOIN per_hour de ON de.what = 'demand' AND de.team = t.team AND de.hour = hours.hour)
+SELECT team, hour, hour * {HOUR_MS} AS hour_start_ms, allocated AS gpu_hours_allocated,
+       unallocated AS gpu_hours_unallocated, demand AS gpu_hours_demand,
+       global_share * healthy AS gpu_hours_share,
+       LEAST(global_share * healthy, demand) AS gpu_hours_owed,
+       LEAST(allocated, global_share * healthy, demand) AS gpu_hours_delivered,
+       healthy AS cluster_gpu_hours_healthy
+FROM grid;
+
+CREATE OR REPLACE VIEW team_usage_daily AS
+SELECT team, hour // 24 AS day, (hour // 24) * {24 * HOUR_MS} AS day_start_ms, count(*) AS hours,
+       sum(gpu_hours_allocated) AS gpu_hours_allocated,
+       sum(gpu_hours_unallocated) AS gpu_hours_unallocated,
+       sum(gpu_hours_demand) AS gpu_hours_demand, sum(gpu_hours_share) AS gpu_hours_share,
+       sum(gpu_hours_owed) AS gpu_hours_owed, sum(gpu_hours_delivered) AS gpu_hours_delivered,
+       sum(gpu_hours_delivered) / NULLIF(sum(gpu_hours_owed), 0) AS delivery_ratio,
+       sum(cluster_gpu_hours_healthy) AS cluster_gpu_hours_healthy
+FROM team_usage_hourly GROUP BY team, hour // 24;
+"""
+
+SNAPSHOT_SUFFIX = ".snapshot.duckdb"
+SNAPSHOT_EVERY_S = 5.0
+"""Least time between two snapshots (and at least 10 times the last one's copy time)."""
+
+_log = logging.getLogger(__name__)
+
+
+def snapshot_path(db: str | Path) -> Path:
+    """The read-only copy a live projection keeps beside its file ``db``."""
+    return Path(f"{db}{SNAPSHOT_SUFFIX}")
+
+
 _TYPES = {
     "events": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR"),
     "workloads": (
@@ -104,8 +245,19 @@ _TYPES = {
         "BIGINT",
         "VARCHAR",
         "BOOLEAN",
+        "VARCHAR",
     ),
-    "runs": ("VARCHAR", "VARCHAR", "INTEGER", "BIGINT", "BIGINT", "BOOLEAN", "VARCHAR", "INTEGER"),
+    "runs": (
+        "VARCHAR",
+        "VARCHAR",
+        "INTEGER",
+        "BIGINT",
+        "BIGINT",
+        "BOOLEAN",
+        "VARCHAR",
+        "INTEGER",
+        "VARCHAR",
+    ),
     "waits": ("VARCHAR", "BIGINT", "BIGINT"),
     "nodes": ("VARCHAR", "INTEGER", "VARCHAR"),
     "health": ("VARCHAR", "BIGINT", "VARCHAR"),
@@ -114,7 +266,7 @@ _TYPES = {
     "malformed_inputs": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR"),
 }
 # workloads row indexes
-W_STATUS, W_FIRST, W_ENDED, W_PRE = 9, 7, 8, 10
+W_STATUS, W_FIRST, W_ENDED, W_PRE, W_TEAM = 9, 7, 8, 10, 15
 
 _json = msgspec.json.Encoder()
 
@@ -151,6 +303,7 @@ def _workload_row(e: WorkloadSubmitted, now: int, status: str) -> list[Any]:
         e.duration_ms,
         e.legacy_priority,
         e.legacy_preemptible,
+        team_of(e.owner),
     ]
 
 
@@ -168,12 +321,37 @@ class Projection:
     ``commit_every`` (events rows): when set, the projection commits by itself
     after a decision batch once that many rows are buffered (the simulator's
     memory stays bounded).
+
+    ``snapshot``: keep the read-only copy ``<file>.snapshot.duckdb`` (written at
+    open when the file holds a position, and after a commit when the last copy
+    is older than :data:`SNAPSHOT_EVERY_S`). By default on for a file
+    written without ``commit_every`` (the live projector), off in memory.
     """
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, commit_every: int | None = None) -> None:
+    def __init__(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        commit_every: int | None = None,
+        snapshot: bool | None = None,
+    ) -> None:
         self.con = con
         self.commit_every = commit_every
         con.execute(SCHEMA)
+        con.execute(MIGRATE)
+        con.execute(VIEWS)
+        row = con.execute(
+            "SELECT path FROM duckdb_databases() WHERE database_name = current_database()"
+        ).fetchone()
+        self.path: Path | None = Path(row[0]) if row and row[0] else None
+        if snapshot is None:
+            snapshot = commit_every is None
+        self.snapshot: Path | None = (
+            snapshot_path(self.path) if snapshot and self.path is not None else None
+        )
+        self._snapshot_at: float | None = None
+        self._snapshot_took = 0.0
+        self.snapshot_error: str | None = None
+        """Why the last snapshot failed (the projection goes on without it), else None."""
         self._reset_buffers()
         row = con.execute(
             "SELECT input_seq, batches, pos, state FROM projection_position"
@@ -208,6 +386,7 @@ class Projection:
             "SELECT workload FROM workloads WHERE status = 'rejected'"
         ).fetchall():
             self.rejected_ids.add(wid)
+        self.write_snapshot()
 
     def _reset_buffers(self) -> None:
         self._events: list[tuple[Any, ...]] = []
@@ -332,7 +511,7 @@ class Projection:
                     self._closed_waits.append(wait)
                     self._dirty_waits[wid] = True
                 self.open_runs[wid] = [
-                    [wid, s.node, s.gpus, now, None, d.allocated, None, d.attempt]
+                    [wid, s.node, s.gpus, now, None, d.allocated, None, d.attempt, row[W_TEAM]]
                     for s in d.placement
                 ]
                 self._dirty_runs[wid] = True
@@ -430,3 +609,47 @@ class Projection:
         self._committed = (state.input_seq, self._batches)
         self._saved = saved
         self._reset_buffers()
+        if self.snapshot is not None and (
+            self._snapshot_at is None
+            or time.monotonic() - self._snapshot_at
+            >= max(SNAPSHOT_EVERY_S, 10 * self._snapshot_took)
+        ):
+            self.write_snapshot()
+
+    def write_snapshot(self) -> Path | None:
+        """Copy the committed projection to :attr:`snapshot`: DuckDB copies it
+        (``COPY FROM DATABASE``) into a temporary file, renamed over the old copy
+        (a reader that has the old copy open keeps it). The file itself is never
+        opened a second time: closing a second descriptor would drop the
+        writer's lock on it. A failure is logged and kept in
+        :attr:`snapshot_error`, never raised: the projection goes on. Returns
+        the copy's path, or None."""
+        if self.snapshot is None or self.path is None:
+            return None
+        started = time.monotonic()
+        tmp = self.snapshot.with_name(self.snapshot.name + ".tmp")
+        attached = False
+        try:
+            for stale in (tmp, tmp.with_name(tmp.name + ".wal")):
+                stale.unlink(missing_ok=True)
+            row = self.con.execute("SELECT current_database()").fetchone()
+            source = str(row[0] if row else "main").replace('"', '""')
+            target = str(tmp).replace("'", "''")
+            self.con.execute(f"ATTACH '{target}' AS apportion_snapshot")
+            attached = True
+            self.con.execute(f'COPY FROM DATABASE "{source}" TO apportion_snapshot')
+            self.con.execute("DETACH apportion_snapshot")
+            attached = False
+            os.replace(tmp, self.snapshot)
+        except (OSError, duckdb.Error) as exc:
+            if attached:
+                with contextlib.suppress(duckdb.Error):
+                    self.con.execute("DETACH apportion_snapshot")
+            self.snapshot_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            _log.warning("projection snapshot failed: %s", self.snapshot_error)
+            tmp.unlink(missing_ok=True)
+            return None
+        self.snapshot_error = None
+        self._snapshot_at = time.monotonic()
+        self._snapshot_took = self._snapshot_at - started
+        return self.snapshot

@@ -140,7 +140,7 @@ def _run_with_progress(inp: Any, policy: str, quiet: bool, **kw: Any) -> tuple[A
 @click.option(
     "--plot",
     type=click.Path(file_okay=False, path_type=Path),
-    help="write PNG charts into this directory",
+    help="write PNG charts into this directory (needs the plot extra: pip install 'apportion[plot]')",
 )
 @_knob_option
 @click.option("--quiet", "-q", is_flag=True, help="no progress bar")
@@ -166,6 +166,13 @@ def simulate(
 
     if days is not None and days <= 0:
         raise UserError("--days must be positive")
+    if plot is not None:  # before a long simulation, not after it
+        from apportion.replay.plots import PlotExtraMissing, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotExtraMissing as exc:
+            raise UserError(exc.strerror or str(exc)) from None
     with _user_errors():
         inp = load_inputs(cluster, trace, health, seed, days, scenario, list(knobs))
     _report_errors(inp.problems, "input file")
@@ -539,7 +546,7 @@ def whatif_cmd(
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="write a PNG chart of the shortfall by cause per day (needs matplotlib)",
+    help="write a PNG chart of the shortfall by cause per day (needs the plot extra: pip install 'apportion[plot]')",
 )
 def diagnose_cmd(log, nats_url, cluster_name, team, from_day, to_day, as_json, plot) -> None:
     """Why teams did not get their owed GPU time: the shortfall by cause, and who held it."""

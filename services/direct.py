@@ -11,7 +11,9 @@ sequence ``N`` on, then an end-of-batch status (``204 EOB``, with the number of
 messages still pending), or ``404`` when nothing is stored from ``N`` on.
 
 Waiting for new messages: a plain subscription on the stream's subjects wakes
-the reader (subscribing reads, it cannot write); a poll every
+the reader (subscribing reads, it cannot write). The wake-up can come before
+the stream has stored the message, so a wake-up that finds nothing asks again
+after 1, 2, 4, ... ms (up to :data:`RETRY_S` in all); a poll every
 :data:`POLL_S` covers a wake-up that was missed.
 """
 
@@ -30,6 +32,8 @@ BATCH = 1000
 """Messages per direct-get request."""
 POLL_S = 0.25
 """How often a waiting reader asks again even without a wake-up."""
+RETRY_S = 0.1
+"""How long a reader woken by a new message keeps asking for it before waiting again."""
 REQUEST_TIMEOUT_S = 5.0
 """How long one batch may take to arrive (then the reader raises)."""
 
@@ -57,7 +61,7 @@ class StoredMessage:
         self.seq = int(h["Nats-Sequence"])
         self.ts_ns = stamp_ns(h["Nats-Time-Stamp"])
         self.subject: str = h.get("Nats-Subject", "")
-        self.headers: dict[str, str] = dict(h)
+        self.headers: dict[str, str] = h
         self.data: bytes = msg.data
 
 
@@ -66,27 +70,35 @@ async def get_batch(
 ) -> tuple[list[StoredMessage], int]:
     """Up to ``batch`` stored messages of ``stream`` from ``from_seq`` on, and how many
     are stored after the last one returned."""
+    got: list[Any] = []
+    end: list[Any] = []
+    done = asyncio.Event()
+
+    async def collect(msg: Any) -> None:
+        if (msg.headers or {}).get("Status") is None:
+            got.append(msg)
+        else:
+            end.append(msg)
+            done.set()
+
     inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    out: list[StoredMessage] = []
+    sub = await nc.subscribe(inbox, cb=collect)
     try:
         request = json.dumps({"seq": max(1, from_seq), "batch": batch}).encode()
         await nc.publish(f"$JS.API.DIRECT.GET.{stream}", request, reply=inbox)
-        while True:
-            msg = await sub.next_msg(timeout=REQUEST_TIMEOUT_S)
-            status = (msg.headers or {}).get("Status")
-            if status is None:
-                out.append(StoredMessage(msg))
-                continue
-            if status == "204":  # end of batch
-                return out, int(msg.headers.get("Nats-Num-Pending", "0"))
-            if status == "404":  # nothing stored from from_seq on
-                return out, 0
-            detail = msg.headers.get("Description", "") if msg.headers else ""
-            raise DirectGetError(f"direct get on {stream}: {status} {detail}".strip())
+        await asyncio.wait_for(done.wait(), REQUEST_TIMEOUT_S)
     finally:
         with contextlib.suppress(Exception):  # the connection may be gone already
             await sub.unsubscribe()
+    headers = end[0].headers
+    status = headers.get("Status")
+    out = [StoredMessage(m) for m in got]
+    if status == "204":  # end of batch
+        return out, int(headers.get("Nats-Num-Pending", "0"))
+    if status == "404":  # nothing stored from from_seq on
+        return out, 0
+    detail = headers.get("Description", "")
+    raise DirectGetError(f"direct get on {stream}: {status} {detail}".strip())
 
 
 class DirectTail(Generic[T]):
@@ -137,6 +149,7 @@ class DirectTail(Generic[T]):
         async with self._lock:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
+            retry = 0.0  # > 0: woken, the message may not be stored yet
             while True:
                 if not self._buf:
                     await self._fill(max_n)
@@ -145,8 +158,14 @@ class DirectTail(Generic[T]):
                 left = deadline - loop.time()
                 if left <= 0:
                     return []
+                if 0 < retry <= RETRY_S:
+                    await asyncio.sleep(min(retry, left))
+                    retry *= 2
+                    continue
+                retry = 0.0
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._woken.wait(), min(left, POLL_S))
+                    retry = 0.001
             out: list[T] = []
             buf = self._buf
             n = 0

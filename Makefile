@@ -4,24 +4,34 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow bench outcomes lint typecheck venv clean
+.PHONY: run test test-slow bench outcomes lint typecheck venv clean browser
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,plot]'
 	@touch $(STAMP)
 
 run: $(STAMP)
 	$(PY) -m apportion simulate --compare
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -m "not slow" -q
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) browser
 	$(PY) -m pytest -q
+
+# The dashboard's browser test drives Debian's chromium (Playwright via executable_path).
+# Install it when missing and we are root; never fail: without it that test skips.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "browser: installing chromium (apt-get) for the dashboard's browser test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+			|| echo "browser: could not install chromium; the browser test will skip"; \
+	else echo "browser: no chromium (not root, or no apt-get); the browser test will skip"; fi
 
 outcomes: $(STAMP)
 	$(PY) -m apportion outcomes $(ARGS)

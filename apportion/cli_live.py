@@ -364,9 +364,46 @@ def cancel(workload: str, url: str | None, timeout: float | None, token_file: Pa
 
 
 def _ratios(row: dict[str, Any]) -> str:
-    return (
-        " > ".join(f"{r['path']}:{r['ratio']['value']:.3g}" for r in row.get("ratios", [])) or "-"
+    """``llm 42% > llm/pretrain 80%``: each level's usage as a percentage of its share."""
+    parts = []
+    for r in row.get("ratios", []):
+        pct = r.get("share_pct")
+        parts.append(f"{r['path']} {pct:.0f}%" if pct is not None else f"{r['path']} -")
+    return " > ".join(parts) or "-"
+
+
+def _start(row: dict[str, Any], now_ms: int) -> str:
+    from apportion.services.views import iso, relative
+
+    start = row.get("estimated_start_ms")
+    if start is None:
+        return "unknown"
+    rel = relative(start, now_ms)
+    return f"{iso(start)[5:16].replace('T', ' ')} ({rel})"
+
+
+def _print_queue(data: dict[str, Any]) -> None:
+    from apportion.services.views import span
+
+    now = data.get("now_ms", data["at_ms"])
+    click.echo(
+        f"{'POS':>4} {'WORKLOAD':<24} {'OWNER':<22} {'GPUS':>5} {'PRIO':>4} {'WAIT':>12}  "
+        f"{'START (UTC, estimated)':<32} USED OF SHARE (top down)"
     )
+    for row in data["pending"]:
+        click.echo(
+            f"{row['position']:>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} "
+            f"{row['priority']:>4} {span(row['wait_ms']):>12}  {_start(row, now):<32} "
+            f"{_ratios(row) if row['allocated'] else 'unallocated'}"
+        )
+    if data.get("estimate_assumption"):
+        click.echo(f"START: estimated {data['estimate_assumption']}")
+    click.echo(f"running: {len(data['running'])}")
+    for row in data["running"]:
+        where = ",".join(f"{n}:{g}" for n, g in row["placement"])
+        end = row.get("expected_end_ms")
+        ends = f"  ends ~{_start({'estimated_start_ms': end}, now)}" if end is not None else ""
+        click.echo(f"     {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5}  {where}{ends}")
 
 
 @main.command()
@@ -374,24 +411,49 @@ def _ratios(row: dict[str, Any]) -> str:
 @_timeout_option
 @_token_option
 @click.option("--json", "as_json", is_flag=True)
-def queue(url: str | None, timeout: float | None, token_file: Path | None, as_json: bool) -> None:
-    """Pending workloads in scheduling order (with the ratios of their sort keys), then running ones."""
-    data = _call(_client(url, timeout, token_file).queue)
-    if as_json:
-        _echo_json(data)
+@click.option(
+    "--watch",
+    "watch",
+    type=click.FloatRange(min=0.2),
+    default=None,
+    metavar="SECONDS",
+    help="show the queue again every SECONDS until Ctrl-C",
+)
+def queue(
+    url: str | None,
+    timeout: float | None,
+    token_file: Path | None,
+    as_json: bool,
+    watch: float | None,
+) -> None:
+    """Pending workloads in scheduling order (how much of its share each level of the
+    sort key has used, the estimated start), then running ones.
+
+    WAIT is measured to now; START is when the workload is estimated to start if
+    nothing new arrives (no new submission, cancel or health change; running work
+    ends when its duration hint says)."""
+    import time
+
+    client = _client(url, timeout, token_file)
+    try:
+        while True:
+            data = _call(client.queue)
+            if as_json:
+                indent = None if watch else 2  # --watch: one JSON document a line
+                click.echo(json.dumps(data, indent=indent, sort_keys=True))
+            else:
+                if watch:
+                    from apportion.services.views import iso
+
+                    click.clear()
+                    now = iso(data.get("now_ms", data["at_ms"]))
+                    click.echo(f"apportion queue at {now} (every {watch:g} s, Ctrl-C stops)")
+                _print_queue(data)
+            if not watch:
+                return
+            time.sleep(watch)
+    except KeyboardInterrupt:  # --watch ends with Ctrl-C
         return
-    click.echo(
-        f"{'POS':>4} {'WORKLOAD':<24} {'OWNER':<22} {'GPUS':>5} {'PRIO':>4} {'WAIT_S':>8}  RATIOS (usage/weight, top down)"
-    )
-    for row in data["pending"]:
-        click.echo(
-            f"{row['position']:>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} {row['priority']:>4} "
-            f"{row['wait_ms'] / 1000:>8.1f}  {_ratios(row) if row['allocated'] else 'unallocated'}"
-        )
-    click.echo(f"running: {len(data['running'])}")
-    for row in data["running"]:
-        where = ",".join(f"{n}:{g}" for n, g in row["placement"])
-        click.echo(f"     {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5}  {where}")
 
 
 @main.command()
@@ -400,25 +462,67 @@ def queue(url: str | None, timeout: float | None, token_file: Path | None, as_js
 @_token_option
 @click.option("--json", "as_json", is_flag=True)
 def share(url: str | None, timeout: float | None, token_file: Path | None, as_json: bool) -> None:
-    """The budget tree with usage against allocation (like sshare)."""
+    """The budget tree with usage against allocation (like sshare).
+
+    USED/SHARE is the usage charged in the lookback window as a percentage of the
+    node's share of it (global share x healthy GPUs x window)."""
     data = _call(_client(url, timeout, token_file).share)
     if as_json:
         _echo_json(data)
         return
     click.echo(
-        f"{'PATH':<30} {'WEIGHT':>6} {'NORM_SHARE':>10} {'USAGE_GPU_H':>12} {'EFF_USAGE':>9} {'USE/SHARE':>9} {'RUN':>5} {'PEND':>5}"
+        f"{'PATH':<30} {'WEIGHT':>6} {'SHARE':>7} {'ALLOCATION':>14} {'USAGE':>14} {'USED/SHARE':>10} {'RUN':>5} {'PEND':>5}"
     )
 
     def walk(n: dict[str, Any], depth: int) -> None:
         name = ("  " * depth + (n["path"].rsplit("/", 1)[-1] or "(root)"))[:30]
+        alloc = n.get("allocation_gpu_h", 0.0)
+        used = f"{100 * n['usage_gpu_h'] / alloc:.0f}%" if alloc else "-"
         click.echo(
-            f"{name:<30} {n['weight']:>6} {n['global_share']:>10.4f} {n['usage_gpu_h']:>12.2f} "
-            f"{n['effective_usage']:>9.4f} {n['usage_vs_share']:>9.3f} {n['running_gpus']:>5} {n['pending_gpus']:>5}"
+            f"{name:<30} {n['weight']:>6} {100 * n['global_share']:>6.1f}% "
+            f"{alloc:>8.1f} GPU-h {n['usage_gpu_h']:>8.1f} GPU-h {used:>10} "
+            f"{n['running_gpus']:>5} {n['pending_gpus']:>5}"
         )
         for c in n["children"]:
             walk(c, depth + 1)
 
     walk(data, 0)
+
+
+def _parse_at(text: str | None) -> int | None:
+    """``--at``: ISO-8601 (``2026-11-30T14:05:00Z``; no zone = UTC) or epoch milliseconds."""
+    if text is None:
+        return None
+    import datetime as dt
+
+    t = text.strip()
+    if t.isdigit():
+        return int(t)
+    try:
+        when = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError:
+        raise UserError(
+            f"--at: {text!r} is neither an ISO-8601 time (2026-11-30T14:05:00Z) nor epoch ms"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return int(when.timestamp() * 1000)
+
+
+def explain_offline(log_path: Path, workload: str, at_ms: int | None) -> dict[str, Any] | None:
+    """``explain`` from an event log (or a DuckDB projection): the log folded, then
+    the live gateway's view function, with times relative to the log's time
+    (or ``at_ms``)."""
+    from apportion.replay.eventlog import LogError, open_log
+    from apportion.services.views import explain as explain_view
+    from apportion.services.views import replay_history
+
+    try:
+        state, history = replay_history(open_log(log_path), at_ms)
+    except LogError as exc:
+        raise UserError(str(exc)) from None
+    now = max(state.now_ms, at_ms) if at_ms is not None else state.now_ms
+    return explain_view(state, history, workload, now_ms=now)
 
 
 @main.command()
@@ -427,17 +531,66 @@ def share(url: str | None, timeout: float | None, token_file: Path | None, as_js
 @_timeout_option
 @_token_option
 @click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--log",
+    "log_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="answer from this event log (or DuckDB projection) instead of the live gateway",
+)
+@click.option(
+    "--at",
+    "at",
+    default=None,
+    metavar="TIME",
+    help="with --log: the answer as it stood at TIME (ISO-8601, UTC if no zone; or epoch ms)",
+)
 def explain(
-    workload: str, url: str | None, timeout: float | None, token_file: Path | None, as_json: bool
+    workload: str,
+    url: str | None,
+    timeout: float | None,
+    token_file: Path | None,
+    as_json: bool,
+    log_path: Path | None,
+    at: str | None,
 ) -> None:
-    """Why a workload is pending, running, preempted or ended."""
-    data = _call(_client(url, timeout, token_file).explain, workload)
+    """Why a workload is pending, running, preempted or ended (and when it is
+    estimated to start). With --log FILE the answer comes from history, the same
+    way the gateway answers live."""
+    if at is not None and log_path is None:
+        raise UserError("--at needs --log FILE (the live answer is always now)")
+    if log_path is not None:
+        data = explain_offline(log_path, workload, _parse_at(at))
+        if data is None:
+            raise UserError(f"unknown workload {workload!r} in {log_path}")
+    else:
+        data = _call(_client(url, timeout, token_file).explain, workload)
     if as_json:
         _echo_json(data)
         return
     click.echo(f"{data['workload']}: {data['status']}")
     for r in data.get("reasons", []):
         click.echo(f"  - {r}")
+
+
+@main.command()
+@click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
+@click.option("--json", "as_json", is_flag=True)
+def status(url: str | None, timeout: float | None, token_file: Path | None, as_json: bool) -> None:
+    """The gateway's view: cluster, inputs and batches folded, nodes, pending, running."""
+    from apportion.services.views import iso
+
+    data = _call(_client(url, timeout, token_file).status)
+    if as_json:
+        _echo_json(data)
+        return
+    click.echo(
+        f"cluster {data['cluster']}: {data['nodes']} nodes, {data['pending']} pending, "
+        f"{data['running']} running; {data['input_seq']} inputs and {data['batches']} "
+        f"decision batches folded, last event at {iso(data['now_ms'])}"
+    )
 
 
 @main.group()

@@ -19,6 +19,11 @@ rejected by the scheduler (an ``InputRejected`` decision) when two requests race
 | POST | ``/v1/budget`` | ``{"set":[{"path","weight","owner"}],"remove":[paths]}`` |
 | GET | ``/v1/status`` | positions of the gateway's view (no credential needed: a health check) |
 | GET | ``/openapi.json`` | this API as OpenAPI 3.1 (no credential needed) |
+| GET | ``/metrics`` | Prometheus metrics (:mod:`~apportion.services.metrics`; no credential needed) |
+
+Queue, explain and workload answers carry start-time estimates
+(:mod:`apportion.core.estimate`, computed once per folded state) and measure
+waits and relative times to the gateway's wall clock.
 
 **Identity.** Every other ``/v1/...`` request carries ``Authorization: Bearer
 <token>``; the gateway's :class:`~apportion.services.auth.Authenticator` turns
@@ -42,12 +47,14 @@ and a retry of the same request (the same workload id) is stored once.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
+from apportion.core.estimate import Estimates, estimate_starts
 from apportion.core.state import State, apply, cancel_authority_error, submission_error
 from apportion.schemas.bounds import DurationMs, Gpus, Name, Path, Priority, Weight, plain_bound
 from apportion.schemas.events import (
@@ -62,7 +69,15 @@ from . import logs
 from .auth import Authenticator, AuthError
 from .bus import EventLog
 from .canonical import Follower
-from .views import History, budget_tree, explain, queue_view, workload_json
+from .metrics import CONTENT_TYPE, GatewayMetrics, route_of
+from .views import (
+    History,
+    budget_tree,
+    estimate_context,
+    explain,
+    queue_view,
+    workload_json,
+)
 
 T = TypeVar("T")
 
@@ -186,8 +201,14 @@ class Gateway:
         self.logger = logs.get("gateway", cluster=log.subjects.cluster)
         self.url: str | None = None
         self.ready = asyncio.Event()
+        self.metrics = GatewayMetrics()
+        self._estimates: tuple[tuple[int, int, int | None], Estimates] | None = None
+        self._estimating: tuple[tuple[int, int, int | None], asyncio.Future[Estimates]] | None = (
+            None
+        )
         self.app = web.Application(
-            client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._authenticate]
+            client_max_size=MAX_BODY_BYTES,
+            middlewares=[self._measure, self._errors, self._authenticate],
         )
         r = self.app.router
         r.add_post("/v1/workloads", self.submit)
@@ -200,6 +221,10 @@ class Gateway:
         r.add_post("/v1/budget", self.post_budget)
         r.add_get("/v1/status", self.status)
         r.add_get("/openapi.json", self.openapi)
+        r.add_get("/metrics", self.get_metrics)
+        from .dashboard import add_dashboard  # the web pages under /ui/ (docs/dashboard.md)
+
+        add_dashboard(self.app, self)
 
     @property
     def state(self) -> State:
@@ -211,6 +236,7 @@ class Gateway:
             while not stop.is_set():
                 items = await self.follower.poll(0.2)
                 self.history.record(items)
+                self.metrics.observe(items)
         finally:
             await self.follower.close()
 
@@ -236,6 +262,60 @@ class Gateway:
             await self.follow(stop)
         finally:
             await runner.cleanup()
+
+    # -- metrics --------------------------------------------------------
+    @web.middleware
+    async def _measure(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every request's latency into the histogram, by route template and status."""
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            self.metrics.request(
+                route_of(request), request.method, status, time.perf_counter() - t0
+            )
+
+    def now_ms(self) -> int:
+        """The wall clock (never before the last event folded): what waits are measured to."""
+        return max(self.state.now_ms, int(time.time() * 1000))
+
+    async def estimates(self) -> Estimates:
+        """Start-time estimates of the folded state, computed once per state: on a
+        copy, in a worker thread (the event loop keeps serving meanwhile; requests
+        for the same state share the computation). If the follower folds more while
+        it runs, once more for the new state (at most three times)."""
+        for _ in range(2):
+            key = self._estimate_key()
+            est = await self._estimate_once()
+            if self._estimate_key() == key:
+                return est
+        return await self._estimate_once()
+
+    def _estimate_key(self) -> tuple[int, int, int | None]:
+        state = self.state
+        return (state.input_seq, state.decisions_folded, self.history.basis)
+
+    async def _estimate_once(self) -> Estimates:
+        state = self.state
+        key = (state.input_seq, state.decisions_folded, self.history.basis)
+        if self._estimates is not None and self._estimates[0] == key:
+            done: Estimates = self._estimates[1]
+            return done
+        if self._estimating is None or self._estimating[0] != key:
+            context = estimate_context(state, self.history)
+            snapshot = state.copy()
+            future: asyncio.Future[Estimates] = asyncio.ensure_future(
+                asyncio.to_thread(estimate_starts, snapshot, copy=False, **context)
+            )
+            self._estimating = (key, future)
+        result: Estimates = await asyncio.shield(self._estimating[1])
+        self._estimates = (key, result)
+        return result
 
     # -- errors ---------------------------------------------------------
     @web.middleware
@@ -346,7 +426,18 @@ class Gateway:
         workload = request.match_info["id"]
         w = self.state.workloads.get(workload)
         if w is not None:
-            return web.json_response(workload_json(w))
+            out = workload_json(w)
+            est = await self.estimates()
+            now = self.now_ms()
+            if w.status == "pending":
+                start = est.starts.get(workload)
+                out["estimated_start_ms"] = None if start is None else max(start, now)
+                if start is None:
+                    out["estimate_note"] = est.why_unknown(workload)
+            else:
+                end = est.ends.get(workload)
+                out["expected_end_ms"] = None if end is None else max(end, now)
+            return web.json_response(out)
         status = self.state.ended.get(workload) or (
             "rejected" if workload in self.history.rejected else None
         )
@@ -355,14 +446,18 @@ class Gateway:
         return web.json_response({"workload": workload, "status": status})
 
     async def queue(self, request: web.Request) -> web.Response:
-        return web.json_response(queue_view(self.state))
+        est = await self.estimates()
+        return web.json_response(
+            queue_view(self.state, self.history, now_ms=self.now_ms(), estimates=est)
+        )
 
     async def share(self, request: web.Request) -> web.Response:
         return web.json_response(budget_tree(self.state, detail=True))
 
     async def explain(self, request: web.Request) -> web.Response:
         workload = request.match_info["id"]
-        out = explain(self.state, self.history, workload)
+        est = await self.estimates()
+        out = explain(self.state, self.history, workload, now_ms=self.now_ms(), estimates=est)
         if out is None:
             return _error(404, f"unknown workload {workload!r}")
         return web.json_response(out)
@@ -416,6 +511,15 @@ class Gateway:
                 "running": len(self.state.running),
             }
         )
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text exposition; the lag asks NATS for INPUTS' last sequence."""
+        try:
+            stored: int | None = await asyncio.wait_for(self.log.last_input_seq(), 2.0)
+        except Exception:  # NATS away: the other metrics still answer
+            stored = None
+        self.metrics.update(self.state, stored, self.now_ms())
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document())
@@ -544,6 +648,12 @@ def openapi_document() -> dict[str, Any]:
             "/v1/status": {
                 "get": {"summary": "Positions of the gateway's view", "responses": {"200": ok}}
             },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics (text exposition format)",
+                    "responses": {"200": {"description": "metrics"}},
+                }
+            },
         },
         "components": {
             "schemas": components,
@@ -559,7 +669,7 @@ def openapi_document() -> dict[str, Any]:
     }
     for path, item in doc["paths"].items():
         for operation in item.values():
-            if path == "/v1/status":
+            if path in ("/v1/status", "/metrics"):
                 operation["security"] = []  # the health check needs no credential
             else:
                 operation["responses"]["401"] = unauthenticated

@@ -1,17 +1,27 @@
 """Read models the gateway serves: queue, share, budget tree, explain (pure functions of state).
 
 ``History`` is what a follower remembers beyond the state: the last preemption
-of each workload and the reasons for rejected submissions, for ``explain``.
+of each workload and the reasons for rejected submissions, for ``explain``, and
+the last cycle's basis and wake-up, for the start-time estimates
+(:mod:`apportion.core.estimate`).
+
+Times in text are ISO-8601 (UTC) with a relative part (``in 2 h 14 min``,
+``3 min ago``) measured to ``now_ms``: the wall clock on a live stack, the
+state's own time for history. JSON keeps the epoch milliseconds.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
+from collections.abc import Iterable
 from fractions import Fraction
 from typing import Any
 
 from apportion.core.budget import ROOT
 from apportion.core.contract import is_protected, may_use_reserved
 from apportion.core.cycle import decide
+from apportion.core.estimate import ASSUMPTION, Estimates, estimate_starts
+from apportion.core.history import fold_item
 from apportion.core.ordering import FairShareView, queue_order
 from apportion.core.state import State, Workload
 from apportion.schemas.events import (
@@ -23,6 +33,79 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
 )
 from apportion.schemas.history import HistoryItem, InputItem
+
+
+def iso(ms: int) -> str:
+    """Epoch ms as ISO-8601 UTC, to the second (``2026-11-30T14:05:09Z``)."""
+    t = _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.UTC)
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def span(ms: int) -> str:
+    """A duration for people: ``45 s``, ``12 min``, ``2 h 14 min``, ``3 d 4 h``."""
+    s = abs(ms) // 1000
+    if s < 60:
+        return f"{s} s"
+    m = s // 60
+    if m < 60:
+        return f"{m} min"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h} h {m} min" if m else f"{h} h"
+    d, h = divmod(h, 24)
+    return f"{d} d {h} h" if h else f"{d} d"
+
+
+def relative(ms: int, now_ms: int) -> str:
+    """``in 2 h 14 min``, ``3 min ago`` or ``now`` (within a second)."""
+    delta = ms - now_ms
+    if abs(delta) < 1000:
+        return "now"
+    return f"in {span(delta)}" if delta > 0 else f"{span(delta)} ago"
+
+
+def when(ms: int, now_ms: int) -> str:
+    """``2026-11-30T16:19:00Z (in 2 h 14 min)``."""
+    return f"{iso(ms)} ({relative(ms, now_ms)})"
+
+
+def gpu_hours(gpu_ms: float) -> str:
+    """GPU-milliseconds as GPU-hours with the unit (``12.5 GPU-h``)."""
+    h = gpu_ms / HOUR_MS
+    return f"{h:.3g} GPU-h" if h < 100 else f"{h:,.0f} GPU-h"
+
+
+def share_pct(state: State, view: FairShareView, path: str) -> float | None:
+    """``path``'s usage (charged + committed, what ranks it) as a percentage of its
+    share of the window: global share x healthy GPUs x lookback. ``None`` without
+    capacity. Among siblings it orders exactly as the ratio usage / weight."""
+    allocation = float(state.budget.global_share(path)) * _capacity_gpus(state)
+    allocation *= state.policy.lookback_ms
+    if allocation <= 0:
+        return None
+    return 100.0 * view.usage[path] / allocation
+
+
+def _ratio_rows(state: State, view: FairShareView, leaf: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "path": p,
+            "usage_gpu_ms": u,
+            "weight": wt,
+            "ratio": _ratio(r),
+            "share_pct": share_pct(state, view, p),
+        }
+        for p, u, wt, r in view.path_ratios(leaf)
+    ]
+
+
+def _uses(gpu_type: str, node_type: str) -> bool:
+    return gpu_type in (ANY_GPU_TYPE, node_type)
+
+
+def _compete(a: str, b: str) -> bool:
+    """Two workloads' GPU types could want the same node."""
+    return a in (ANY_GPU_TYPE, b) or b == ANY_GPU_TYPE
 
 
 def _ratio(r: Fraction) -> dict[str, Any]:
@@ -38,8 +121,12 @@ class History:
         self.rejected: dict[str, str] = {}
         self.preempted: dict[str, WorkloadPreempted] = {}
         self.placed: dict[str, WorkloadPlaced] = {}
+        self.basis: int | None = None
+        """Input the last decision batch was based on (``None``: none seen)."""
+        self.next_wakeup_ms: int | None = None
+        """The last cycle's wake-up (the last part of a cycle carries it)."""
 
-    def record(self, items: list[HistoryItem]) -> None:
+    def record(self, items: Iterable[HistoryItem]) -> None:
         for item in items:
             if isinstance(item, InputItem):
                 e = item.event
@@ -48,6 +135,8 @@ class History:
                 elif e is not None and isinstance(workload := getattr(e, "workload", None), str):
                     self.other_ids[e.id] = workload
                 continue
+            self.basis = item.batch.basis
+            self.next_wakeup_ms = item.batch.next_wakeup_ms
             for d in item.batch.decisions:
                 if isinstance(d, WorkloadPreempted):
                     self.preempted[d.workload] = d
@@ -77,23 +166,51 @@ def workload_json(w: Workload) -> dict[str, Any]:
     }
 
 
-def queue_view(state: State) -> dict[str, Any]:
+def estimate_context(state: State, history: History | None) -> dict[str, Any]:
+    """How to estimate from ``state``: right after the cycle ``history`` saw last
+    (``decided``, its wake-up known), or, when inputs were folded that no cycle has
+    seen, with a cycle at once (keyword arguments of ``estimate_starts``)."""
+    decided = history is not None and history.basis == state.input_seq
+    wakeup = history.next_wakeup_ms if decided and history is not None else None
+    return {"next_wakeup_ms": wakeup, "decided": decided}
+
+
+def estimates_for(state: State, history: History | None, only: str | None = None) -> Estimates:
+    """Start-time estimates (:func:`~apportion.core.estimate.estimate_starts`) for
+    ``state`` (see :func:`estimate_context`)."""
+    return estimate_starts(state, only=only, **estimate_context(state, history))
+
+
+def _estimate_fields(est: Estimates, wid: str, now_ms: int) -> dict[str, Any]:
+    start = est.starts.get(wid)
+    if start is None:
+        return {"estimated_start_ms": None, "estimate_note": est.why_unknown(wid)}
+    return {"estimated_start_ms": max(start, now_ms)}
+
+
+def queue_view(
+    state: State,
+    history: History | None = None,
+    *,
+    now_ms: int | None = None,
+    estimates: Estimates | None = None,
+) -> dict[str, Any]:
     """Pending workloads in the order the next cycle considers them
-    (:func:`~apportion.core.ordering.queue_order`) with the ratios that rank them; running ones after."""
+    (:func:`~apportion.core.ordering.queue_order`) with the ratios that rank them
+    and the estimated start; running ones after.
+
+    ``now_ms`` (default: the state's time) is what waits are measured to: the
+    gateway passes its wall clock. ``estimates`` default to :func:`estimates_for`."""
+    now = max(state.now_ms, now_ms if now_ms is not None else state.now_ms)
+    est = estimates if estimates is not None else estimates_for(state, history)
     view = FairShareView(state)
     pending = []
     for i, w in enumerate(queue_order(state, view), start=1):
         row = workload_json(w)
         row["position"] = i
-        row["wait_ms"] = max(0, state.now_ms - w.queued_ms)
-        row["ratios"] = (
-            [
-                {"path": p, "usage_gpu_ms": u, "weight": wt, "ratio": _ratio(r)}
-                for p, u, wt, r in view.path_ratios(w.owner)
-            ]
-            if w.allocated
-            else []
-        )
+        row["wait_ms"] = max(0, now - w.queued_ms)
+        row["ratios"] = _ratio_rows(state, view, w.owner) if w.allocated else []
+        row.update(_estimate_fields(est, w.id, now))
         pending.append(row)
     running = []
     for w in sorted(state.running.values(), key=lambda w: (w.started_ms, w.id)):
@@ -101,10 +218,14 @@ def queue_view(state: State) -> dict[str, Any]:
         row["started_ms"] = w.started_ms
         row["protected_until_ms"] = w.protected_until_ms
         row["placement"] = [[s.node, s.gpus] for s in w.placement]
+        end = est.ends.get(w.id)
+        row["expected_end_ms"] = None if end is None else max(end, now)
         running.append(row)
     return {
         "at_ms": state.now_ms,
+        "now_ms": now,
         "input_seq": state.input_seq,
+        "estimate_assumption": ASSUMPTION,
         "pending": pending,
         "running": running,
     }
@@ -164,13 +285,24 @@ def budget_tree(state: State, detail: bool = False) -> dict[str, Any]:
     return node(ROOT)
 
 
-def explain(state: State, history: History, workload: str) -> dict[str, Any] | None:
-    """Why ``workload`` is pending, running, preempted or ended; ``None`` if unknown."""
+def explain(
+    state: State,
+    history: History,
+    workload: str,
+    *,
+    now_ms: int | None = None,
+    estimates: Estimates | None = None,
+) -> dict[str, Any] | None:
+    """Why ``workload`` is pending, running, preempted or ended; ``None`` if unknown.
+
+    ``now_ms`` (default: the state's time) is what relative times are measured to;
+    ``estimates`` default to :func:`estimates_for` (only for this workload)."""
+    now = max(state.now_ms, now_ms if now_ms is not None else state.now_ms)
     w = state.workloads.get(workload)
     last_pre = history.preempted.get(workload)
     pre_txt = None
     if last_pre is not None:
-        pre_txt = f"preempted at {last_pre.at_ms} ({last_pre.reason}"
+        pre_txt = f"preempted at {when(last_pre.at_ms, now)} ({last_pre.reason}"
         if last_pre.for_workload:
             pre_txt += f", to make room for {last_pre.for_workload}"
         pre_txt += ", requeued)" if last_pre.requeued else ", not resumable: ended)"
@@ -188,32 +320,53 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
         if status == "preempted" and pre_txt:
             ended.append(pre_txt)
         return {"workload": workload, "status": status, "reasons": ended}
-    out: dict[str, Any] = {"workload": workload, "status": w.status, "detail": workload_json(w)}
+    out: dict[str, Any] = {
+        "workload": workload,
+        "status": w.status,
+        "detail": workload_json(w),
+        "now_ms": now,
+    }
     reasons: list[str] = []
+    view = FairShareView(state)
     if w.status == "running":
         nodes = ", ".join(f"{s.node}:{s.gpus}" for s in w.placement)
-        reasons.append(f"running on {nodes} since {w.started_ms} (attempt {w.attempt})")
+        reasons.append(f"running on {nodes} since {when(w.started_ms, now)} (attempt {w.attempt})")
         if not w.allocated:
             reasons.append(
                 "unallocated (min_runtime 0): free, preemptible by any allocated workload at any moment"
             )
         elif is_protected(w, state.now_ms):
             reasons.append(
-                f"protected from preemption until {w.protected_until_ms} (its minimum runtime)"
+                f"protected from preemption until {when(w.protected_until_ms, now)} "
+                "(its minimum runtime)"
             )
         else:
             reasons.append(
                 "past its minimum runtime: preemptible by a clearly more under-served team"
             )
+        est = estimates if estimates is not None else estimates_for(state, history, only="")
+        end = est.ends.get(workload)
+        if end is not None:
+            out["expected_end_ms"] = max(end, now)
+            reasons.append(f"expected to end {when(max(end, now), now)} (its duration hint)")
         if pre_txt:
             reasons.append(f"earlier: {pre_txt}")
         out["reasons"] = reasons
         return out
-    view = FairShareView(state)
     order = queue_order(state, view)
     pos = next(i for i, x in enumerate(order, start=1) if x.id == workload)
     ahead = order[: pos - 1]
-    reasons.append(f"pending: position {pos} of {len(order)} in the queue")
+    reasons.append(
+        f"pending: position {pos} of {len(order)} in the queue, waiting "
+        f"{span(max(0, now - w.queued_ms))} (since {iso(w.queued_ms)})"
+    )
+    est = estimates if estimates is not None else estimates_for(state, history, only=workload)
+    out.update(_estimate_fields(est, workload, now))
+    if out["estimated_start_ms"] is not None:
+        reasons.append(f"estimated start: {when(out['estimated_start_ms'], now)}, {ASSUMPTION}")
+    else:
+        reasons.append(out["estimate_note"])
+    out["estimate_assumption"] = ASSUMPTION
     if pre_txt:
         reasons.append(pre_txt)
     if not w.allocated:
@@ -221,16 +374,17 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
             "unallocated (min_runtime 0): orders after every allocated workload and never preempts"
         )
     else:
-        parts = [
-            f"{p} ratio {float(r):.4g} (usage {u / HOUR_MS:.3g} GPU-h / weight {wt})"
-            for p, u, wt, r in view.path_ratios(w.owner)
-        ]
-        reasons.append("sort key: " + "; ".join(parts))
-    fits = [
-        n
-        for n in state.nodes.values()
-        if n.schedulable and (w.gpu_type == ANY_GPU_TYPE or n.gpu_type == w.gpu_type)
-    ]
+        window = span(state.policy.lookback_ms)
+        parts = []
+        for p, u, wt, _r in view.path_ratios(w.owner):
+            pct = share_pct(state, view, p)
+            used = f"{pct:.0f}% of its share" if pct is not None else "no capacity"
+            parts.append(f"{p} used {used} ({gpu_hours(u)} in the {window} window, weight {wt})")
+        reasons.append(
+            "sort key (lower share used ranks first among siblings): " + "; ".join(parts)
+        )
+    fits = [n for n in state.nodes.values() if n.schedulable and _uses(w.gpu_type, n.gpu_type)]
+    kind = "" if w.gpu_type == ANY_GPU_TYPE else f" {w.gpu_type}"
     if not fits:
         reasons.append(f"no healthy node of gpu_type {w.gpu_type!r}")
     else:
@@ -238,22 +392,29 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
         largest = max(n.free for n in fits)
         whole = sum(1 for n in fits if n.free == n.gpus)
         reasons.append(
-            f"needs {w.gpus} GPUs at once; free on matching healthy nodes: {free} "
+            f"needs {w.gpus} GPUs at once; free on matching healthy{kind} nodes: {free} "
             f"(largest block {largest}, {whole} whole nodes)"
         )
+        usable = {n.node for n in fits}
         blockers = sorted(
-            (r for r in state.running.values() if is_protected(r, state.now_ms)),
+            (
+                r
+                for r in state.running.values()
+                if is_protected(r, state.now_ms) and any(s.node in usable for s in r.placement)
+            ),
             key=lambda r: (r.protected_until_ms, r.id),
         )
         if blockers:
             b = blockers[0]
             reasons.append(
-                f"{len(blockers)} running allocated workloads are protected; the first protection ends at "
-                f"{b.protected_until_ms} ({b.id})"
+                f"{len(blockers)} running allocated workloads on{kind} nodes it could use are "
+                f"protected; the first protection ends {when(b.protected_until_ms, now)} ({b.id})"
             )
-    if ahead:
+    competing = [a for a in ahead if _compete(a.gpu_type, w.gpu_type)]
+    if competing:
         reasons.append(
-            f"{len(ahead)} workloads rank ahead of it, needing {sum(a.gpus for a in ahead)} GPUs"
+            f"{len(competing)} workloads that could use the same nodes rank ahead of it, "
+            f"needing {sum(a.gpus for a in competing)} GPUs"
         )
     reservation = decide(state, report_reservation=True).reservation
     if reservation is not None and w.allocated:
@@ -261,13 +422,38 @@ def explain(state: State, history: History, workload: str) -> dict[str, Any] | N
         if reservation.workload == workload:
             reasons.append(
                 f"holds a reservation: {nodes} become free or preemptible for it at "
-                f"{reservation.start_ms}; until then only work preemptible by then may use them"
+                f"{when(reservation.start_ms, now)}; until then only work preemptible by then "
+                "may use them"
             )
-        elif not may_use_reserved(state.now_ms, w.min_runtime_ms, reservation.start_ms):
+        elif not may_use_reserved(state.now_ms, w.min_runtime_ms, reservation.start_ms) and any(
+            _uses(w.gpu_type, state.nodes[n].gpu_type) for n in reservation.nodes
+        ):
             reasons.append(
                 f"may not use {nodes}: reserved for {reservation.workload} from "
-                f"{reservation.start_ms}, and it would still be protected then"
+                f"{when(reservation.start_ms, now)}, and it would still be protected then"
             )
+        out["reservation"] = {
+            "workload": reservation.workload,
+            "nodes": list(reservation.nodes),
+            "start_ms": reservation.start_ms,
+        }
     out["position"] = pos
     out["reasons"] = reasons
     return out
+
+
+def replay_history(
+    items: Iterable[HistoryItem], until_ms: int | None = None
+) -> tuple[State, History]:
+    """Fold a canonical history (an event log) into the state and the
+    :class:`History` ``explain`` reads, as a live follower does; with
+    ``until_ms``, stop before the first input stamped later (the history as it
+    stood then: that input's batch and everything after are left out)."""
+    state = State()
+    history = History()
+    for item in items:
+        if until_ms is not None and isinstance(item, InputItem) and item.at_ms > until_ms:
+            break
+        fold_item(state, item)
+        history.record([item])
+    return state, history

@@ -18,6 +18,13 @@ def test_explain_names_the_reservation_and_the_gate():
     step(s)
     assert set(s.pending) == {"big", "long"}
     big = " ".join(explain(s, History(), "big")["reasons"])
-    assert "holds a reservation: n001 become free or preemptible for it at 7200000" in big
-    long = " ".join(explain(s, History(), "long")["reasons"])
-    assert "may not use n001: reserved for big from 7200000" in long
+    assert (
+        "holds a reservation: n001 become free or preemptible for it at "
+        "1970-01-01T02:00:00Z (in 1 h 30 min)" in big
+    )
+    assert "estimated start: 1970-01-01T02:00:00Z (in 1 h 30 min)" in big
+    long = explain(s, History(), "long")
+    assert "may not use n001: reserved for big from 1970-01-01T02:00:00Z" in " ".join(
+        long["reasons"]
+    )
+    assert long["reservation"] == {"workload": "big", "nodes": ["n001"], "start_ms": 7_200_000}

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from apportion.schemas.events import (
     BudgetSet,
@@ -17,6 +19,10 @@ from apportion.schemas.events import (
     NodeRegistered,
     WorkloadSubmitted,
 )
+from apportion.services.bus import JetStreamLog
+from apportion.services.gateway import Gateway
+from apportion.services.runner import supervise_scheduler
+from apportion.services.scheduler import Scheduler
 
 PRINCIPALS = ("ops", "alice", "a", "b", "vic", "mallory")
 """Who the tests' gateway credentials name: the owners of :func:`small_cluster`, and
@@ -119,3 +125,23 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
         except OSError:
             assert time.monotonic() < deadline, f"nothing listens on {port}"
             time.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def gateway_on(log: JetStreamLog, auth: Any) -> AsyncIterator[Gateway]:
+    """A supervised scheduler and a gateway (checking ``auth``; ``None``: no auth) on
+    ``log`` with :func:`small_cluster` published first, the gateway caught up with it."""
+    await log.publish_inputs(small_cluster())
+    scheduler, gateway = Scheduler(log), Gateway(log, auth=auth)
+    stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(supervise_scheduler(scheduler, stop)),
+        asyncio.create_task(gateway.serve(stop, port=0)),
+    ]
+    try:
+        await gateway.ready.wait()
+        await eventually(lambda: gateway.state.input_seq >= len(small_cluster()), what="caught up")
+        yield gateway
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)

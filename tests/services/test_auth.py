@@ -17,7 +17,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,11 +45,8 @@ from apportion.services.auth import (
 )
 from apportion.services.bus import JetStreamLog
 from apportion.services.canonical import read_history
-from apportion.services.gateway import Gateway
-from apportion.services.runner import supervise_scheduler
-from apportion.services.scheduler import Scheduler
 from apportion.services.stack import DEMO_CLUSTER_TOML, load_cluster_spec
-from services_helpers import eventually, small_cluster
+from services_helpers import eventually, gateway_on, small_cluster
 
 if TYPE_CHECKING:
     from conftest import Credentials
@@ -207,25 +203,6 @@ def test_a_client_finds_its_token_in_order(tmp_path: Path, monkeypatch: pytest.M
 
 
 # -- the gateway ---------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def gateway_on(log: JetStreamLog, auth: Any) -> AsyncIterator[Gateway]:
-    """A scheduler and a gateway (checking ``auth``) on ``log`` with the small cluster."""
-    await log.publish_inputs(small_cluster())
-    scheduler, gateway = Scheduler(log), Gateway(log, auth=auth)
-    stop = asyncio.Event()
-    tasks = [
-        asyncio.create_task(supervise_scheduler(scheduler, stop)),
-        asyncio.create_task(gateway.serve(stop, port=0)),
-    ]
-    try:
-        await gateway.ready.wait()
-        await eventually(lambda: gateway.state.input_seq >= len(small_cluster()), what="caught up")
-        yield gateway
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks)
 
 
 def http(

@@ -73,6 +73,7 @@ CLIENT_COMMANDS = {
     "share": ["share"],
     "explain": ["explain", "w1"],
     "budget show": ["budget", "show"],
+    "status": ["status"],
 }
 
 

@@ -6,7 +6,6 @@ stored once."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import sys
@@ -27,40 +26,16 @@ from apportion.services import gateway as gateway_module
 from apportion.services.bus import JetStreamLog, connect
 from apportion.services.canonical import read_history
 from apportion.services.client import GatewayClient, GatewayError
-from apportion.services.gateway import MAX_BODY_BYTES, Gateway
-from apportion.services.runner import supervise_scheduler
-from apportion.services.scheduler import Scheduler
+from apportion.services.gateway import MAX_BODY_BYTES
 from apportion.services.stack import free_port, nats_server_binary, stop_process
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from services_helpers import eventually, small_cluster, wait_port
+from services_helpers import eventually, gateway_on, small_cluster, wait_port
 
 if TYPE_CHECKING:
     from conftest import Credentials
 
 APPORTION = [sys.executable, "-m", "apportion"]
-
-
-@contextlib.asynccontextmanager
-async def serving(log: JetStreamLog, creds: Credentials) -> AsyncIterator[Gateway]:
-    """A scheduler and a gateway on ``log`` (the small cluster published first),
-    the gateway caught up with it and checking ``creds``."""
-    await log.publish_inputs(small_cluster())
-    scheduler, gateway = Scheduler(log), Gateway(log, auth=creds.authenticator)
-    stop = asyncio.Event()
-    tasks = [
-        asyncio.create_task(supervise_scheduler(scheduler, stop)),
-        asyncio.create_task(gateway.serve(stop, port=0)),
-    ]
-    try:
-        await gateway.ready.wait()
-        await eventually(
-            lambda: gateway.state.input_seq >= len(small_cluster()), what="gateway caught up"
-        )
-        yield gateway
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks)
 
 
 def http(
@@ -171,7 +146,7 @@ def requests(draw: st.DrawFn) -> tuple[str, str, bytes | None]:
 async def test_bad_requests_get_a_json_error_and_never_a_5xx(
     jlog: JetStreamLog, creds: Credentials
 ) -> None:
-    async with serving(jlog, creds) as gateway:
+    async with gateway_on(jlog, creds.authenticator) as gateway:
         url = gateway.url
         assert url is not None
         seen: dict[int, int] = {}
@@ -204,7 +179,7 @@ async def test_bad_requests_get_a_json_error_and_never_a_5xx(
 
 async def test_bounds_and_sizes_are_named_in_4xx(jlog: JetStreamLog, creds: Credentials) -> None:
     async with (
-        serving(jlog, creds) as gateway,
+        gateway_on(jlog, creds.authenticator) as gateway,
         aiohttp.ClientSession(headers=creds.headers()) as session,
     ):
         url = gateway.url
@@ -252,11 +227,11 @@ async def test_bounds_and_sizes_are_named_in_4xx(jlog: JetStreamLog, creds: Cred
 async def test_a_bug_in_a_handler_is_a_logged_500_and_the_gateway_keeps_serving(
     jlog: JetStreamLog, monkeypatch: pytest.MonkeyPatch, creds: Credentials
 ) -> None:
-    def broken(state: Any) -> Any:
+    def broken(state: Any, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(gateway_module, "queue_view", broken)
-    async with serving(jlog, creds) as gateway:
+    async with gateway_on(jlog, creds.authenticator) as gateway:
         url = gateway.url
         auth = creds.headers()
         status, body = await asyncio.to_thread(http, "GET", f"{url}/v1/queue", None, auth)
@@ -319,7 +294,7 @@ async def test_an_outage_is_a_504_and_a_retry_with_the_same_id_is_stored_once(
     log = JetStreamLog(nc.jetstream(timeout=1.0), cluster)
     await log.setup()
     try:
-        async with serving(log, creds) as gateway:
+        async with gateway_on(log, creds.authenticator) as gateway:
             url = gateway.url
             auth = creds.headers()
             server.stop()
@@ -371,7 +346,7 @@ async def test_an_outage_is_a_504_and_a_retry_with_the_same_id_is_stored_once(
 
 
 async def test_the_cli_names_the_bound_in_one_line(jlog: JetStreamLog, creds: Credentials) -> None:
-    async with serving(jlog, creds) as gateway:
+    async with gateway_on(jlog, creds.authenticator) as gateway:
         env = {
             "APPORTION_URL": gateway.url or "",
             "PATH": "/usr/bin:/bin",

@@ -1,0 +1,202 @@
+"""Prometheus metrics of the gateway (``GET /metrics``), with the official ``prometheus_client``.
+
+Counters count what the gateway's follower has folded since the gateway
+started (it folds the whole history from input 1, so after a restart they
+count the history again, as a restarted exporter should: Prometheus' ``rate``
+and ``increase`` handle the reset). Gauges are read from the follower's state
+when Prometheus scrapes. Every metric is listed in docs/services.md ("Metrics").
+
+``/metrics`` needs no token (like ``/v1/status``); docs/security.md's threat
+model says what it shows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from apportion.core.budget import ROOT, team_of
+from apportion.core.state import State
+from apportion.schemas.events import InputRejected, WorkloadPreempted
+from apportion.schemas.history import BatchItem, HistoryItem
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+REJECTION_CLASSES = ("malformed", "stale", "authority", "duplicate", "invalid")
+
+
+def rejection_class(reason: str) -> str:
+    """The class of an ``InputRejected`` reason (a small, fixed label set):
+    ``malformed`` (bytes or a version that did not decode), ``stale`` (a report
+    that raced a decision, a repeat), ``authority`` (the actor may not),
+    ``duplicate`` (a workload id used before), ``invalid`` (anything else: an
+    unknown owner, a bound, not a valid gang ...)."""
+    if reason.startswith("malformed") or "decode" in reason:
+        return "malformed"
+    if "stale report" in reason or "(no change)" in reason or "already ended" in reason:
+        return "stale"
+    if "may not" in reason or "does not own" in reason:
+        return "authority"
+    if "already exists" in reason:
+        return "duplicate"
+    return "invalid"
+
+
+class GatewayMetrics:
+    """The gateway's metrics, in a registry of their own (several gateways in one
+    process, as in the tests, do not collide)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter(
+            "apportion_decisions",
+            "Decisions folded by the gateway, by kind",
+            ["kind"],
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "apportion_preemptions",
+            "WorkloadPreempted decisions folded, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "apportion_rejections",
+            "InputRejected decisions folded, by reason class",
+            ["reason_class"],
+            registry=r,
+        )
+        self.pending = Gauge(
+            "apportion_queue_pending_workloads",
+            "Pending workloads, allocated (min_runtime > 0) or unallocated",
+            ["contract"],
+            registry=r,
+        )
+        self.pending_gpus = Gauge(
+            "apportion_queue_pending_gpus",
+            "GPUs asked for by pending workloads",
+            ["contract"],
+            registry=r,
+        )
+        self.running = Gauge(
+            "apportion_running_workloads", "Running workloads", ["contract"], registry=r
+        )
+        self.gpus_in_use = Gauge(
+            "apportion_gpus_in_use", "GPUs held by running workloads", ["contract"], registry=r
+        )
+        self.gpus = Gauge(
+            "apportion_gpus", "GPUs of registered nodes, by node health", ["health"], registry=r
+        )
+        self.inputs_stored = Gauge(
+            "apportion_inputs_stored", "Last sequence of the INPUTS stream", registry=r
+        )
+        self.inputs_folded = Gauge(
+            "apportion_inputs_folded", "Inputs folded by the gateway's follower", registry=r
+        )
+        self.input_lag = Gauge(
+            "apportion_input_lag",
+            "Inputs stored but not yet folded by the gateway (stored - folded)",
+            registry=r,
+        )
+        self.state_age = Gauge(
+            "apportion_state_age_seconds",
+            "Wall clock minus the time of the last event the gateway folded",
+            registry=r,
+        )
+        self.team_usage = Gauge(
+            "apportion_team_usage_gpu_hours",
+            "GPU-hours charged to a team inside the lookback window",
+            ["team"],
+            registry=r,
+        )
+        self.team_share = Gauge(
+            "apportion_team_usage_of_share_ratio",
+            "A team's charged usage / its share of the window "
+            "(global share x healthy GPUs x lookback); 1 = at share",
+            ["team"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "apportion_gateway_request_seconds",
+            "Gateway request latency, by route, method and status",
+            ["route", "method", "status"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        for kind in ("WorkloadPlaced", "WorkloadPreempted", "NodeDrained", "InputRejected"):
+            self.decisions.labels(kind)
+        for c in REJECTION_CLASSES:
+            self.rejections.labels(c)
+
+    def observe(self, items: Iterable[HistoryItem]) -> None:
+        """Count the decisions of the batches among ``items`` (as they are folded)."""
+        for item in items:
+            if not isinstance(item, BatchItem):
+                continue
+            for d in item.batch.decisions:
+                self.decisions.labels(type(d).__name__).inc()
+                if isinstance(d, WorkloadPreempted):
+                    self.preemptions.labels(d.reason).inc()
+                elif isinstance(d, InputRejected):
+                    self.rejections.labels(rejection_class(d.reason)).inc()
+
+    def request(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.latency.labels(route, method, str(status)).observe(seconds)
+
+    def update(self, state: State, inputs_stored: int | None, now_ms: int | None = None) -> None:
+        """Set the gauges from ``state`` (``inputs_stored``: INPUTS' last sequence,
+        ``None`` when NATS did not answer: the lag is left as it was)."""
+        counts: dict[str, list[int]] = {"allocated": [0, 0], "unallocated": [0, 0]}
+        for w in state.pending.values():
+            c = counts["allocated" if w.allocated else "unallocated"]
+            c[0] += 1
+            c[1] += w.gpus
+        for contract, (n, g) in counts.items():
+            self.pending.labels(contract).set(n)
+            self.pending_gpus.labels(contract).set(g)
+        counts = {"allocated": [0, 0], "unallocated": [0, 0]}
+        for w in state.running.values():
+            c = counts["allocated" if w.allocated else "unallocated"]
+            c[0] += 1
+            c[1] += w.gpus
+        for contract, (n, g) in counts.items():
+            self.running.labels(contract).set(n)
+            self.gpus_in_use.labels(contract).set(g)
+        health = {"healthy": 0, "draining": 0, "down": 0}
+        for node in state.nodes.values():
+            health[node.health] = health.get(node.health, 0) + node.gpus
+        for h, g in health.items():
+            self.gpus.labels(h).set(g)
+        self.inputs_folded.set(state.input_seq)
+        if inputs_stored is not None:
+            self.inputs_stored.set(inputs_stored)
+            self.input_lag.set(max(0, inputs_stored - state.input_seq))
+        now = now_ms if now_ms is not None else int(time.time() * 1000)
+        self.state_age.set(max(0, now - state.now_ms) / 1000)
+        healthy = health["healthy"]
+        lookback = state.policy.lookback_ms
+        tree = state.budget
+        teams = sorted({team_of(leaf) for leaf in tree.leaves() if leaf != ROOT})
+        self.team_usage.clear()  # a removed team leaves no stale series
+        self.team_share.clear()
+        for team in teams:
+            usage = state.usage(team)
+            self.team_usage.labels(team).set(usage / 3_600_000)
+            allocation = float(tree.global_share(team)) * healthy * lookback
+            self.team_share.labels(team).set(usage / allocation if allocation > 0 else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def route_of(request: Any) -> str:
+    """A request's route template (``/v1/workloads/{id}``), so that ids do not
+    become label values; ``other`` for a path no route matches."""
+    info = getattr(request, "match_info", None)
+    route = getattr(info, "route", None)
+    resource = getattr(route, "resource", None)
+    canonical = getattr(resource, "canonical", None)
+    return canonical if isinstance(canonical, str) else "other"

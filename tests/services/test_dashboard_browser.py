@@ -1,0 +1,311 @@
+"""The dashboard in a real browser: headless Chromium (Debian's ``chromium``, driven by
+Playwright through ``executable_path``) against a real ``apportion up`` stack.
+
+It signs in through the login form, loads every page, submits a workload through
+the queue page's form, watches it get placed (the page updates itself), edits a
+budget, checks that the charts are drawn (SVG elements) and that no page logs a
+script error or a Content-Security-Policy violation. Screenshots go to
+``build/screenshots/``.
+
+The test skips only when no Chromium can be found or installed (``make test``
+installs Debian's ``chromium`` when it runs as root; so does this test).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.nats, pytest.mark.browser]
+
+APPORTION = [sys.executable, "-m", "apportion"]
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "build" / "screenshots"
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def find_chromium() -> str | None:
+    named = os.environ.get("APPORTION_CHROMIUM")
+    if named:
+        return named if Path(named).exists() else None
+    for name in BROWSERS:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def chromium_or_install() -> tuple[str | None, str]:
+    """The browser's path, or ``None`` and why none could be had."""
+    named = os.environ.get("APPORTION_CHROMIUM")
+    if named and not Path(named).exists():
+        return None, f"$APPORTION_CHROMIUM names {named}, which does not exist"
+    found = find_chromium()
+    if found:
+        return found, ""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return None, "no chromium on PATH, and not root with apt-get to install it"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=300)
+        done = subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "chromium"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"no chromium, and apt-get install chromium failed: {exc}"
+    found = find_chromium()
+    if found:
+        return found, ""
+    return None, f"no chromium, and apt-get install chromium failed: {done.stderr.strip()[-300:]}"
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path, why = chromium_or_install()
+    if path is None:
+        pytest.skip(f"no browser for the dashboard test: {why}")
+    return path
+
+
+@pytest.fixture
+def stack(nats_server, tmp_path: Path, cluster: str) -> Iterator[tuple[str, Path]]:
+    """`apportion up` with the demo cluster under a fresh name; yields (gateway URL, data dir)."""
+    from apportion.services.stack import DEMO_CLUSTER_TOML
+
+    cluster_file = tmp_path / "cluster.toml"
+    cluster_file.write_text(DEMO_CLUSTER_TOML.replace('name = "demo"', f'name = "{cluster}"'))
+    env = {**os.environ, "NATS_URL": nats_server.url}
+    env.pop("APPORTION_URL", None)
+    data = tmp_path / "data"
+    err = open(tmp_path / "up.err", "w+")  # noqa: SIM115 - read while the process runs
+    proc = subprocess.Popen(
+        APPORTION
+        + ["up", "--cluster", str(cluster_file), "--data-dir", str(data), "--port", "0"]
+        + ["--log-level", "warning"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+        start_new_session=True,
+    )
+    url = None
+    deadline = time.monotonic() + 60
+    while url is None and time.monotonic() < deadline and proc.poll() is None:
+        err.seek(0)
+        m = re.search(r"gateway: (http://\S+)", err.read())
+        url = m.group(1) if m else None
+        time.sleep(0.05)
+    assert url, f"apportion up did not print its gateway URL: {(tmp_path / 'up.err').read_text()}"
+    try:
+        yield url, data
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(60)
+        err.close()
+
+
+def test_the_dashboard_in_a_browser(chromium: str, stack: tuple[str, Path]) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    url, data = stack
+    admin = (data / "credentials" / "admin.token").read_text().strip()
+    victor = (data / "credentials" / "victor.token").read_text().strip()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    timings: dict[str, float] = {}
+    started = time.monotonic()
+
+    def shot(page, name: str) -> None:
+        page.screenshot(path=str(SCREENSHOTS / f"dashboard-{name}.png"), full_page=True)
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium,
+            headless=True,
+            args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"],
+        )
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            context.set_default_timeout(20_000)
+            page = context.new_page()
+            page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+            page.on(
+                "response",
+                lambda r: problems.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None,
+            )
+            page.on(
+                "console",
+                lambda msg: (
+                    problems.append(f"console {msg.type}: {msg.text}")
+                    if msg.type == "error"
+                    else None
+                ),
+            )
+
+            # 1. an unauthenticated visit lands on the login form; a wrong token is refused
+            t = time.monotonic()
+            page.goto(url + "/")
+            expect(page).to_have_url(re.compile(r"/ui/login\?next="))
+            page.fill("input[name=token]", "apt_not-a-token")
+            page.click("#login-form button")
+            expect(page.locator(".flash.error")).to_contain_text("unknown or revoked token")
+            # the refusal is a 401 page: the only failed request so far
+            assert all("401" in x for x in problems) and problems, problems
+            problems.clear()
+            shot(page, "login")
+            page.fill("input[name=token]", admin)
+            page.click("#login-form button")
+            expect(page).to_have_url(re.compile(r"/ui/$"))
+            expect(page.locator("header .who")).to_contain_text("admin")
+            cookies = {c["name"]: c for c in context.cookies()}
+            cookie = cookies["apportion_token"]
+            assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+            assert page.evaluate("document.cookie") == ""  # scripts cannot read the token
+            timings["login"] = time.monotonic() - t
+
+            # 2. the cluster page: tiles, node bars, the timeline chart
+            expect(page.locator("svg#gpu-timeline")).to_be_visible()
+            assert page.locator("svg#gpu-timeline polygon.allocated").count() == 1
+            assert page.locator("svg#gpu-timeline polygon.unallocated").count() == 1
+            expect(page.locator("table.nodes tr")).to_have_count(6 + 1)  # one header row
+            assert page.locator("table.nodes svg.bar").count() == 6
+            shot(page, "cluster-empty")
+
+            # 3. submit through the queue page's form; the workload page shows it placed
+            t = time.monotonic()
+            page.click("nav a[href='/ui/queue']")
+            expect(page.locator("h1")).to_have_text("Queue")
+            form = page.locator("#submit-form")
+            form.locator("select[name=owner]").select_option("llm/pretrain")
+            form.locator("input[name=gpus]").fill("16")
+            form.locator("select[name=gpu_type]").select_option("h100")
+            form.locator("input[name=min_runtime]").fill("1h")
+            form.locator("input[name=id]").fill("ui-job-1")
+            form.locator("button[type=submit]").click()
+            expect(page).to_have_url(re.compile(r"/ui/workload/ui-job-1"))
+            expect(page.locator(".flash")).to_contain_text("submitted ui-job-1")
+            # the page polls /ui/live and shows the placement without a reload
+            expect(page.locator("#wl-status")).to_have_text("running", timeout=30_000)
+            expect(page.locator("#live")).to_contain_text("running on h100-")
+            # the script polled /ui/live with the cookie (it marks the body when it does)
+            expect(page.locator("body")).to_have_attribute(
+                "data-input-seq", re.compile(r"^\d+$"), timeout=10_000
+            )
+            expect(page.locator("#live")).to_contain_text("protected from preemption until")
+            timings["submit to placed"] = time.monotonic() - t
+            shot(page, "workload")
+
+            # free (preemptible) work on the other H100s; allocated work that preempts
+            # it; and one that must wait (32 GPUs while ui-job-1 is protected)
+            for wid, gpus, mr in (
+                ("ui-free", "16", "0"),
+                ("ui-paid", "16", "15m"),
+                ("ui-wait", "32", "2h"),
+            ):
+                page.goto(url + "/ui/queue")
+                form = page.locator("#submit-form")
+                form.locator("select[name=owner]").select_option("vision/detection")
+                form.locator("input[name=gpus]").fill(gpus)
+                form.locator("select[name=gpu_type]").select_option("h100")
+                form.locator("input[name=min_runtime]").fill(mr)
+                form.locator("input[name=id]").fill(wid)
+                form.locator("button[type=submit]").click()
+                expect(page).to_have_url(re.compile(rf"/ui/workload/{wid}"))
+                if wid != "ui-wait":
+                    expect(page.locator("#wl-status")).to_have_text("running", timeout=30_000)
+            page.goto(url + "/ui/workload/ui-free")
+            expect(page.locator("#wl-status")).to_have_text("pending")
+            expect(page.locator("ul.reasons")).to_contain_text("to make room for ui-paid")
+
+            # 4. the queue: running rows, the pending one with its position and sort key
+            page.goto(url + "/ui/queue")
+            running = page.locator("table.running")
+            expect(running).to_contain_text("ui-job-1")
+            pending = page.locator("table.queue")
+            expect(pending).to_contain_text("ui-wait")
+            expect(pending).to_contain_text("ui-free")  # requeued: preempted, resumable
+            shot(page, "queue")
+
+            # the workload page answers why it waits
+            page.click("table.queue a[href='/ui/workload/ui-wait']")
+            expect(page.locator("#wl-status")).to_have_text("pending")
+            expect(page.locator("ul.reasons")).to_contain_text("position 1")
+            shot(page, "workload-pending")
+
+            # 5. the cluster page now shows work in use: solid and hatched areas, busy nodes
+            page.goto(url + "/ui/")
+            expect(page.locator(".tiles")).to_contain_text("GPUs in use")
+            tl = page.locator("svg#gpu-timeline")
+            expect(tl).to_be_visible()
+            box = tl.bounding_box()
+            assert box and box["width"] > 500 and box["height"] > 100
+            expect(page.locator("table.nodes")).to_contain_text("ui-job-1")
+            assert page.locator("svg#gpu-timeline line.capacity").count() == 1
+            assert page.locator("svg#gpu-timeline path.preemption").count() == 1
+            page.click("h2 small a[href='/ui/?hours=1']")
+            expect(page).to_have_url(re.compile(r"hours=1$"))
+            expect(page.locator("svg#gpu-timeline")).to_be_visible()
+            assert page.locator("svg#gpu-timeline path.preemption").count() == 1
+            shot(page, "cluster")
+
+            # 6. usage against budget: the chart has a bar per budget node
+            page.click("nav a[href='/ui/usage']")
+            chart = page.locator("svg#usage-chart")
+            expect(chart).to_be_visible()
+            assert chart.locator("line.allocation").count() == 5  # llm, 2 leaves, vision, 1 leaf
+            expect(page.locator("table.usage")).to_contain_text("llm/pretrain")
+            shot(page, "usage")
+
+            # 7. the budget tree: the admin edits a weight; the page shows the new value
+            t = time.monotonic()
+            page.click("nav a[href='/ui/budget']")
+            edit = page.locator("#edit-llm--finetune")
+            edit.locator("input[name=weight]").fill("4")
+            edit.locator("button[value=set]").click()
+            expect(page.locator(".flash")).to_contain_text("llm/finetune saved")
+            expect(page.locator("tr[data-path='llm/finetune'] td.weight")).to_have_text(
+                "4", timeout=30_000
+            )
+            timings["budget edit"] = time.monotonic() - t
+            shot(page, "budget")
+
+            # victor owns vision: no form on llm, and his edit of vision/detection works
+            page.click("header form button")  # sign out
+            expect(page).to_have_url(re.compile(r"/ui/login"))
+            page.goto(url + "/ui/budget")
+            page.fill("input[name=token]", victor)
+            page.click("#login-form button")
+            expect(page).to_have_url(re.compile(r"/ui/budget$"))
+            assert page.locator("#edit-llm--finetune").count() == 0
+            edit = page.locator("#edit-vision--detection")
+            edit.locator("input[name=weight]").fill("2")
+            edit.locator("button[value=set]").click()
+            expect(page.locator(".flash")).to_contain_text("vision/detection saved")
+            # the fold refuses what he does not own even when posted by hand
+            page.evaluate(
+                """() => { const f = document.createElement('form'); f.method = 'post';
+                f.action = '/ui/budget'; for (const [k, v] of [['path', 'llm'], ['weight', '9'],
+                ['owner', 'victor'], ['action', 'set']]) { const i = document.createElement('input');
+                i.name = k; i.value = v; f.appendChild(i); } document.body.appendChild(f); f.submit(); }"""
+            )
+            expect(page.locator(".flash.error")).to_contain_text("refused (403)")
+            shot(page, "budget-refused")
+            context.close()
+        finally:
+            browser.close()
+
+    timings["total"] = time.monotonic() - started
+    print("dashboard browser test timings:", {k: round(v, 2) for k, v in timings.items()})
+    assert not problems, problems

@@ -56,14 +56,16 @@ def committed_charges(state: State) -> dict[str, int]:
     ``down`` node), the charge their contract commits them to. Ranking counts it as usage, so work placed a moment
     ago weighs on its team's ratio at once, not only as it runs."""
     now = state.now_ms
-    down = state.node_index.down  # work there is lost in the coming cycle, not charged on
-    per_leaf: dict[str, int] = {}
-    for w in state.running.values():
-        rest = w.protected_until_ms - now
-        if rest > 0 and is_allocated(w):
-            if down and any(slot.node in down for slot in w.placement):
-                continue
-            per_leaf[w.owner] = per_leaf.get(w.owner, 0) + w.gpus * rest
+    index = state.protection_index
+    per_leaf = index.committed(now)  # a pass over the leaves, not the running work
+    lost: dict[str, None] = {}  # work on a down node is lost in the coming cycle
+    for name in state.node_index.down:
+        lost.update(dict.fromkeys(state.nodes[name].workloads))
+    for wid in lost:
+        entry = index.entry(wid)
+        if entry is not None:
+            leaf, gpus, until = entry
+            per_leaf[leaf] -= gpus * (until - now)
     out: dict[str, int] = {}
     for leaf, gpu_ms in per_leaf.items():
         for p in (*ancestors_of(leaf)[1:], leaf):

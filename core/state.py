@@ -49,6 +49,7 @@ from .budget import ROOT, BudgetNode, BudgetTree, parent_of, path_error
 from .contract import is_allocated, protected_until
 from .nodeindex import NodeIndex
 from .pendingindex import PendingIndex
+from .protectionindex import ProtectionIndex
 from .usage import MAX_LOOKBACK_MS, change_rates
 
 Status = Literal["pending", "running", "succeeded", "failed", "cancelled", "preempted", "rejected"]
@@ -160,6 +161,7 @@ class State:
         "node_index",
         "pending_index",
         "active_by_owner",
+        "protection_index",
     )
 
     def __init__(self) -> None:
@@ -189,6 +191,8 @@ class State:
         """Cache of :func:`_gang_error` by ``(gpu_type, gpus)``; cleared when pools change."""
         self.active_by_owner: dict[str, int] = {}
         """Live workloads per owner leaf."""
+        self.protection_index = ProtectionIndex()
+        """Running allocated work inside its protection (:mod:`apportion.core.protectionindex`)."""
 
     # -- reading -------------------------------------------------------
     def usage(self, path: str) -> int:
@@ -244,6 +248,8 @@ class State:
             _add_pool(state, n)
         for w in state.workloads.values():
             state.active_by_owner[w.owner] = state.active_by_owner.get(w.owner, 0) + 1
+        for w in state.running.values():
+            _index_protection(state, w)
         return state
 
     def copy(self) -> State:
@@ -639,6 +645,13 @@ def _end_run(state: State, w: Workload) -> None:
     w.run_ms += now - w.started_ms
     w.placement = ()
     del state.running[w.id]
+    state.protection_index.remove(w.id)
+
+
+def _index_protection(state: State, w: Workload) -> None:
+    """Note running ``w`` in the protection index if it is allocated and protected."""
+    if is_allocated(w) and w.protected_until_ms > state.now_ms:
+        state.protection_index.add(w.id, w.owner, w.gpus, w.protected_until_ms)
 
 
 def _end(state: State, w: Workload, status: str) -> None:
@@ -703,6 +716,7 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
     w.attempt += 1
     if w.first_placed_ms is None:
         w.first_placed_ms = now
+    _index_protection(state, w)
 
 
 def _workload_preempted(state: State, e: WorkloadPreempted) -> None:

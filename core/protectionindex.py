@@ -1,0 +1,74 @@
+"""Running allocated work still inside its protection, summed per owner leaf.
+
+The ordering counts *committed* usage: for each running allocated workload,
+``gpus x (protected_until - now)`` while it is protected
+(:func:`apportion.core.ordering.committed_charges`). Summing that over every
+running workload costs a pass over all of them in every cycle; this index keeps,
+per leaf, ``sum(gpus x protected_until)`` and ``sum(gpus)`` of the protected
+ones, so the committed charge of a leaf at ``now`` is
+``weighted - now x gpus``: a pass over the leaves instead.
+
+A derived part of :class:`~apportion.core.state.State` (rebuilt on restore, not
+in the snapshot). The fold adds a workload when it is placed and removes it
+when its run ends; an entry whose protection has run out leaves when a later
+reader asks (:meth:`ProtectionIndex.committed`). Time never goes back in the
+fold, so an entry that ran out never counts again, and the sums are the same
+whenever the pruning happens.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+
+class ProtectionIndex:
+    __slots__ = ("_heap", "_live", "_weighted", "_gpus", "_seq")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, str]] = []
+        """``(protected_until, entry number, workload)``; stale entries are skipped."""
+        self._live: dict[str, tuple[str, int, int, int]] = {}
+        """workload -> ``(leaf, gpus, protected_until, entry number)``."""
+        self._weighted: dict[str, int] = {}
+        self._gpus: dict[str, int] = {}
+        self._seq = 0
+
+    def add(self, workload: str, leaf: str, gpus: int, protected_until_ms: int) -> None:
+        self.remove(workload)
+        self._seq += 1
+        self._live[workload] = (leaf, gpus, protected_until_ms, self._seq)
+        heapq.heappush(self._heap, (protected_until_ms, self._seq, workload))
+        self._sum(leaf, gpus, protected_until_ms, 1)
+
+    def remove(self, workload: str) -> None:
+        entry = self._live.pop(workload, None)
+        if entry is not None:
+            self._sum(entry[0], entry[1], entry[2], -1)
+
+    def _sum(self, leaf: str, gpus: int, until: int, sign: int) -> None:
+        total = self._gpus.get(leaf, 0) + sign * gpus
+        if total:
+            self._gpus[leaf] = total
+            self._weighted[leaf] = self._weighted.get(leaf, 0) + sign * gpus * until
+        else:  # the last one of the leaf: both sums are back to 0
+            self._gpus.pop(leaf, None)
+            self._weighted.pop(leaf, None)
+
+    def _expire(self, now_ms: int) -> None:
+        heap, live = self._heap, self._live
+        while heap and heap[0][0] <= now_ms:
+            until, seq, workload = heapq.heappop(heap)
+            entry = live.get(workload)
+            if entry is not None and entry[3] == seq:
+                del live[workload]
+                self._sum(entry[0], entry[1], until, -1)
+
+    def committed(self, now_ms: int) -> dict[str, int]:
+        """Per leaf with protected running work: ``sum(gpus x (protected_until - now))``."""
+        self._expire(now_ms)
+        return {leaf: self._weighted[leaf] - now_ms * g for leaf, g in self._gpus.items()}
+
+    def entry(self, workload: str) -> tuple[str, int, int] | None:
+        """``(leaf, gpus, protected_until)`` of a workload in the index."""
+        entry = self._live.get(workload)
+        return None if entry is None else entry[:3]

@@ -717,8 +717,21 @@ def budget_apply(
     default=None,
     help="projector: DuckDB file",
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="gateway: listen address")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="listen address (the gateway's, and --metrics-port's)",
+)
 @click.option("--port", default=8642, show_default=True, help="gateway: port")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="scheduler, projector: serve Prometheus metrics at http://HOST:PORT/metrics "
+    "(0: any free port, logged; default: no metrics server). The gateway serves "
+    "/metrics on --port",
+)
 @click.option("--replicas", type=click.IntRange(1, 5), default=1, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
 @click.option(
@@ -740,6 +753,7 @@ def serve(
     db: Path | None,
     host: str,
     port: int,
+    metrics_port: int | None,
     replicas: int,
     log_level: str,
     credentials: Path | None,
@@ -756,6 +770,11 @@ def serve(
         raise UserError("set NATS_URL to the NATS server or cluster (apportion up starts its own)")
     if kind == "projector" and db is None:
         raise UserError("projector needs --db FILE")
+    if metrics_port is not None and kind not in ("scheduler", "projector"):
+        raise UserError(
+            "--metrics-port is for the scheduler and the projector "
+            "(the gateway serves /metrics on --port)"
+        )
     if kind == "gateway" and credentials is not None and no_auth:
         raise UserError("give --credentials FILE or --no-auth, not both")
     logs.configure(log_level)
@@ -771,6 +790,7 @@ def serve(
                 replicas=replicas,
                 credentials=credentials,
                 insecure=no_auth,
+                metrics_port=metrics_port,
             )
         )
     except (OSError, ValueError) as exc:

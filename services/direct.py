@@ -86,7 +86,8 @@ async def get_batch(
     try:
         request = json.dumps({"seq": max(1, from_seq), "batch": batch}).encode()
         await nc.publish(f"$JS.API.DIRECT.GET.{stream}", request, reply=inbox)
-        await asyncio.wait_for(done.wait(), REQUEST_TIMEOUT_S)
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            await done.wait()
     finally:
         with contextlib.suppress(Exception):  # the connection may be gone already
             await sub.unsubscribe()
@@ -163,8 +164,12 @@ class DirectTail(Generic[T]):
                     retry *= 2
                     continue
                 retry = 0.0
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+                # cancellation that arrives as the event fires, and the reader would
+                # not stop
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._woken.wait(), min(left, POLL_S))
+                    async with asyncio.timeout(min(left, POLL_S)):
+                        await self._woken.wait()
                     retry = 0.001
             out: list[T] = []
             buf = self._buf

@@ -193,8 +193,16 @@ class Gateway:
     given: ``None`` is the explicit choice of a gateway that authenticates
     nobody and takes actors from request bodies (it logs a warning at start)."""
 
-    def __init__(self, log: EventLog, *, auth: Authenticator | None) -> None:
+    def __init__(
+        self,
+        log: EventLog,
+        *,
+        auth: Authenticator | None,
+        extra_metrics: Callable[[], Awaitable[bytes]] | None = None,
+    ) -> None:
         self.log = log
+        self.extra_metrics = extra_metrics
+        """More Prometheus text for ``/metrics``: the other services of this process (``apportion up``)."""
         self.auth = auth
         self.follower = Follower(log)
         self.history = History()
@@ -519,7 +527,10 @@ class Gateway:
         except Exception:  # NATS away: the other metrics still answer
             stored = None
         self.metrics.update(self.state, stored, self.now_ms())
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        body = self.metrics.render()
+        if self.extra_metrics is not None:
+            body += await self.extra_metrics()  # the scheduler's and projector's, under `up`
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document())

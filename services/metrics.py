@@ -13,7 +13,7 @@ model says what it shows.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from apportion.core.budget import ROOT, team_of
@@ -200,3 +200,199 @@ def route_of(request: Any) -> str:
     resource = getattr(route, "resource", None)
     canonical = getattr(resource, "canonical", None)
     return canonical if isinstance(canonical, str) else "other"
+
+
+# -- the scheduler and the projector --------------------------------------------
+# Each service object owns a registry of its own (tests run several in one
+# process). ``apportion serve scheduler|projector --metrics-port N`` exposes it
+# over HTTP (:func:`start_metrics_server`); ``apportion up`` appends it to the
+# gateway's ``/metrics`` (all services share one process there).
+
+DECISION_KINDS = ("WorkloadPlaced", "WorkloadPreempted", "NodeDrained", "InputRejected")
+
+CYCLE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class SchedulerMetrics:
+    """A scheduler's metrics. Counters move on the hot path (one histogram
+    observation and a few increments per cycle); gauges are set at each scrape
+    (:meth:`update`)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.cycle_seconds = Histogram(
+            "apportion_scheduler_cycle_seconds",
+            "Scheduler cycle latency: decide, publish (every part) and fold one cycle",
+            buckets=CYCLE_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "apportion_scheduler_decisions",
+            "Decisions the scheduler published, by kind",
+            ["kind"],
+            registry=r,
+        )
+        self.batches = Counter(
+            "apportion_scheduler_batches",
+            "Decision batches (cycles) the scheduler published, empty ones included",
+            registry=r,
+        )
+        self.parts = Counter(
+            "apportion_scheduler_batch_parts",
+            "DECISIONS messages the scheduler published (a cycle too large for one is several parts)",
+            registry=r,
+        )
+        self.ticks = Counter(
+            "apportion_scheduler_ticks", "ClockTicked inputs the scheduler published", registry=r
+        )
+        self.snapshots_saved = Counter(
+            "apportion_scheduler_snapshots_saved", "Snapshots the scheduler saved", registry=r
+        )
+        self.snapshots_rejected = Counter(
+            "apportion_scheduler_snapshots_rejected",
+            "Stored snapshots found unusable (the whole log folded instead)",
+            registry=r,
+        )
+        self.leases_lost = Counter(
+            "apportion_scheduler_leases_lost",
+            "Times the lease could not be renewed while leading",
+            registry=r,
+        )
+        self.fenced = Counter(
+            "apportion_scheduler_fenced",
+            "Publishes refused because another scheduler wrote (fencing)",
+            registry=r,
+        )
+        self.leader = Gauge(
+            "apportion_scheduler_leader", "1 while this scheduler leads, 0 on standby", registry=r
+        )
+        self.inputs_folded = Gauge(
+            "apportion_scheduler_inputs_folded",
+            "Last input sequence the scheduler's state folded (0 with no state loaded)",
+            registry=r,
+        )
+        self.inputs_stored = Gauge(
+            "apportion_scheduler_inputs_stored", "Last sequence of the INPUTS stream", registry=r
+        )
+        self.input_lag = Gauge(
+            "apportion_scheduler_input_lag",
+            "Inputs stored but not yet folded by the scheduler (stored - folded)",
+            registry=r,
+        )
+        self._kinds = {k: self.decisions.labels(k) for k in DECISION_KINDS}
+
+    def cycle(self, seconds: float, decisions: Iterable[Any], parts: int) -> None:
+        """One cycle published: ``decisions`` (the ones this scheduler published) in ``parts`` messages."""
+        self.cycle_seconds.observe(seconds)
+        self.batches.inc()
+        self.parts.inc(parts)
+        kinds = self._kinds
+        for d in decisions:
+            name = type(d).__name__
+            child = kinds.get(name)
+            if child is None:
+                child = kinds[name] = self.decisions.labels(name)
+            child.inc()
+
+    def update(self, *, leading: bool, folded: int, stored: int | None) -> None:
+        self.leader.set(1 if leading else 0)
+        self.inputs_folded.set(folded)
+        if stored is not None:
+            self.inputs_stored.set(stored)
+            self.input_lag.set(max(0, stored - folded))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ProjectorMetrics:
+    """A projector's metrics; one object may outlive several projectors (``apportion
+    up`` makes a new one at each restart), so the rebuilds count across them."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.commits = Counter(
+            "apportion_projector_commits", "Transactions the projector committed", registry=r
+        )
+        self.items = Counter(
+            "apportion_projector_items_committed",
+            "History items (inputs and decision batches) committed to the DuckDB file, by kind",
+            ["kind"],
+            registry=r,
+        )
+        self.skipped = Counter(
+            "apportion_projector_batches_skipped",
+            "Decision batches skipped as out of canonical order",
+            registry=r,
+        )
+        self.rebuilds = Counter(
+            "apportion_projector_rebuilds",
+            "Projection files moved aside (unreadable, or ahead of the streams) and rebuilt",
+            registry=r,
+        )
+        self.input_seq = Gauge(
+            "apportion_projector_input_seq", "Last input sequence committed", registry=r
+        )
+        self.batch_seq = Gauge(
+            "apportion_projector_batch_seq", "Last DECISIONS sequence committed", registry=r
+        )
+        self.inputs_stored = Gauge(
+            "apportion_projector_inputs_stored", "Last sequence of the INPUTS stream", registry=r
+        )
+        self.input_lag = Gauge(
+            "apportion_projector_input_lag",
+            "Inputs stored but not yet committed by the projector (stored - committed)",
+            registry=r,
+        )
+        self._inputs = self.items.labels("input")
+        self._batches = self.items.labels("batch")
+
+    def committed(self, before: tuple[int, int], after: tuple[int, int]) -> None:
+        self.commits.inc()
+        self._inputs.inc(max(0, after[0] - before[0]))
+        self._batches.inc(max(0, after[1] - before[1]))
+        self.input_seq.set(after[0])
+        self.batch_seq.set(after[1])
+
+    def update(self, position: tuple[int, int], stored: int | None) -> None:
+        self.input_seq.set(position[0])
+        self.batch_seq.set(position[1])
+        if stored is not None:
+            self.inputs_stored.set(stored)
+            self.input_lag.set(max(0, stored - position[0]))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def stored_inputs(log: Any, timeout_s: float = 2.0) -> int | None:
+    """INPUTS' last sequence, or ``None`` when NATS does not answer within ``timeout_s``."""
+    import asyncio
+
+    try:
+        return int(await asyncio.wait_for(log.last_input_seq(), timeout_s))
+    except Exception:  # noqa: BLE001 - NATS away: the other metrics still answer
+        return None
+
+
+async def start_metrics_server(
+    render: Callable[[], Awaitable[bytes]], host: str, port: int
+) -> tuple[Any, str]:
+    """Serve ``GET /metrics`` (``render()``'s text) on ``host:port`` (0: any free
+    port) in this event loop; returns the aiohttp runner (``await
+    runner.cleanup()`` to stop) and the URL it listens on."""
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=await render(), headers={"Content-Type": CONTENT_TYPE})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
+    sockets = getattr(server, "sockets", None)
+    bound = sockets[0].getsockname()[1] if sockets else port
+    return runner, f"http://{host}:{bound}/metrics"

@@ -32,6 +32,7 @@ from apportion.schemas.history import BatchItem
 from . import logs
 from .bus import EventLog
 from .canonical import CanonicalReader
+from .metrics import ProjectorMetrics, stored_inputs
 
 
 class ProjectionCorrupt(Exception):
@@ -80,9 +81,12 @@ def move_aside(path: Path) -> Path:
     return aside
 
 
-def open_projection(path: str | Path | None, logger: Any = None) -> Projection:
+def open_projection(
+    path: str | Path | None, logger: Any = None, metrics: ProjectorMetrics | None = None
+) -> Projection:
     """The projection in the DuckDB file ``path`` (in memory for ``None``); a
-    damaged file is moved aside (logged) and an empty one takes its place."""
+    damaged file is moved aside (logged, counted in ``metrics``' rebuilds) and
+    an empty one takes its place."""
     if path is None:
         return Projection(duckdb.connect(":memory:"))
     path = Path(path)
@@ -99,6 +103,8 @@ def open_projection(path: str | Path | None, logger: Any = None) -> Projection:
             raise
         reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
     aside = move_aside(path)
+    if metrics is not None:
+        metrics.rebuilds.inc()
     (logger or logs.get("projector")).warning(
         "projection file unreadable; moved aside, rebuilding it from the streams",
         path=str(path),
@@ -109,17 +115,22 @@ def open_projection(path: str | Path | None, logger: Any = None) -> Projection:
 
 
 async def open_projection_for(
-    path: str | Path | None, log: EventLog, logger: Any = None
+    path: str | Path | None,
+    log: EventLog,
+    logger: Any = None,
+    metrics: ProjectorMetrics | None = None,
 ) -> Projection:
     """:func:`open_projection`, then also moved aside when the file is ahead of the
     streams (they lost their tail in an OS crash: its rows would not be theirs)."""
-    projection = await asyncio.to_thread(open_projection, path, logger)
+    projection = await asyncio.to_thread(open_projection, path, logger, metrics)
     inputs, batches = projection.position
     last_input, last_batch = await log.last_input_seq(), await log.last_batch_seq()
     if path is None or (inputs <= last_input and batches <= last_batch):
         return projection
     projection.con.close()
     aside = move_aside(Path(path))
+    if metrics is not None:
+        metrics.rebuilds.inc()
     (logger or logs.get("projector")).warning(
         "projection file ahead of the streams; moved aside, rebuilding it from the streams",
         path=str(path),
@@ -134,8 +145,16 @@ class Projector:
     """Folds the canonical history from the projection's committed position and
     shows each item to the projection, which writes the rows."""
 
-    def __init__(self, log: EventLog, projection: Projection, commit_every_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        log: EventLog,
+        projection: Projection,
+        commit_every_s: float = 0.2,
+        metrics: ProjectorMetrics | None = None,
+    ) -> None:
         self.log = log
+        self.metrics = metrics or ProjectorMetrics()
+        """Prometheus metrics (docs/services.md, "Metrics"); :meth:`metrics_text` renders them."""
         self.projection = projection
         self.commit_every_s = commit_every_s
         self.logger = logs.get("projector", cluster=log.subjects.cluster)
@@ -143,6 +162,18 @@ class Projector:
         self.state = projection.saved_state()
         self.skipped = 0
         """Decision batches skipped as out of canonical order."""
+        self.metrics.update(self.position, None)
+
+    async def metrics_text(self) -> bytes:
+        """The metrics in Prometheus' text format; the lag asks NATS for INPUTS' last sequence."""
+        self.metrics.update(self.position, await stored_inputs(self.log))
+        return self.metrics.render()
+
+    def _commit(self, state: Any) -> None:
+        before = self.position
+        self.projection.commit(state)
+        self.position = self.projection.position
+        self.metrics.committed(before, self.position)
 
     async def run(self, stop: asyncio.Event) -> None:
         inputs_done, batches_done = self.projection.position
@@ -161,6 +192,7 @@ class Projector:
                         if not isinstance(item, BatchItem):
                             raise
                         self.skipped += 1
+                        self.metrics.skipped.inc()
                         self.logger.warning(
                             "skipped a decision batch out of canonical order",
                             seq=item.seq,
@@ -170,10 +202,9 @@ class Projector:
                     p(item, state, why)
                 dirty = dirty or bool(items)
                 if dirty and (not items or time.monotonic() - last_commit >= self.commit_every_s):
-                    p.commit(state)
+                    self._commit(state)
                     dirty = False
                     last_commit = time.monotonic()
-                    self.position = p.position
         except Exception:
             # a database that failed may be damaged: let go of it, so that the next
             # open (a restart by the supervisor) checks the file afresh
@@ -183,6 +214,5 @@ class Projector:
         finally:
             await reader.close()
             if dirty:
-                p.commit(state)
-                self.position = p.position
+                self._commit(state)
             self.logger.info("stopped", input_seq=self.position[0], batches=self.position[1])

@@ -212,6 +212,7 @@ async def serve(
     grace_s: float = STOP_GRACE_S,
     credentials: str | Path | None = None,
     insecure: bool = False,
+    metrics_port: int | None = None,
 ) -> None:
     """Run service ``kind`` until SIGINT/SIGTERM (or ``stop``).
 
@@ -221,11 +222,19 @@ async def serve(
 
     ``position`` (a ``multiprocessing.Value``) receives the projector's committed
     input sequence; ``ready`` (an ``Event``) is set once the service starts.
+    ``metrics_port`` (scheduler, projector; ``None``: none) serves the service's
+    Prometheus metrics at ``http://<host>:<metrics_port>/metrics`` (0: any free
+    port, logged); the gateway serves its own on its port.
     A signal gives the service ``grace_s`` seconds to stop, then it is
     cancelled; a process still alive ``2 * grace_s`` after the signal exits.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown service {kind!r}; one of {', '.join(KINDS)}")
+    if metrics_port is not None and kind not in ("scheduler", "projector"):
+        raise ValueError(
+            "--metrics-port is for the scheduler and the projector "
+            "(the gateway serves /metrics on its own port)"
+        )
     gateway_auth = None
     if kind == "gateway":
         from .auth import TokenAuthenticator
@@ -252,6 +261,7 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     reporter = None
+    metrics_runner = None
     try:
         await log.setup()
         service: Any
@@ -266,9 +276,13 @@ async def serve(
             )
             main = supervise_scheduler(service, stop)
         elif kind == "projector":
+            from .metrics import ProjectorMetrics
             from .projector import Projector, open_projection_for
 
-            service = Projector(log, await open_projection_for(db, log))
+            pmetrics = ProjectorMetrics()  # counts a rebuild at open too
+            service = Projector(
+                log, await open_projection_for(db, log, metrics=pmetrics), metrics=pmetrics
+            )
             if position is not None:
 
                 async def report() -> None:
@@ -288,6 +302,17 @@ async def serve(
 
             service = Executor(log)
             main = service.run(stop)
+        if metrics_port is not None:
+            from .metrics import start_metrics_server
+
+            try:
+                metrics_runner, metrics_url = await start_metrics_server(
+                    service.metrics_text, host, metrics_port
+                )
+            except BaseException:
+                main.close()  # never started
+                raise
+            logger.info("metrics", url=metrics_url)
         if ready is not None:
             ready.set()
         task = asyncio.ensure_future(main)
@@ -303,6 +328,9 @@ async def serve(
     finally:
         if reporter is not None:
             reporter.cancel()
+        if metrics_runner is not None:
+            with contextlib.suppress(Exception):
+                await metrics_runner.cleanup()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         with contextlib.suppress(Exception):

@@ -70,6 +70,7 @@ from .bus import (
     SnapshotUnreadable,
     Tail,
 )
+from .metrics import SchedulerMetrics, stored_inputs
 
 SNAPSHOT_NAME = "scheduler"
 CHUNK = 2000
@@ -145,6 +146,7 @@ class Scheduler:
         max_inputs_per_cycle: int = 2000,
         clock: Callable[[], int] = wall_ms,
         decide: Decider | None = None,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.log = log
         self.snapshots = snapshots or MemorySnapshots()
@@ -155,6 +157,8 @@ class Scheduler:
         self.max_inputs_per_cycle = max_inputs_per_cycle
         self.clock = clock
         self.decider: Decider = decide or budget_decide
+        self.metrics = metrics or SchedulerMetrics()
+        """Prometheus metrics (docs/services.md, "Metrics"); :meth:`metrics_text` renders them."""
         self.logger = logs.get("scheduler", instance=name, cluster=log.subjects.cluster)
         self.state: State | None = None
         self.batch_seq = 0
@@ -202,6 +206,7 @@ class Scheduler:
                         await self.save_snapshot()
                 except Fenced as exc:
                     self.fenced += 1
+                    self.metrics.fenced.inc()
                     log.warning("fenced", detail=str(exc))
                 finally:
                     self.leading.clear()
@@ -286,6 +291,7 @@ class Scheduler:
                 break
             return snap, state
         self.snapshots_rejected += 1
+        self.metrics.snapshots_rejected.inc()
         self.logger.warning("snapshot unusable; folding the whole log", reason=why)
         return None
 
@@ -427,6 +433,7 @@ class Scheduler:
             await self._loop(stop)
         except _LeaseLost:
             self.leases_lost += 1
+            self.metrics.leases_lost.inc()
             self.logger.warning("lease lost; standing by")
 
     async def _loop(self, stop: asyncio.Event) -> None:
@@ -475,6 +482,7 @@ class Scheduler:
         published, self._open = self._open, []
         if state.input_seq <= self.last_basis and not published:
             return None
+        started = time.perf_counter()
         batch, result = decide_batch(state, self.decider)
         cycle_start = state.decisions_folded
         done = [d for sb in published for d in sb.batch.decisions]
@@ -507,6 +515,9 @@ class Scheduler:
         # A wake-up at or before the state's time cannot move it: ignore it rather than tick forever.
         self.next_wakeup_ms = wake if wake is not None and wake > state.now_ms else None
         self.cycles += 1
+        self.metrics.cycle(
+            time.perf_counter() - started, (d for p in parts for d in p.decisions), len(parts)
+        )
         if batch.decisions or len(parts) > 1:
             self.logger.debug(
                 "decided",
@@ -523,6 +534,16 @@ class Scheduler:
             await self.save_snapshot()
         return batch
 
+    async def metrics_text(self) -> bytes:
+        """The metrics in Prometheus' text format; the lag asks NATS for INPUTS' last sequence."""
+        state = self.state
+        self.metrics.update(
+            leading=self.leading.is_set(),
+            folded=state.input_seq if state is not None else self.last_basis,
+            stored=await stored_inputs(self.log),
+        )
+        return self.metrics.render()
+
     async def _tick(self) -> None:
         if self._ticked_basis == self.last_basis:
             return
@@ -530,6 +551,7 @@ class Scheduler:
         self._ticked_basis = self.last_basis
         event = ClockTicked(id=f"tick-{self.last_basis}-{wake}", at_ms=max(self.clock(), wake or 0))
         await self.log.publish_input(event)
+        self.metrics.ticks.inc()
         self.logger.debug("tick", wakeup_ms=wake, basis=self.last_basis)
 
     async def save_snapshot(self) -> None:
@@ -546,6 +568,7 @@ class Scheduler:
         await self.snapshots.save(SNAPSHOT_NAME, _snap_encoder.encode(snap))
         self._snapshot_at = state.input_seq
         self._snapshot_time = time.monotonic()
+        self.metrics.snapshots_saved.inc()
         self.logger.info(
             "snapshot", input_seq=state.input_seq, batch_seq=self.batch_seq, bytes=len(data)
         )

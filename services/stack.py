@@ -29,6 +29,7 @@ from .auth import TokenAuthenticator, credentials_file, ensure_local_credentials
 from .bus import JetStreamLog, connect
 from .executor import Executor
 from .gateway import Gateway
+from .metrics import ProjectorMetrics
 from .projector import Projector, open_projection_for
 from .runner import STOP_GRACE_S, Supervisor, exit_watchdog, stop_within, supervise_scheduler
 from .scheduler import Scheduler
@@ -298,6 +299,8 @@ class Stack:
         self.scheduler: Scheduler | None = None
         self.projector: Projector | None = None
         self.executor: Executor | None = None
+        self.projector_metrics = ProjectorMetrics()
+        """The projector's metrics, kept across its restarts (rebuilds count there)."""
         self.supervisor: Supervisor | None = None
         self.started = asyncio.Event()
         self._gateway_ready = asyncio.Event()
@@ -367,7 +370,9 @@ class Stack:
 
     # -- the children: each start makes the service afresh -------------------
     async def _serve_gateway(self, log: JetStreamLog, stop: asyncio.Event) -> None:
-        gateway = self.gateway = Gateway(log, auth=self.authenticator)
+        gateway = self.gateway = Gateway(
+            log, auth=self.authenticator, extra_metrics=self._service_metrics
+        )
         serving = asyncio.ensure_future(gateway.serve(stop, self.host, self.port))
         listening = asyncio.ensure_future(gateway.ready.wait())
         await asyncio.wait([serving, listening], return_when=asyncio.FIRST_COMPLETED)
@@ -379,9 +384,23 @@ class Stack:
 
     async def _run_projector(self, log: JetStreamLog, stop: asyncio.Event) -> None:
         path = self.data_dir / f"{self.spec.name}.duckdb"
-        projection = await open_projection_for(path, log, self.logger)
-        self.projector = Projector(log, projection)
+        metrics = self.projector_metrics
+        projection = await open_projection_for(path, log, self.logger, metrics)
+        self.projector = Projector(log, projection, metrics=metrics)
         await self.projector.run(stop)
+
+    async def _service_metrics(self) -> bytes:
+        """The scheduler's and the projector's metrics, appended to the gateway's
+        ``/metrics``: in ``up`` every service shares this one process."""
+        parts = []
+        if self.scheduler is not None:
+            parts.append(await self.scheduler.metrics_text())
+        if self.with_projector:
+            if self.projector is not None:
+                parts.append(await self.projector.metrics_text())
+            else:
+                parts.append(self.projector_metrics.render())
+        return b"".join(parts)
 
     async def _run_executor(self, log: JetStreamLog, stop: asyncio.Event) -> None:
         self.executor = Executor(log)

@@ -142,6 +142,16 @@ def _run_with_progress(inp: Any, policy: str, quiet: bool, **kw: Any) -> tuple[A
     type=click.Path(file_okay=False, path_type=Path),
     help="write PNG charts into this directory (needs the plot extra: pip install 'apportion[plot]')",
 )
+@click.option(
+    "--estimates",
+    "estimate_every",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="sample the start-time estimate of every N-th submission (1: all; 0: none) "
+    "into the estimates table and the estimate_* KPIs; costly (about 0.2 s each on ai2)",
+)
 @_knob_option
 @click.option("--quiet", "-q", is_flag=True, help="no progress bar")
 def simulate(
@@ -157,6 +167,7 @@ def simulate(
     seed,
     days,
     plot,
+    estimate_every,
     knobs,
     quiet,
 ) -> None:
@@ -188,6 +199,7 @@ def simulate(
                 quiet,
                 out=_policy_path(out, p, compare, ".duckdb"),
                 log=_policy_path(log, p, compare, ".jsonl"),
+                estimate_every=estimate_every,
             )
         if p == policies[0]:
             refused = rejection_messages(inp, result)

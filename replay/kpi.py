@@ -35,6 +35,15 @@ Extra keys beyond the core set: ``debug_allocated_wait_p90_s`` (debug with
 ``min_runtime > 0``), ``open_waits``, ``open_large_waits``, ``demand_ratio``
 (mean allocated demand in GPUs, pending or running, / healthy GPUs),
 ``rejected``.
+
+Start-time estimate accuracy (the ``estimates`` table, empty unless the
+simulator sampled estimates): ``estimate_samples`` counts the samples made in
+``[start, end)``; a sample is *compared* when it has an estimate and the
+workload's first placement at or after the sample (``waits.placed_ms``) falls
+before ``end``. Over the compared samples: ``estimate_abs_error_p50_s`` and
+``estimate_abs_error_p90_s`` (|actual - estimated|, seconds) and
+``estimate_late_fraction`` (actual start later than estimated). Each estimate
+assumes nothing new arrives, so errors measure what arrivals changed.
 """
 
 from __future__ import annotations
@@ -162,6 +171,19 @@ FROM (SELECT node, at_ms, state, LEAD(state) OVER w AS nxt, LEAD(at_ms) OVER w A
       FROM health WINDOW w AS (PARTITION BY node ORDER BY at_ms, rowid))
 WHERE state = 'draining' AND nxt = 'drained' AND at_ms >= $start AND at_ms < $end
 """,
+    "estimates": """
+WITH s AS (
+    SELECT e.workload, e.at_ms, e.estimated_start_ms,
+           (SELECT MIN(w.placed_ms) FROM waits w
+             WHERE w.workload = e.workload AND w.placed_ms >= e.at_ms) AS actual_ms
+    FROM estimates e WHERE e.at_ms >= $start AND e.at_ms < $end),
+c AS (SELECT * FROM s WHERE estimated_start_ms IS NOT NULL AND actual_ms IS NOT NULL AND actual_ms < $end)
+SELECT (SELECT COUNT(*) FROM s),
+       quantile_cont(ABS(actual_ms - estimated_start_ms) / 1000.0, 0.5),
+       quantile_cont(ABS(actual_ms - estimated_start_ms) / 1000.0, 0.9),
+       AVG(CASE WHEN actual_ms > estimated_start_ms THEN 1.0 ELSE 0.0 END)
+FROM c
+""",
     "demand_ratio": """
 SELECT (SELECT SUM((LEAST(COALESCE(ended_ms, $end), $end) - GREATEST(submitted_ms, $start)) * gpus)
           FROM workloads WHERE min_runtime_ms > 0 AND status <> 'rejected'
@@ -288,6 +310,14 @@ def compute_kpis(
     pre = _q(con, KPI_SQL["preemptions"], start_ms, end_ms)[0][0]
     drain = _q(con, KPI_SQL["drain"], start_ms, end_ms)[0][0]
     demand = _q(con, KPI_SQL["demand_ratio"], start_ms, end_ms)[0][0]
+    has_estimates = _count(
+        con, "SELECT COUNT(*) FROM duckdb_tables() WHERE table_name = 'estimates' AND NOT temporary"
+    )
+    est_n, est_p50, est_p90, est_late = (
+        _q(con, KPI_SQL["estimates"], start_ms, end_ms)[0]
+        if has_estimates
+        else (0, None, None, None)
+    )
     n_workloads = _count(con, "SELECT COUNT(*) FROM workloads")
     n_rejected = _count(con, "SELECT COUNT(*) FROM workloads WHERE status = 'rejected'")
     n_events = _count(con, "SELECT COUNT(*) FROM events")
@@ -316,4 +346,8 @@ def compute_kpis(
         "starved_teams": delivery["starved_teams"],
         "windows_5d": delivery["windows_5d"],
         "large_wait_p90_censored_s": _r(large_censored, 1),
+        "estimate_samples": int(est_n),
+        "estimate_abs_error_p50_s": _r(est_p50, 1),
+        "estimate_abs_error_p90_s": _r(est_p90, 1),
+        "estimate_late_fraction": _r(est_late),
     }

@@ -41,6 +41,14 @@ Additions that make the history exactly recoverable from the file (the
 - ``log_meta(key, value)``: e.g. ``policy`` (``budget`` or ``priority``) when
   the simulator wrote the file.
 
+Simulator addition (not part of the history; empty unless the simulator
+sampled start-time estimates, :mod:`apportion.replay.simulator`):
+
+- ``estimates(workload, at_ms, estimated_start_ms, note)``: one row per sampled
+  estimate, made at ``at_ms`` "if nothing new arrives"; ``estimated_start_ms``
+  NULL when there was none, ``note`` then says why (``no_known_end`` or
+  ``beyond_horizon``), else NULL. :meth:`Projection.add_estimate` buffers them.
+
 Analyst additions (docs/analyst.md documents each with an example query):
 
 - a ``team`` column at the end of ``workloads`` and ``runs`` (the team rule of
@@ -105,6 +113,7 @@ CREATE TABLE IF NOT EXISTS batches(batch BIGINT, basis BIGINT, pos BIGINT, decis
     v INTEGER);
 CREATE TABLE IF NOT EXISTS malformed_inputs(seq BIGINT, at_ms BIGINT, ref VARCHAR, reason VARCHAR);
 CREATE TABLE IF NOT EXISTS log_meta(key VARCHAR, value VARCHAR);
+CREATE TABLE IF NOT EXISTS estimates(workload VARCHAR, at_ms BIGINT, estimated_start_ms BIGINT, note VARCHAR);
 """
 
 TEAM_SQL = "CASE WHEN strpos({0}, '/') > 0 THEN regexp_replace({0}, '/[^/]*$', '') ELSE {0} END"
@@ -264,6 +273,7 @@ _TYPES = {
     "budget": ("VARCHAR", "BIGINT", "VARCHAR", "DOUBLE"),
     "batches": ("BIGINT", "BIGINT", "BIGINT", "INTEGER", "BIGINT", "INTEGER"),
     "malformed_inputs": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR"),
+    "estimates": ("VARCHAR", "BIGINT", "BIGINT", "VARCHAR"),
 }
 # workloads row indexes
 W_STATUS, W_FIRST, W_ENDED, W_PRE, W_TEAM = 9, 7, 8, 10, 15
@@ -398,6 +408,7 @@ class Projection:
         self._closed_waits: list[list[Any]] = []
         self._dirty_waits: dict[str, bool] = {}
         self._health: list[tuple[Any, ...]] = []
+        self._estimates: list[tuple[Any, ...]] = []
         self._nodes_dirty = False
         self._budget_dirty = False
 
@@ -461,6 +472,12 @@ class Projection:
             self._nodes_dirty = True
         elif isinstance(event, BudgetSet | BudgetRemoved):
             self._budget_dirty = True
+
+    def add_estimate(
+        self, workload: str, at_ms: int, estimated_start_ms: int | None, note: str | None
+    ) -> None:
+        """Buffer one ``estimates`` row (written by the next :meth:`commit`)."""
+        self._estimates.append((workload, at_ms, estimated_start_ms, note))
 
     def set_meta(self, key: str, value: str) -> None:
         """Record ``key = value`` in ``log_meta`` (written at once, outside the position)."""
@@ -575,6 +592,7 @@ class Projection:
                         rows.append(w)
                 insert_rows(con, "waits", rows)
             insert_rows(con, "health", self._health)
+            insert_rows(con, "estimates", self._estimates)
             if self._nodes_dirty:
                 con.execute("DELETE FROM nodes")
                 insert_rows(

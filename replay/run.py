@@ -159,9 +159,11 @@ def run_policy(
     out: Path | None = None,
     log: Path | None = None,
     progress: Callable[[int], None] | None = None,
+    estimate_every: int = 0,
 ) -> tuple[SimResult, dict[str, Any]]:
     """Simulate ``inp`` under ``policy``; the projection goes to ``out`` (in memory
-    without), the event log to ``log``; KPIs leave out the warm-up days."""
+    without), the event log to ``log``; KPIs leave out the warm-up days.
+    ``estimate_every``: sample the start-time estimate of every N-th submission (0: none)."""
     con = fresh_database(out) if out is not None else None
     writer = open_log_writer(log, Header(policy=policy, source="simulate")) if log else None
     result = simulate(
@@ -173,6 +175,7 @@ def run_policy(
         con=con,
         progress=progress,
         sink=writer,
+        estimate_every=estimate_every,
     )
     if writer is not None:
         writer.close(result.state.digest())

@@ -25,6 +25,15 @@ every batch in the history is one the policy computed.
 Executor model: a placed workload finishes when its remaining duration has
 run; a preempted resumable workload keeps its progress (``run_ms``) and
 requeues; a non-resumable one ends as ``preempted``.
+
+Start-time estimates (``estimate_every``): the simulator can sample what
+:func:`~apportion.core.estimate.estimate_starts` would have told a user. Every
+``estimate_every``-th submission (the 1st, the N+1-th, ... in the order the
+inputs are folded) that is still pending after the cycle that saw it gets its
+estimate computed right there, on the state after that cycle - "if nothing new
+arrives" - and handed to ``on_estimate(workload, at_ms, estimated_start_ms or
+None, note)``; :func:`simulate` stores them in the projection's ``estimates``
+table. The sample depends only on the inputs, so a run stays deterministic.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from typing import Any
 import duckdb
 from apportion.core.cycle import CycleResult
 from apportion.core.cycle import decide as budget_decide
+from apportion.core.estimate import estimate_starts
 from apportion.core.history import Decider, Observer, decide_batch, fold_item, observe_all
 from apportion.core.state import State, agent_of
 from apportion.schemas.events import (
@@ -56,6 +66,17 @@ from .trace import HealthRow, TraceRow
 
 _FINISH, _HEALTH, _INPUT, _SUBMIT, _TICK = 0, 1, 2, 3, 4
 POLICIES = ("budget", "priority")
+
+DEFAULT_ESTIMATE_EVERY = 0
+"""The default sample of :func:`simulate`: the estimate of every N-th submission (0: none)."""
+
+EstimateSink = Callable[[str, int, "int | None", "str | None"], None]
+"""``(workload, at_ms, estimated_start_ms or None, note)``: one sampled estimate."""
+
+NOTE_NO_KNOWN_END = "no_known_end"
+"""No estimate: the workload waits on running work with no known end (no duration)."""
+NOTE_HORIZON = "beyond_horizon"
+"""No estimate: not placed within the estimate's horizon (7 days or 400 cycles)."""
 
 
 class SimResult:
@@ -78,6 +99,19 @@ class SimResult:
     @property
     def simulated_days(self) -> float:
         return (self.end_ms - self.start_ms) / DAY_MS
+
+
+def sample_estimate(
+    state: State, workload: str, next_wakeup_ms: int | None, sink: EstimateSink | None
+) -> None:
+    """Estimate when the pending ``workload`` starts (``state`` right after a cycle
+    whose next wake-up is ``next_wakeup_ms``) and hand it to ``sink``."""
+    if sink is None:
+        return
+    est = estimate_starts(state, next_wakeup_ms=next_wakeup_ms, only=workload)
+    start = est.starts.get(workload)
+    note = None if start is not None else NOTE_NO_KNOWN_END if est.exhausted else NOTE_HORIZON
+    sink(workload, state.now_ms, start, note)
 
 
 def policy_decider(policy: str) -> Decider:
@@ -153,11 +187,13 @@ def simulate(
     con: duckdb.DuckDBPyConnection | None = None,
     sink: Observer | None = None,
     commit_every: int = 200_000,
+    estimate_every: int = DEFAULT_ESTIMATE_EVERY,
     **kw: Any,
 ) -> SimResult:
     """:func:`run_simulation` observed by a DuckDB projection on ``con`` (a new
     in-memory database by default) and by ``sink`` (for example an event-log
-    writer); the result's ``con`` holds the projection, committed."""
+    writer); the result's ``con`` holds the projection, committed. The sampled
+    start-time estimates (``estimate_every``) go to its ``estimates`` table."""
     con = con if con is not None else duckdb.connect()
     proj = Projection(con, commit_every=commit_every)
     if proj.position != (0, 0):
@@ -170,6 +206,8 @@ def simulate(
         policy,
         days,
         observer=observe_all(proj, sink),
+        estimate_every=estimate_every,
+        on_estimate=proj.add_estimate if estimate_every > 0 else None,
         **kw,
     )
     proj.commit(result.state)
@@ -190,6 +228,8 @@ def run_simulation(
     start_ms: int = 0,
     timed_inputs: Iterable[Input] = (),
     end_ms: int | None = None,
+    estimate_every: int = 0,
+    on_estimate: EstimateSink | None = None,
 ) -> SimResult:
     """Simulate ``days`` (default: until the last submission or health change, rounded
     up to a whole day) from ``start_ms``, showing every history item to ``observer``.
@@ -198,6 +238,7 @@ def run_simulation(
     ``progress(ms)`` is called with the simulated time reached, about once a simulated hour.
     ``timed_inputs`` are input events published at their own (absolute) ``at_ms``;
     ``end_ms`` (absolute) overrides ``days``.
+    ``estimate_every`` > 0 with ``on_estimate``: sample start-time estimates (module docstring).
     """
     wall0 = time.perf_counter()
     decider = decide or policy_decider(policy)
@@ -227,6 +268,9 @@ def run_simulation(
     rejected: list[tuple[str, str]] = []
     wakeups: dict[int, bool] = {}
     counter = len(heap)
+    sampling = estimate_every > 0 and on_estimate is not None
+    submitted = 0
+    last_wakeup: list[int | None] = [None]
 
     def fold_input(event: Input) -> None:
         item = input_item(state.input_seq + 1, event)
@@ -254,6 +298,7 @@ def run_simulation(
             elif isinstance(d, InputRejected):
                 rejected.append((d.ref, d.reason))
         nxt = result.next_wakeup_ms
+        last_wakeup[0] = nxt
         if nxt is not None and nxt > t and nxt not in wakeups:
             wakeups[nxt] = True
             counter += 1
@@ -311,6 +356,17 @@ def run_simulation(
         for ev in inputs:
             fold_input(ev)
         cycle(t)
+        if sampling:
+            for ev in inputs:
+                if not isinstance(ev, WorkloadSubmitted):
+                    continue
+                submitted += 1
+                if (submitted - 1) % estimate_every:
+                    continue
+                w = state.pending.get(ev.workload)
+                # still pending, and this submission's (not a refused duplicate id's)
+                if w is not None and w.submitted_ms == t:
+                    sample_estimate(state, ev.workload, last_wakeup[0], on_estimate)
     # the clock reaches the end of the horizon (no cycle: nothing after it is simulated)
     fold_input(ClockTicked(id=f"{_TICK_ID}{end_ms}", at_ms=end_ms))
     if progress is not None:

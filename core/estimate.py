@@ -35,12 +35,11 @@ from apportion.schemas.events import (
     DAY_MS,
     ClockTicked,
     Input,
-    WorkloadFinished,
     WorkloadPlaced,
 )
 
 from .cycle import step
-from .state import State, agent_of, apply
+from .state import State, apply, run_ended
 
 DEFAULT_HORIZON_MS = 7 * DAY_MS
 """How far ahead the simulation looks (a week: the default lookback window)."""
@@ -182,17 +181,9 @@ def estimate_starts(
                 continue
             assert payload is not None
             wid, attempt = payload
-            run = sim.running.get(wid)
-            if run is not None and run.attempt == attempt:
-                inputs.append(
-                    WorkloadFinished(
-                        id=f"estimate-finished-{wid}-{attempt}",
-                        at_ms=t,
-                        workload=wid,
-                        attempt=attempt,
-                        actor=agent_of(run.placement[0].node),
-                    )
-                )
+            ended = run_ended(sim, wid, attempt, t, f"estimate-finished-{wid}-{attempt}")
+            if ended is not None:
+                inputs.append(ended)
         if not inputs:
             if not ticked:
                 continue

@@ -309,6 +309,23 @@ def agent_of(node: str) -> str:
     return f"agent:{node}"
 
 
+def run_ended(
+    state: State, workload: str, attempt: int, at_ms: int, event_id: str
+) -> WorkloadFinished | None:
+    """The end report of ``workload``'s run ``attempt`` by the agent of its first host,
+    as a simulated executor sends it; ``None`` if that run is no longer the current one."""
+    w = state.running.get(workload)
+    if w is None or w.attempt != attempt:
+        return None
+    return WorkloadFinished(
+        id=event_id,
+        at_ms=at_ms,
+        workload=workload,
+        attempt=attempt,
+        actor=agent_of(w.placement[0].node),
+    )
+
+
 def may_manage_node(state: State, actor: str, node: str) -> bool:
     """Register ``node``, change its health: an operator or the host's own agent."""
     return actor == agent_of(node) or is_operator(state, actor)

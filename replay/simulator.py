@@ -48,14 +48,13 @@ from apportion.core.cycle import CycleResult
 from apportion.core.cycle import decide as budget_decide
 from apportion.core.estimate import estimate_starts
 from apportion.core.history import Decider, Observer, decide_batch, fold_item, observe_all
-from apportion.core.state import State, agent_of
+from apportion.core.state import State, agent_of, run_ended
 from apportion.schemas.events import (
     DAY_MS,
     ClockTicked,
     Input,
     InputRejected,
     NodeHealthChanged,
-    WorkloadFinished,
     WorkloadPlaced,
     WorkloadSubmitted,
 )
@@ -321,17 +320,9 @@ def run_simulation(
             _, kind, _, payload = heapq.heappop(heap)
             if kind == _FINISH:
                 wid, attempt = payload
-                w = state.running.get(wid)
-                if w is not None and w.attempt == attempt:
-                    inputs.append(
-                        WorkloadFinished(
-                            id=f"{_FINISH_ID}{wid}/{attempt}",
-                            at_ms=t,
-                            workload=wid,
-                            attempt=attempt,
-                            actor=agent_of(w.placement[0].node),
-                        )
-                    )
+                ended = run_ended(state, wid, attempt, t, f"{_FINISH_ID}{wid}/{attempt}")
+                if ended is not None:
+                    inputs.append(ended)
             elif kind == _SUBMIT:
                 inputs.append(submission(payload, t, state))
             elif kind == _INPUT:

@@ -42,6 +42,7 @@ from apportion.schemas.events import (
     WorkloadFinished,
     WorkloadPlaced,
     WorkloadPreempted,
+    WorkloadStarted,
     WorkloadSubmitted,
 )
 
@@ -639,6 +640,27 @@ def _workload_finished(state: State, e: WorkloadFinished) -> None:
     return None
 
 
+def _workload_started(state: State, e: WorkloadStarted) -> None:
+    """Informational: checked (current attempt, a host it runs on) but changes nothing."""
+    _tick(state, e)
+    w = state.workloads.get(e.workload)
+    if w is None:
+        return _reject(state, e, _stale_reason(state, e.workload, "started"))
+    if w.status != "running" or e.attempt != w.attempt:
+        return _reject(
+            state,
+            e,
+            f"started: attempt {e.attempt} of {e.workload!r} is not its current run (stale report)",
+        )
+    if all(s.node != e.node for s in w.placement):
+        return _reject(state, e, f"started: {e.workload!r} is not placed on {e.node!r}")
+    if e.actor != agent_of(e.node) and not is_operator(state, e.actor):
+        return _reject(
+            state, e, _not_operator(e.actor, f"report the start of {e.workload!r}", "its agent")
+        )
+    return None
+
+
 def _clock_ticked(state: State, e: ClockTicked) -> None:
     _tick(state, e)
 
@@ -781,6 +803,7 @@ _HANDLERS: dict[type, Callable[[State, Any], None]] = {
     WorkloadCancelled: _workload_cancelled,
     WorkloadFinished: _workload_finished,
     ClockTicked: _clock_ticked,
+    WorkloadStarted: _workload_started,
     WorkloadPlaced: _workload_placed,
     WorkloadPreempted: _workload_preempted,
     NodeDrained: _node_drained,

@@ -64,6 +64,26 @@ EventId = Annotated[str, Meta(min_length=1, max_length=MAX_EVENT_ID_LEN, pattern
 Reason = Annotated[str, Meta(max_length=MAX_REASON_LEN)]
 """Free text a person reads (the scheduler writes only printable text: :func:`clip_reason`)."""
 
+MAX_ARGS = 256
+"""Arguments of a workload's ``command``."""
+MAX_ARG_LEN = 4096
+"""Characters of one argument or one environment value (printable text)."""
+MAX_ENV = 64
+"""Variables of a workload's ``env``."""
+MAX_IMAGE_LEN = 512
+"""A container image reference (``registry/name:tag@sha256:...``)."""
+
+ENV_NAME_PATTERN = f"^[A-Za-z_][A-Za-z0-9_]{{0,127}}{_END}"
+IMAGE_PATTERN = f"^[A-Za-z0-9_.:@/\\-]*{_END}"
+
+Arg = Annotated[str, Meta(max_length=MAX_ARG_LEN)]
+"""One argument of a command or one environment value: up to 4,096 characters
+(the fold refuses NUL characters, which no process can receive)."""
+EnvName = Annotated[str, Meta(max_length=128, pattern=ENV_NAME_PATTERN)]
+"""An environment variable name: a letter or ``_``, then letters, digits, ``_``."""
+Image = Annotated[str, Meta(max_length=MAX_IMAGE_LEN, pattern=IMAGE_PATTERN)]
+"""A container image reference, or ``""`` for none."""
+
 # -- integers ------------------------------------------------------------------
 
 INT32_MAX = 2**31 - 1
@@ -87,6 +107,8 @@ Weight = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 """Attempts, schema versions: a 32-bit count."""
 Ppm = Annotated[int, Meta(ge=0, le=PPM_MAX)]
+ExitCode = Annotated[int, Meta(ge=-255, le=255)]
+"""A process exit status: 0-255, or minus the number of the signal that killed it."""
 """Parts per million, 0 to 1,000,000."""
 
 
@@ -94,6 +116,8 @@ _PATTERN_WORDS = {
     NAME_PATTERN: "of letters, digits and '_.:@+-' (no '/', spaces or control characters)",
     PATH_PATTERN: "of names (letters, digits and '_.:@+-') joined by '/'",
     EVENT_ID_PATTERN: "of letters, digits and '_.:@+-/'",
+    ENV_NAME_PATTERN: "of a letter or '_' then letters, digits and '_' (an environment name)",
+    IMAGE_PATTERN: "of letters, digits and '_.:@/-' (a container image)",
 }
 
 

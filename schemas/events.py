@@ -25,12 +25,18 @@ import msgspec
 from msgspec import Meta
 
 from .bounds import (
+    MAX_ARGS,
+    MAX_ENV,
     MAX_OPERATORS,
+    Arg,
     Count,
     DeadlineMs,
     DurationMs,
+    EnvName,
     EventId,
+    ExitCode,
     Gpus,
+    Image,
     Name,
     Path,
     Ppm,
@@ -126,6 +132,15 @@ class PolicySet(Event, frozen=True, kw_only=True, tag="PolicySet"):
     actor: Name = ""
     reservations: bool = True
     operators: Annotated[tuple[Name, ...], Meta(max_length=MAX_OPERATORS)] = ()
+    grace_ms: DurationMs = 0
+    """Preemption notice: a preempted run keeps its GPUs (and is charged) for up
+    to this long after its ``WorkloadPreempted`` so it can checkpoint; the
+    executor sends SIGTERM at once and SIGKILL when it ends. ``0``: none."""
+    max_grace_ms: DurationMs = 15 * MINUTE_MS
+    """The cap on a workload's own ``grace_ms``."""
+    heartbeat_timeout_ms: DurationMs = 0
+    """A node whose agent has not been heard from for this long is marked
+    ``down`` by the scheduler (actor ``scheduler``). ``0``: never."""
 
 
 class WorkloadSubmitted(Event, frozen=True, kw_only=True, tag="WorkloadSubmitted"):
@@ -150,6 +165,16 @@ class WorkloadSubmitted(Event, frozen=True, kw_only=True, tag="WorkloadSubmitted
     """For the baseline priority policy only (simulation); the budget scheduler ignores it."""
     legacy_preemptible: bool = False
     """For the baseline priority policy only (simulation); the budget scheduler ignores it."""
+    command: Annotated[tuple[Arg, ...], Meta(max_length=MAX_ARGS)] = ()
+    """What an agent runs (argv; ``()``: nothing to run, for emulators and
+    simulators). The scheduler never reads it."""
+    env: Annotated[dict[EnvName, Arg], Meta(max_length=MAX_ENV)] = {}
+    """Environment for the command, on top of the agent's contract variables."""
+    image: Image = ""
+    """A container image to run ``command`` in (``docker``/``podman``), or ``""``."""
+    grace_ms: DurationMs | None = None
+    """This workload's preemption notice (``None``: the policy's ``grace_ms``);
+    at most the policy's ``max_grace_ms``."""
 
 
 class WorkloadCancelled(Event, frozen=True, kw_only=True, tag="WorkloadCancelled"):
@@ -172,6 +197,21 @@ class WorkloadFinished(Event, frozen=True, kw_only=True, tag="WorkloadFinished")
     attempt: Count | None = None
     actor: Name = ""
     """An operator, or the agent of a host the run is on (``agent:<node>``)."""
+    exit_code: ExitCode | None = None
+    """The process's exit status as the agent saw it (negative: killed by that
+    signal); informational, the scheduler reads only ``outcome``."""
+
+
+class WorkloadStarted(Event, frozen=True, kw_only=True, tag="WorkloadStarted"):
+    """An executor reports that attempt ``attempt`` of a placed run has started
+    its process(es) on ``node``. Informational: it changes no scheduling state
+    (a report for an attempt that is not the current run is stale and
+    recorded as rejected). ``actor``: as for :class:`WorkloadFinished`."""
+
+    workload: Name
+    attempt: Count
+    node: Name
+    actor: Name = ""
 
 
 class ClockTicked(Event, frozen=True, kw_only=True, tag="ClockTicked"):
@@ -205,6 +245,10 @@ class WorkloadPreempted(Event, frozen=True, kw_only=True, tag="WorkloadPreempted
     reason: PreemptReason
     requeued: bool
     for_workload: Name | None = None
+    grace_ms: DurationMs = 0
+    """The notice given: the run keeps its GPUs until ``at_ms + grace_ms`` or
+    until its executor reports it stopped, whichever comes first (``0`` on
+    ``node_down``: the host is gone)."""
 
 
 class NodeDrained(Event, frozen=True, kw_only=True, tag="NodeDrained"):
@@ -230,6 +274,7 @@ Input = (
     | WorkloadCancelled
     | WorkloadFinished
     | ClockTicked
+    | WorkloadStarted
 )
 Decision = WorkloadPlaced | WorkloadPreempted | NodeDrained | InputRejected
 AnyEvent = Input | Decision
@@ -244,6 +289,7 @@ INPUT_TYPES: tuple[type[Event], ...] = (
     WorkloadCancelled,
     WorkloadFinished,
     ClockTicked,
+    WorkloadStarted,
 )
 DECISION_TYPES: tuple[type[Event], ...] = (
     WorkloadPlaced,

@@ -22,7 +22,8 @@ def json_schemas() -> dict[str, dict[str, Any]]:
     out["Input"] = msgspec.json.schema(Input)
     out["Decision"] = msgspec.json.schema(Decision)
     out["DecisionBatch"] = msgspec.json.schema(DecisionBatch)
-    return out
+    # as JSON holds them (a tuple default such as ``command: ()`` becomes ``[]``)
+    return msgspec.json.decode(msgspec.json.encode(out))
 
 
 __all__ = ["json_schemas", "kind_of", "kind_of_type"]

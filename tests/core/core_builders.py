@@ -38,6 +38,7 @@ from apportion.schemas.events import (
     WorkloadFinished,
     WorkloadPlaced,
     WorkloadPreempted,
+    WorkloadStarted,
     WorkloadSubmitted,
 )
 
@@ -256,6 +257,10 @@ def sample_events() -> list[Event]:
             preemption_margin_ppm=10,
             actor="alice",
             reservations=False,
+            operators=("ops",),
+            grace_ms=30_000,
+            max_grace_ms=HOUR_MS,
+            heartbeat_timeout_ms=90_000,
         ),
         WorkloadSubmitted(
             id="i6",
@@ -271,9 +276,16 @@ def sample_events() -> list[Event]:
             duration_ms=5 * HOUR_MS,
             legacy_priority="low",
             legacy_preemptible=True,
+            command=("python", "train.py", "--lr", "3e-4"),
+            env={"WANDB_MODE": "offline"},
+            image="ghcr.io/lab/train:1.2",
+            grace_ms=60_000,
         ),
         WorkloadCancelled(id="i7", at_ms=7, workload="w1", actor="carol"),
-        WorkloadFinished(id="i8", at_ms=8, workload="w1", outcome="failed", attempt=2),
+        WorkloadFinished(
+            id="i8", at_ms=8, workload="w1", outcome="failed", attempt=2, exit_code=-9, actor="x"
+        ),
+        WorkloadStarted(id="i10", at_ms=9, workload="w1", attempt=2, node="n1", actor="agent:n1"),
         ClockTicked(id="i9", at_ms=9),
         WorkloadPlaced(
             id="d1",
@@ -285,7 +297,13 @@ def sample_events() -> list[Event]:
             attempt=1,
         ),
         WorkloadPreempted(
-            id="d2", at_ms=11, workload="w1", reason="node_down", requeued=True, for_workload="w9"
+            id="d2",
+            at_ms=11,
+            workload="w1",
+            reason="fairshare",
+            requeued=True,
+            for_workload="w9",
+            grace_ms=30_000,
         ),
         NodeDrained(id="d3", at_ms=12, node="n1"),
         InputRejected(id="d4", at_ms=13, ref="i4", reason="unknown budget node 'llm/old'"),

@@ -205,8 +205,10 @@ def _values_for(annotation: Any) -> st.SearchStrategy[Any]:
         return st.one_of(st.none(), _values_for(inner))
     if base is bool:
         return st.booleans()
-    if get_origin(base) is tuple:  # a bounded list of names (PolicySet.operators)
-        return st.one_of(st.lists(strings, max_size=3), st.lists(strings, min_size=65), junk)
+    if get_origin(base) is tuple:  # a bounded list of names or arguments
+        return st.one_of(st.lists(strings, max_size=3), st.lists(strings, min_size=257), junk)
+    if get_origin(base) is dict:  # a bounded environment
+        return st.one_of(st.dictionaries(strings, strings, max_size=3), junk)
     if base is int:
         typed: st.SearchStrategy[Any] = ints
     elif base is str:

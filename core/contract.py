@@ -10,6 +10,10 @@ A workload declares a minimum runtime ``min_runtime_ms`` (at most the policy's
 - ``min_runtime == 0``: **unallocated**. Free (never charged), and preemptible
   by any allocated work at any moment.
 
+**Preemption notice** (grace): a run preempted for fair share, for unallocated
+capacity or by a drain keeps its GPUs (and its charge) for its effective grace
+(:func:`effective_grace`) so it can checkpoint; it is never a victim again.
+
 The **reservation gate**: a node reserved for a blocked workload from
 ``start_ms`` takes, until then, only work that will be preemptible by then.
 
@@ -79,6 +83,13 @@ def may_use_reserved(t: int, min_runtime_ms: int, start_ms: int) -> bool:
     """The reservation gate: work placed at ``t`` may use a node reserved from
     ``start_ms`` only if it will be preemptible by then (``t + min_runtime <= start``)."""
     return protected_until(t, min_runtime_ms) <= start_ms
+
+
+def effective_grace(own_grace_ms: int | None, policy_grace_ms: int) -> int:
+    """The preemption notice a run gets when preempted for fair share, for unallocated
+    capacity or by a drain: its own ``grace_ms`` if it set one, else the policy's
+    (a node going down gives none)."""
+    return policy_grace_ms if own_grace_ms is None else own_grace_ms
 
 
 def is_debug(gpus: int, min_runtime_ms: int) -> bool:

@@ -31,6 +31,12 @@ these steps over a scratch copy of the free GPUs and never changes ``state``:
 4. **Unallocated work** (``min_runtime == 0``) by submit time, then id: placed if
    it fits; it never preempts.
 
+**Preemption notice** (grace, docs/semantics.md): a victim of steps 2-3 with an
+effective grace > 0 keeps its GPUs until its stop deadline (``stopping``); its
+beneficiary is not placed in this cycle, the nodes it would take are *held* for
+it (no other work goes there), and while runs stop for it it does not preempt
+again. Stopping runs are never victims; a draining node with one is not drained.
+
 The contract (allocated, protected, the reservation gate) is
 :mod:`apportion.core.contract`. Requeued work from steps 1-2 joins the walk of
 step 3/4 in the same cycle; a victim of a fair-share preemption waits for the
@@ -44,6 +50,7 @@ decisions on any machine.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 from collections.abc import Iterable
 from functools import partial
 
@@ -60,6 +67,7 @@ from apportion.schemas.events import (
 
 from .budget import ROOT, ancestors_of, parent_of
 from .contract import (
+    effective_grace,
     is_allocated,
     is_protected,
     may_use_reserved,
@@ -69,7 +77,7 @@ from .contract import (
     unprotected,
 )
 from .ordering import FairShareView, FairShareWalk
-from .pendingindex import FreeKey, free_key
+from .pendingindex import FreeKey, Shape, free_key
 from .placement import FreeGPUs, Slots
 from .ratio import clearly_below_pair
 from .state import ClusterNode, State, Workload, apply
@@ -98,7 +106,8 @@ class CycleResult(msgspec.Struct, frozen=True, kw_only=True):
     that made room for it."""
     next_wakeup_ms: int | None
     """Earliest future time at which a decision could change with no new input
-    (a protection expiry or a reservation start); ``None`` if none."""
+    (a protection expiry, a reservation start or the end of a preemption notice);
+    ``None`` if none."""
     reservation: Reservation | None = None
 
 
@@ -121,10 +130,16 @@ def step(state: State, *, report_reservation: bool = False) -> CycleResult:
     return result
 
 
+_DOOM_FROM = 32
+"""Pass over doomed shapes (:meth:`_Cycle._doom`) only in a leaf with at least this
+many workloads left to walk: below it, visiting them costs less than the merge.
+Either way the decisions are the same."""
+
+
 class _Cycle:
     """Scratch state of one cycle. Reads ``state``, writes only its own fields."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, skip_doomed: bool = True) -> None:
         self.state = state
         self.t = state.now_ms
         self.margin = state.policy.preemption_margin_ppm
@@ -136,6 +151,15 @@ class _Cycle:
         self.gpus = FreeGPUs(state)  # free GPUs as this cycle changes them
         self.free = self.gpus.free  # per node (read only: change with _set_free)
         self.gone: dict[str, str] = {}  # workload -> why it left a node this cycle
+        self.noticed: dict[str, int] = {}  # of those, preempted with notice -> stop deadline
+        self.held: dict[str, str] = {}  # node -> the workload it waits for (notice; this cycle)
+        self.waiting_for: dict[str, list[Workload]] = {}
+        """pending workload -> the runs stopping (with notice) to make room for it"""
+        for _, wid in state.stop_deadlines:
+            run = state.running[wid]
+            stop = run.stopping
+            if stop is not None and stop.for_workload is not None:
+                self.waiting_for.setdefault(stop.for_workload, []).append(run)
         self.added: dict[str, list[tuple[Workload, int]]] = {}  # node -> placed this cycle
         self.requeued: list[Workload] = []  # by steps 1-2, placed again this cycle
         self.reservation: Reservation | None = None
@@ -155,10 +179,10 @@ class _Cycle:
         # unallocated work, and allocated work past its protection
         self.victimable: dict[str, list[Workload]] = {}
         self.node_unalloc: dict[str, int] = {}
-        self.node_expired: dict[str, dict[str, int]] = {}  # node -> budget path -> GPUs
         self.path_nodes: dict[str, dict[str, int]] = {}  # budget path -> node -> expired GPUs
-        self.changes = 0  # bumps whenever a node's free or preemptible GPUs change
-        self._roomy: dict[tuple[str, int], tuple[int, list[tuple[int, str]]]] = {}
+        self._roomy: dict[tuple[str, int], list[tuple[int, str]]] = {}
+        """Per pool: ``(-(free + unallocated GPUs), node)`` sorted, kept up to date
+        by :meth:`_room_changed` once built (:meth:`_roomy_nodes`)."""
         self.pool_free = self.gpus.pool_free  # read only
         self.pool_unalloc: dict[tuple[str, int], int] = {}
         self.pool_expired: dict[tuple[str, int], dict[str, int]] = {}
@@ -167,6 +191,14 @@ class _Cycle:
         self._pool_sets: dict[tuple[str, int], frozenset[str]] = {}
         self.down_nodes = index.down  # read only
         self.draining_nodes = index.draining  # read only
+        self.skip_doomed = skip_doomed
+        self.walk: FairShareWalk | None = None
+        self.doomed: dict[tuple[str, str, bool], tuple[object, int]] = {}
+        """(leaf, GPU type, gate) -> (epoch token, fewest GPUs that failed in it)."""
+        self._epochs: dict[str, tuple[int, dict[str, None], object]] = {}
+        self._holder_leaves: tuple[int, set[str]] | None = None
+        self.victim_changes = 0  # bumps whenever the victim totals change
+        self._expired: dict[tuple[str, tuple[str, int]], tuple[int, object, dict[str, int]]] = {}
 
     # ------------------------------------------------------------------
     def run(self, report_reservation: bool = False) -> CycleResult:
@@ -205,9 +237,11 @@ class _Cycle:
             node = state.nodes[name]
             for wid in list(node.workloads):
                 w = state.running[wid]
-                if wid not in self.gone and not is_protected(w, self.t):
+                if wid not in self.gone and w.stopping is None and not is_protected(w, self.t):
                     self._preempt(w, "drain", None, requeue_now=True)
-            if not node.drained and all(wid in self.gone for wid in node.workloads):
+            if not node.drained and all(
+                wid in self.gone and wid not in self.noticed for wid in node.workloads
+            ):  # stopping runs (with notice) still hold the node
                 self._emit(NodeDrained, node=name)
 
     # -- scratch bookkeeping ----------------------------------------------
@@ -219,58 +253,87 @@ class _Cycle:
         self._victims_ready = True
         gone = self.gone
         for w in unprotected(self.state.running.values(), self.t):
-            if w.id not in gone:
+            if w.id not in gone and w.stopping is None:  # a stopping run is never a victim
                 for slot in w.placement:
                     self.victimable.setdefault(slot.node, []).append(w)
                 self._count_victimable(w, +1)
 
     def _count_victimable(self, w: Workload, sign: int) -> None:
         """Add (or remove) ``w``'s GPUs to the per-node and per-pool victim totals."""
-        self.changes += 1
+        self.victim_changes += 1
         nodes = self.state.nodes
-        allocated = is_allocated(w)
+        if not is_allocated(w):
+            for slot in w.placement:
+                node = nodes[slot.node]
+                key = (node.gpu_type, node.gpus)
+                gpus = sign * slot.gpus
+                before = self.node_unalloc.get(slot.node, 0)
+                self.node_unalloc[slot.node] = before + gpus
+                self.pool_unalloc[key] = self.pool_unalloc.get(key, 0) + gpus
+                self._room_changed(slot.node, self.free[slot.node] + before, gpus)
+            return
+        path = self._path(w.owner)
+        per_pool: dict[tuple[str, int], int] = {}
         for slot in w.placement:
             node = nodes[slot.node]
             key = (node.gpu_type, node.gpus)
-            gpus = sign * slot.gpus
-            if not allocated:
-                self.node_unalloc[slot.node] = self.node_unalloc.get(slot.node, 0) + gpus
-                self.pool_unalloc[key] = self.pool_unalloc.get(key, 0) + gpus
-            else:
-                by_node = self.node_expired.setdefault(slot.node, {})
-                by_pool = self.pool_expired.setdefault(key, {})
-                for p in self._path(w.owner):
-                    by_node[p] = by_node.get(p, 0) + gpus
-                    by_pool[p] = by_pool.get(p, 0) + gpus
-                    on = self.path_nodes.setdefault(p, {})
-                    left = on.get(slot.node, 0) + gpus
-                    if left:
-                        on[slot.node] = left
-                    else:
-                        del on[slot.node]
+            per_pool[key] = per_pool.get(key, 0) + sign * slot.gpus
+        for key, gpus in per_pool.items():
+            by_pool = self.pool_expired.setdefault(key, {})
+            for p in path:
+                by_pool[p] = by_pool.get(p, 0) + gpus
+        for p in path:
+            on = self.path_nodes.setdefault(p, {})
+            for slot in w.placement:
+                left = on.get(slot.node, 0) + sign * slot.gpus
+                if left:
+                    on[slot.node] = left
+                else:
+                    del on[slot.node]
 
     def _set_free(self, name: str, free: int) -> None:
-        self.changes += 1
+        before = self.free[name]
         self.gpus.set(name, free)
+        self._room_changed(name, before + self.node_unalloc.get(name, 0), free - before)
+
+    def _room_changed(self, name: str, room: int, delta: int) -> None:
+        """Node ``name``'s free + unallocated GPUs went from ``room`` by ``delta``."""
+        node = self.state.nodes[name]
+        ranked = self._roomy.get((node.gpu_type, node.gpus))
+        if ranked is None or not delta:
+            return
+        i = bisect_left(ranked, (-room, name))
+        if i < len(ranked) and ranked[i] == (-room, name):  # a node of the pool
+            del ranked[i]
+            insort(ranked, (-(room + delta), name))
 
     def _preempt(
         self, w: Workload, reason: str, for_workload: str | None, requeue_now: bool = False
-    ) -> None:
-        if self._victims_ready and not is_protected(w, self.t):
+    ) -> int:
+        """Preempt ``w``; returns the notice given (its GPUs stay taken meanwhile)."""
+        if self._victims_ready and w.stopping is None and not is_protected(w, self.t):
             self._count_victimable(w, -1)
         self.gone[w.id] = reason
         self.freed += 1
-        for slot in w.placement:
-            self._set_free(slot.node, self.free[slot.node] + slot.gpus)
+        grace = 0
+        if reason != "node_down" and w.stopping is None:
+            grace = effective_grace(w.grace_ms, self.state.policy.grace_ms)
+        if grace:
+            self.noticed[w.id] = self.t + grace
+        else:
+            for slot in w.placement:
+                self._set_free(slot.node, self.free[slot.node] + slot.gpus)
         self._emit(
             WorkloadPreempted,
             workload=w.id,
             reason=reason,
             requeued=w.resumable,
             for_workload=for_workload,
+            grace_ms=grace,
         )
-        if requeue_now and w.resumable:
+        if requeue_now and w.resumable and not grace:
             self.requeued.append(w)
+        return grace
 
     def _place(self, w: Workload, slots: Slots) -> None:
         for name, gpus in slots:
@@ -296,6 +359,9 @@ class _Cycle:
 
     def _may_use(self, w: Workload, name: str) -> bool:
         """The reservation gate on node ``name`` (:func:`~apportion.core.contract.may_use_reserved`)."""
+        held = self.held.get(name)
+        if held is not None and held != w.id:
+            return False
         start = self.reserved.get(name)
         return start is None or may_use_reserved(self.t, w.min_runtime_ms, start)
 
@@ -303,7 +369,7 @@ class _Cycle:
     def fit(self, w: Workload) -> Slots | None:
         """Where ``w`` fits now (:meth:`~apportion.core.placement.FreeGPUs.fit`) on
         the nodes the reservation gate lets it use."""
-        gate = partial(self._may_use, w) if self.reserved else None
+        gate = partial(self._may_use, w) if self.reserved or self.held else None
         return self.gpus.fit(w.gpus, w.gpu_type, gate)
 
     # -- b. preemption -------------------------------------------------------
@@ -370,47 +436,51 @@ class _Cycle:
             return c.priority > v.priority
         return any(p in subtrees for p in self._path(v.owner))
 
-    def _bound(self, c: Workload, name: str, subtrees: dict[str, None]) -> int:
-        """An upper bound of the GPUs ``c`` could have on ``name`` (free + preemptible)."""
-        expired = self.node_expired.get(name)
-        out = self.free[name] + self.node_unalloc.get(name, 0)
-        if expired:
-            out += expired.get(c.owner, 0)
-            for p in subtrees:
-                out += expired.get(p, 0)
-        return out
-
     def _roomy_nodes(self, key: tuple[str, int]) -> list[tuple[int, str]]:
-        """``(free + unallocated GPUs, node)`` of the pool, most first, then by id (cached)."""
-        cached = self._roomy.get(key)
-        if cached is None or cached[0] != self.changes:
-            unalloc = self.node_unalloc
-            ranked = sorted(
-                ((self.free[n] + unalloc.get(n, 0), n) for n in self.pool_nodes[key]),
-                key=lambda r: (-r[0], r[1]),
-            )
-            cached = (self.changes, ranked)
-            self._roomy[key] = cached
-        return cached[1]
+        """``(-(free + unallocated GPUs), node)`` of the pool, most first, then by id."""
+        ranked = self._roomy.get(key)
+        if ranked is None:
+            free, unalloc = self.free, self.node_unalloc
+            ranked = sorted((-(free[n] + unalloc.get(n, 0)), n) for n in self.pool_nodes[key])
+            self._roomy[key] = ranked
+        return ranked
 
     def _candidate_nodes(
         self, c: Workload, key: tuple[str, int], want: int, subtrees: dict[str, None]
     ) -> list[str]:
-        """Nodes of pool ``key`` that might offer ``want`` GPUs to ``c``, by id:
-        enough free and unallocated GPUs alone, or some expired work ``c`` may preempt."""
-        found: dict[str, None] = {}
+        """Nodes of pool ``key`` that might offer ``want`` GPUs to ``c``, by id: an upper
+        bound of what ``c`` could have there (free, unallocated and the expired work
+        of its own leaf and of the subtrees it outranks) is at least ``want``."""
+        free, unalloc = self.free, self.node_unalloc
+        expired = self._expired_on(c.owner, key, subtrees)
+        found: list[str] = []
         for room, n in self._roomy_nodes(key):
-            if room < want:
+            if -room < want:
                 break
-            found[n] = None
+            found.append(n)
+        for n, gpus in expired.items():
+            if free[n] + unalloc.get(n, 0) < want <= free[n] + unalloc.get(n, 0) + gpus:
+                found.append(n)
+        return sorted(found)
+
+    def _expired_on(
+        self, leaf: str, key: tuple[str, int], subtrees: dict[str, None]
+    ) -> dict[str, int]:
+        """Per node of pool ``key``: GPUs of expired work of ``leaf`` and of ``subtrees``
+        (cached until the victims or the subtrees change)."""
+        cached = self._expired.get((leaf, key))
+        if cached is not None and cached[0] == self.victim_changes and cached[1] is subtrees:
+            return cached[2]
         pool = self._pool_sets.get(key)
         if pool is None:
             pool = self._pool_sets[key] = frozenset(self.pool_nodes[key])
-        for p in (c.owner, *subtrees):
-            for n in self.path_nodes.get(p, ()):
+        expired: dict[str, int] = {}
+        for p in (leaf, *subtrees):
+            for n, gpus in self.path_nodes.get(p, {}).items():
                 if n in pool:
-                    found[n] = None
-        return sorted(found)
+                    expired[n] = expired.get(n, 0) + gpus
+        self._expired[(leaf, key)] = (self.victim_changes, subtrees, expired)
+        return expired
 
     def _victims_on(self, c: Workload, name: str, subtrees: dict[str, None]) -> list[Workload]:
         """Running workloads on ``name`` that ``c`` may preempt now."""
@@ -458,9 +528,7 @@ class _Cycle:
             if total + sum(expired.get(p, 0) for p in subtrees) < g:
                 continue  # not enough free and preemptible GPUs in the whole pool
             names = [
-                n
-                for n in self._candidate_nodes(c, key, want, subtrees)
-                if self._may_use(c, n) and self._bound(c, n, subtrees) >= want
+                n for n in self._candidate_nodes(c, key, want, subtrees) if self._may_use(c, n)
             ]
             if len(names) < need:
                 continue
@@ -537,8 +605,14 @@ class _Cycle:
         running = self.state.running
         for wid, gpus in node.workloads.items():
             if wid in self.gone:
+                until = self.noticed.get(wid)
+                if until is not None:  # preempted with notice this cycle
+                    times.extend([until] * gpus)
                 continue
             v = running[wid]
+            if v.stopping is not None:
+                times.extend([v.stopping.until_ms] * gpus)
+                continue
             who = (v.owner, v.priority if is_allocated(v) else -1)
             ok = memo.get(who)
             if ok is None:
@@ -597,6 +671,9 @@ class _Cycle:
         least as many GPUs fails too, as long as no preemption freed GPUs and
         the owner's victim subtrees are the same (placements only take GPUs
         away; a reservation only restricts), so it is skipped without a search."""
+        waiting = self.waiting_for.get(w.id)
+        if waiting is not None:
+            return self._try_waiting(w, waiting)
         allocated = is_allocated(w)
         subtrees = self.victim_subtrees(w.owner) if allocated else None
         failed = self.failed.get(self._shape(w, allocated))
@@ -614,13 +691,47 @@ class _Cycle:
             if any(not self._may_use(w, name) for name, _ in found[1]):
                 found = self._find(w)  # again, now that reserved nodes are gated
         if found is None:
-            self.failed[self._shape(w, allocated)] = (self.freed, subtrees, w.priority, w.gpus)
+            shape = self._shape(w, allocated)
+            self.failed[shape] = (self.freed, subtrees, w.priority, w.gpus)
+            if allocated and self.walk is not None:
+                self._doom(w, shape[3])
             return False
         victims, slots = found
+        notice = 0
         for v in victims:
-            self._preempt(v, "fairshare" if is_allocated(v) else "unallocated", w.id)
+            notice += self._preempt(v, "fairshare" if is_allocated(v) else "unallocated", w.id)
+        if notice:  # it is placed once they stop; until then nothing else goes there
+            for name, _ in slots:
+                self.held[name] = w.id
+            return False
         self._place(w, slots)
         return True
+
+    def _try_waiting(self, w: Workload, stopping: list[Workload]) -> bool:
+        """``w`` has runs stopping with notice for it: it does not preempt again while
+        they stop. It is placed if it fits now; otherwise the nodes where it fits once
+        they have stopped are held for it (no other work goes there this cycle)."""
+        slots = self.fit(w)
+        if slots is not None and self.to_reserve is not None:
+            self._settle_reservation()
+            if any(not self._may_use(w, name) for name, _ in slots):
+                slots = self.fit(w)
+        if slots is not None:
+            self._place(w, slots)
+            return True
+        extra: dict[str, int] = {}
+        for v in stopping:
+            if v.id not in self.gone:  # else lost with its node: its GPUs are free already
+                for slot in v.placement:
+                    extra[slot.node] = extra.get(slot.node, 0) + slot.gpus
+        for name in sorted(extra):
+            self.gpus.set(name, self.free[name] + extra[name])
+        slots = self.fit(w)
+        for name in sorted(extra):
+            self.gpus.set(name, self.free[name] - extra[name])
+        for name, _ in slots or ():
+            self.held[name] = w.id
+        return False
 
     def _shape(self, w: Workload, allocated: bool) -> tuple[str, str, bool, bool]:
         """What a failure to place depends on besides GPUs and priority: the owner
@@ -629,6 +740,79 @@ class _Cycle:
         r = self.reservation
         gate = r is None or may_use_reserved(self.t, w.min_runtime_ms, r.start_ms)
         return (w.owner if allocated else "", w.gpu_type, allocated, gate)
+
+    # The same rule for the rest of a leaf's queue, without visiting it: once
+    # ``w`` failed, its leaf's later workloads (no higher priority: the leaf's
+    # order) of the same GPU type and gate with at least as many GPUs fail too
+    # while no preemption freed GPUs and the leaf's victim subtrees stay; the
+    # walk passes over them by shape (:meth:`FairShareWalk.skip_doomed`).
+    def _epoch(self, leaf: str) -> object:
+        """A token for "no preemption since, same victim subtrees" for ``leaf``."""
+        subtrees = self.victim_subtrees(leaf)
+        cached = self._epochs.get(leaf)
+        if cached is not None and cached[0] == self.freed and cached[1] is subtrees:
+            return cached[2]
+        token = object()
+        self._epochs[leaf] = (self.freed, subtrees, token)
+        return token
+
+    def _doom(self, w: Workload, gate: bool) -> None:
+        assert self.walk is not None
+        if self.walk.left_in_leaf(w.owner) < _DOOM_FROM:
+            return  # a short queue: the per-workload memo of :meth:`_try` is cheaper
+        if self._holds(w.owner):
+            return  # a workload there may use nodes held for it, which ``w`` may not
+        token = self._epoch(w.owner)
+        key = (w.owner, w.gpu_type, gate)
+        prev = self.doomed.get(key)
+        gpus = w.gpus if prev is None or prev[0] is not token else min(prev[1], w.gpus)
+        most, smallest = self._most_obtainable(w)
+        if most < smallest:
+            # no node can be had whole: neither a gang nor a request for more than
+            # ``most`` GPUs on one node can be placed (free GPUs only get fewer)
+            gpus = min(gpus, most + 1)
+        self.doomed[key] = (token, gpus)
+        self.walk.skip_doomed(w.owner, self._is_doomed)
+
+    def _most_obtainable(self, c: Workload) -> tuple[int, int]:
+        """An upper bound of the GPUs ``c`` could have on any one node it may use (free,
+        unallocated, and expired work of its leaf and of the subtrees it outranks),
+        and the smallest node size of its pools."""
+        subtrees = self.victim_subtrees(c.owner)
+        free, unalloc = self.free, self.node_unalloc
+        most, smallest = 0, _NEVER
+        for key in self._pools_for(c):
+            smallest = min(smallest, key[1])
+            for room, n in self._roomy_nodes(key):
+                if self._may_use(c, n):
+                    most = max(most, -room)
+                    break
+            for n, gpus in self._expired_on(c.owner, key, subtrees).items():
+                if self._may_use(c, n):
+                    most = max(most, free[n] + unalloc.get(n, 0) + gpus)
+        return most, smallest
+
+    def _holds(self, leaf: str) -> bool:
+        """Whether a workload of ``leaf`` has nodes held for it (runs stopping for it)."""
+        if not self.held:
+            return False
+        cached = self._holder_leaves
+        if cached is None or cached[0] != len(self.held):  # ``held`` only grows in a cycle
+            pending = self.state.pending
+            owners = {pending[w].owner for w in self.held.values() if w in pending}
+            cached = self._holder_leaves = (len(self.held), owners)
+        return leaf in cached[1]
+
+    def _is_doomed(self, leaf: str, shape: Shape) -> object:
+        """The epoch token if ``leaf``'s workloads of ``shape`` cannot be placed, else None."""
+        gpu_type, gpus, min_runtime = shape
+        r = self.reservation
+        gate = r is None or may_use_reserved(self.t, min_runtime, r.start_ms)
+        doomed = self.doomed.get((leaf, gpu_type, gate))
+        if doomed is None or gpus < doomed[1]:
+            return None
+        token = self._epoch(leaf)
+        return token if doomed[0] is token else None
 
     def _find(self, w: Workload) -> tuple[list[Workload], Slots] | None:
         """Where ``w`` goes and whom it preempts for that: a fit, else (allocated work
@@ -642,6 +826,7 @@ class _Cycle:
 
     def _schedule_allocated(self) -> None:
         walk = FairShareWalk(self.state, self.view, self.usage, self.requeued)
+        self.walk = walk if self.skip_doomed else None
         for w in walk:
             if self._try(w):
                 self._charge(walk, w)
@@ -700,7 +885,8 @@ class _Cycle:
     # -- next wake-up -----------------------------------------------------------
     def _next_wakeup(self) -> int | None:
         """The earliest future protection expiry that could change a decision (on a
-        draining node, or anywhere while allocated work waits), or the reservation start."""
+        draining node, or anywhere while allocated work waits), the reservation start,
+        or the end of a preemption notice (always: the fold ends the stop there)."""
         t = self.t
         waiting = self.blocked or any(
             r == "fairshare" and is_allocated(self.state.running[w]) for w, r in self.gone.items()
@@ -718,6 +904,12 @@ class _Cycle:
                 continue
             if out is None or w.protected_until_ms < out:
                 out = w.protected_until_ms
+        # runs stopping with notice end at their deadline (the fold ends them there)
+        ends = list(self.noticed.values())
+        ends += [u for u, wid in self.state.stop_deadlines if wid not in self.gone][:1]
+        for until in ends:
+            if out is None or until < out:
+                out = until
         if waiting:
             for entries in self.added.values():
                 for v, _ in entries:

@@ -32,12 +32,13 @@ Ratios are compared exactly (see :mod:`apportion.core.ratio`): siblings'
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from bisect import bisect_right
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 
 from .budget import ROOT, ancestors_of, parent_of
 from .contract import is_allocated
-from .pendingindex import LeafKey, leaf_key
+from .pendingindex import LeafKey, Shape, leaf_key, shape_of
 from .ratio import ratio, sibling_scales
 from .state import State, Workload
 
@@ -183,7 +184,17 @@ class FairShareWalk:
             self.workloads = {**state.pending, **{w.id: w for w in back}}
             for w in back:
                 self.queues[w.owner] = sorted([*self.queues.get(w.owner, ()), leaf_key(w)])
+        self.shapes: dict[str, dict[Shape, list[LeafKey]]] = state.pending_index.by_shape
+        if back:
+            self.shapes = dict(self.shapes)
+            for w in back:
+                mine = self.shapes[w.owner] = dict(self.shapes.get(w.owner, {}))
+                shape = shape_of(w)
+                mine[shape] = sorted([*mine.get(shape, ()), leaf_key(w)])
         self.pos: dict[str, int] = dict.fromkeys(self.queues, 0)
+        self.merged: dict[str, _ShapeMerge] = {}
+        """Leaves walked by shape (:meth:`skip_doomed`)."""
+        self.doomed: Callable[[str, Shape], object] | None = None
         self.current: str | None = None  # the leaf being walked
         self.version: dict[str, int] = {}
         self.heaps: dict[str, list[tuple[SiblingKey, int]]] = {}
@@ -223,8 +234,36 @@ class FairShareWalk:
                 return w
         return self._best(ROOT)
 
+    def left_in_leaf(self, leaf: str) -> int:
+        """How many workloads of ``leaf`` the walk has still to give (an upper bound
+        once the leaf is walked by shape)."""
+        if leaf in self.merged:
+            return len(self.queues[leaf])
+        return len(self.queues[leaf]) - self.pos[leaf]
+
+    def skip_doomed(self, leaf: str, doomed: Callable[[str, Shape], object]) -> None:
+        """From now on, pass over the workloads of ``leaf`` whose shape ``doomed`` says
+        cannot be placed: ``doomed(leaf, shape)`` returns ``None`` for a shape that
+        may be, else a token that stays equal (``==``) for as long as the verdict
+        holds. A passed-over shape is looked at again once the token changes,
+        from where the walk is in the leaf then. The order of the workloads
+        that are not passed over does not change."""
+        self.doomed = doomed
+        if leaf in self.merged:
+            return
+        i = self.pos[leaf]
+        last = self.queues[leaf][i - 1] if i else None
+        self.merged[leaf] = _ShapeMerge(self.shapes[leaf], last)
+
     def _take(self, leaf: str) -> Workload | None:
         """The next workload of ``leaf``, or ``None`` when it has none left."""
+        merged = self.merged.get(leaf)
+        if merged is not None:
+            key = merged.take(leaf, self.doomed)  # type: ignore[arg-type]
+            if key is None:
+                return None
+            self.current = leaf
+            return self.workloads[key[2]]
         queue = self.queues[leaf]
         i = self.pos[leaf]
         if i == len(queue):
@@ -262,6 +301,61 @@ class FairShareWalk:
                 continue
             self.version[p] += 1
             heapq.heappush(self.heaps[parent_of(p)], self._entry(p))
+
+
+class _ShapeMerge:
+    """One leaf's queue as a merge of its per-shape lists (all in leaf order), so
+    that the lists of shapes that cannot be placed are passed over whole."""
+
+    __slots__ = ("lists", "cursor", "heap", "parked", "token", "last")
+
+    def __init__(self, lists: dict[Shape, list[LeafKey]], last: LeafKey | None) -> None:
+        self.lists = lists
+        self.cursor: dict[Shape, int] = {}
+        self.heap: list[tuple[LeafKey, Shape]] = []
+        self.parked: list[Shape] = []
+        self.token: object = None
+        self.last = last  # the last key taken from the leaf
+        heap, cursor = self.heap, self.cursor
+        for shape, keys in lists.items():
+            i = 0 if last is None else bisect_right(keys, last)
+            cursor[shape] = i
+            if i < len(keys):
+                heap.append((keys[i], shape))
+        heapq.heapify(heap)
+
+    def _resume(self, shape: Shape) -> None:
+        keys = self.lists[shape]
+        i = 0 if self.last is None else bisect_right(keys, self.last)
+        self.cursor[shape] = i
+        if i < len(keys):
+            heapq.heappush(self.heap, (keys[i], shape))
+
+    def take(self, leaf: str, doomed: Callable[[str, Shape], object]) -> LeafKey | None:
+        # verdicts only grow while their token stays: a changed token may free them all
+        if self.parked and doomed(leaf, self.parked[0]) is not self.token:
+            parked, self.parked = self.parked, []
+            for shape in parked:
+                self._resume(shape)
+        heap = self.heap
+        while heap:
+            key, shape = heap[0]
+            token = doomed(leaf, shape)
+            if token is not None:
+                heapq.heappop(heap)
+                self.parked.append(shape)
+                self.token = token
+                continue
+            keys = self.lists[shape]
+            i = self.cursor[shape] + 1
+            self.cursor[shape] = i
+            if i < len(keys):
+                heapq.heapreplace(heap, (keys[i], shape))
+            else:
+                heapq.heappop(heap)
+            self.last = key
+            return key
+        return None
 
 
 def queue_order(state: State, view: FairShareView | None = None) -> list[Workload]:

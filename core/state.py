@@ -18,6 +18,7 @@ apply means the history is corrupt and raises :class:`CorruptHistory`.
 from __future__ import annotations
 
 import hashlib
+from bisect import insort
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from apportion.schemas.events import (
     ANY_GPU_TYPE,
     DAY_MS,
     HOUR_MS,
+    MINUTE_MS,
     PPM,
     BudgetRemoved,
     BudgetSet,
@@ -69,6 +71,16 @@ class Policy(msgspec.Struct, kw_only=True):
     operators: tuple[str, ...] = ()
     """Who may register hosts, change their health and report finishes, besides
     the root's owner."""
+    grace_ms: int = 0
+    """Preemption notice of a workload that does not set its own."""
+    max_grace_ms: int = 15 * MINUTE_MS
+    heartbeat_timeout_ms: int = 0
+    """Read by the live scheduler only (it marks a silent node ``down``)."""
+
+
+SCHEDULER = "scheduler"
+"""The actor of the inputs the live scheduler itself publishes (a node marked
+``down`` when its agent's heartbeat stops)."""
 
 
 class ClusterNode(msgspec.Struct, kw_only=True):
@@ -86,6 +98,18 @@ class ClusterNode(msgspec.Struct, kw_only=True):
     @property
     def schedulable(self) -> bool:
         return self.health == "healthy"
+
+
+class Stopping(msgspec.Struct, frozen=True, kw_only=True):
+    """A run preempted with notice (grace): it keeps its GPUs, and its charge,
+    until ``until_ms`` or until its executor reports it ended, whichever is first;
+    then the preemption's outcome applies (``requeue``, else it ends ``preempted``)."""
+
+    from_ms: int
+    """When the ``WorkloadPreempted`` was folded (the notice began)."""
+    until_ms: int
+    requeue: bool
+    for_workload: str | None = None
 
 
 class Workload(msgspec.Struct, kw_only=True):
@@ -115,6 +139,10 @@ class Workload(msgspec.Struct, kw_only=True):
     first_placed_ms: int | None = None
     legacy_priority: str = "high"
     legacy_preemptible: bool = False
+    grace_ms: int | None = None
+    """Its own preemption notice (``None``: the policy's)."""
+    stopping: Stopping | None = None
+    """Set while the current run is preempted with notice (status stays ``running``)."""
 
     @property
     def allocated(self) -> bool:
@@ -163,6 +191,7 @@ class State:
         "pending_index",
         "active_by_owner",
         "protection_index",
+        "stop_deadlines",
     )
 
     def __init__(self) -> None:
@@ -194,6 +223,9 @@ class State:
         """Live workloads per owner leaf."""
         self.protection_index = ProtectionIndex()
         """Running allocated work inside its protection (:mod:`apportion.core.protectionindex`)."""
+        self.stop_deadlines: list[tuple[int, str]] = []
+        """``(stop until, workload)`` of the runs stopping with notice, sorted (few
+        at a time; derived from :attr:`Workload.stopping`, rebuilt on restore)."""
 
     # -- reading -------------------------------------------------------
     def usage(self, path: str) -> int:
@@ -251,6 +283,9 @@ class State:
             state.active_by_owner[w.owner] = state.active_by_owner.get(w.owner, 0) + 1
         for w in state.running.values():
             _index_protection(state, w)
+            if w.stopping is not None:
+                state.stop_deadlines.append((w.stopping.until_ms, w.id))
+        state.stop_deadlines.sort()
         return state
 
     def copy(self) -> State:
@@ -286,10 +321,36 @@ def fold(events: Iterable[Event], state: State | None = None) -> State:
 
 
 def _tick(state: State, event: Event) -> None:
-    """Advance the clock for an input; time never goes backwards."""
+    """Advance the clock for an input; time never goes backwards. Runs stopping
+    with notice whose deadline the clock reaches end first, each at its deadline."""
     state.input_seq += 1
-    if event.at_ms > state.now_ms:
-        state.now_ms = event.at_ms
+    at = event.at_ms
+    if at > state.now_ms:
+        stops = state.stop_deadlines
+        if stops and stops[0][0] <= at:
+            _end_stops(state, at)
+        state.now_ms = at
+
+
+def _end_stops(state: State, at_ms: int) -> None:
+    """End, in deadline order (then workload id), every stop due by ``at_ms``,
+    with the clock at its deadline (its charge and progress run exactly to it)."""
+    stops = state.stop_deadlines
+    while stops and stops[0][0] <= at_ms:
+        until, wid = stops[0]
+        state.now_ms = until
+        _end_stop(state, state.running[wid])
+
+
+def _end_stop(state: State, w: Workload) -> None:
+    """The run of stopping ``w`` ends now: the preemption's outcome applies."""
+    stop = w.stopping
+    assert stop is not None
+    _end_run(state, w)
+    if stop.requeue:
+        _requeue(state, w)
+    else:
+        _end(state, w, "preempted")
 
 
 def _reject(state: State, event: Event, reason: str) -> None:
@@ -399,7 +460,9 @@ def _node_health_changed(state: State, e: NodeHealthChanged) -> None:
     node = state.nodes.get(e.node)
     if node is None:
         return _reject(state, e, f"unknown node {e.node!r}")
-    if not may_manage_node(state, e.actor, e.node):
+    if not may_manage_node(state, e.actor, e.node) and not (
+        e.actor == SCHEDULER and e.state == "down"
+    ):
         return _reject(state, e, _not_operator(e.actor, f"change the health of node {e.node!r}"))
     if node.health == e.state:
         return _reject(state, e, f"node {e.node!r} is already {e.state} (no change)")
@@ -485,12 +548,21 @@ def _policy_set(state: State, e: PolicySet) -> None:
         return _reject(state, e, "policy: max_min_runtime must be between 0 and the lookback")
     if not 0 <= e.preemption_margin_ppm < PPM:
         return _reject(state, e, "policy: preemption margin must be in [0, 1)")
+    if e.grace_ms > e.max_grace_ms:
+        return _reject(
+            state,
+            e,
+            f"policy: grace ({e.grace_ms} ms) must not exceed max_grace ({e.max_grace_ms} ms)",
+        )
     state.policy = Policy(
         lookback_ms=e.lookback_ms,
         max_min_runtime_ms=e.max_min_runtime_ms,
         preemption_margin_ppm=e.preemption_margin_ppm,
         reservations=e.reservations,
         operators=e.operators,
+        grace_ms=e.grace_ms,
+        max_grace_ms=e.max_grace_ms,
+        heartbeat_timeout_ms=e.heartbeat_timeout_ms,
     )
     return None
 
@@ -522,6 +594,9 @@ def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
         return f"min_runtime must be between 0 and {cap // 60_000} min, got {e.min_runtime_ms} ms"
     if e.duration_ms is not None and e.duration_ms < 0:
         return f"duration must not be negative, got {e.duration_ms} ms"
+    grace_cap = state.policy.max_grace_ms
+    if e.grace_ms is not None and not 0 <= e.grace_ms <= grace_cap:
+        return f"grace must be between 0 and {grace_cap // 1000} s (the policy's max_grace), got {e.grace_ms} ms"
     key = (e.gpu_type, e.gpus)
     if key not in state.gang_errors:
         state.gang_errors[key] = _gang_error(state, e.gpu_type, e.gpus)
@@ -567,6 +642,7 @@ def _workload_submitted(state: State, e: WorkloadSubmitted) -> None:
         queued_ms=state.now_ms,
         legacy_priority=e.legacy_priority,
         legacy_preemptible=e.legacy_preemptible,
+        grace_ms=e.grace_ms,
     )
     state.workloads[w.id] = w
     state.pending[w.id] = w
@@ -635,6 +711,9 @@ def _workload_finished(state: State, e: WorkloadFinished) -> None:
                 e.actor, f"report the end of {e.workload!r}", "the agent of a host it runs on"
             ),
         )
+    if w.stopping is not None and e.outcome == "failed":
+        _end_stop(state, w)  # stopped during its notice: the preemption's outcome stands
+        return None
     _end_run(state, w)
     _end(state, w, e.outcome)
     return None
@@ -685,6 +764,17 @@ def _end_run(state: State, w: Workload) -> None:
     w.placement = ()
     del state.running[w.id]
     state.protection_index.remove(w.id)
+    if w.stopping is not None:
+        state.stop_deadlines.remove((w.stopping.until_ms, w.id))
+        w.stopping = None
+
+
+def _requeue(state: State, w: Workload) -> None:
+    """``w``'s run ended by preemption: back to the queue (original submit time, progress kept)."""
+    w.status = "pending"
+    w.queued_ms = state.now_ms
+    state.pending[w.id] = w
+    state.pending_index.add(w)
 
 
 def _index_protection(state: State, w: Workload) -> None:
@@ -765,13 +855,25 @@ def _workload_preempted(state: State, e: WorkloadPreempted) -> None:
         raise CorruptHistory(f"preempted {e.workload!r}, which is not running")
     if e.requeued and not w.resumable:
         raise CorruptHistory(f"preempted {e.workload!r} with requeue, but it is not resumable")
+    if w.stopping is not None:
+        # only the loss of its host ends a stop early, at once
+        if e.reason != "node_down" or e.grace_ms:
+            raise CorruptHistory(f"preempted {e.workload!r}, which is already stopping")
+    else:
+        w.preemptions += 1
+        if e.grace_ms > 0:
+            until = state.now_ms + e.grace_ms
+            w.stopping = Stopping(
+                from_ms=state.now_ms,
+                until_ms=until,
+                requeue=e.requeued,
+                for_workload=e.for_workload,
+            )
+            insort(state.stop_deadlines, (until, w.id))
+            return
     _end_run(state, w)
-    w.preemptions += 1
     if e.requeued:
-        w.status = "pending"
-        w.queued_ms = state.now_ms
-        state.pending[w.id] = w
-        state.pending_index.add(w)
+        _requeue(state, w)
     else:
         _end(state, w, "preempted")
 

@@ -15,6 +15,9 @@
     lookback = "7d"
     max_min_runtime = "8h"
     preemption_margin = 0      # exact: converted to parts per million through Fraction
+    grace = "2m"               # preemption notice (default 0), at most max_grace (15m)
+    max_grace = "15m"
+    heartbeat_timeout = "1m"   # the live scheduler marks a silent node down (default 0: never)
 
     [budget]                   # the root
     owner = "ops"
@@ -250,7 +253,16 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
         raise fail("policy", "must be a table")
     extra = sorted(
         set(policy)
-        - {"lookback", "max_min_runtime", "preemption_margin", "reservations", "operators"}
+        - {
+            "lookback",
+            "max_min_runtime",
+            "preemption_margin",
+            "reservations",
+            "operators",
+            "grace",
+            "max_grace",
+            "heartbeat_timeout",
+        }
     )
     if extra:
         raise fail(f"policy.{extra[0]}", "unknown key")
@@ -265,6 +277,19 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
             kwargs["max_min_runtime_ms"] = parse_duration_ms(policy["max_min_runtime"])
     except ValueError as exc:
         raise fail("policy.max_min_runtime", str(exc)) from None
+    for key, field in (
+        ("grace", "grace_ms"),
+        ("max_grace", "max_grace_ms"),
+        ("heartbeat_timeout", "heartbeat_timeout_ms"),
+    ):
+        try:
+            if key in policy:
+                kwargs[field] = parse_duration_ms(policy[key])
+        except ValueError as exc:
+            raise fail(f"policy.{key}", str(exc)) from None
+    max_grace = kwargs.get("max_grace_ms", PolicySet(id="-", at_ms=0).max_grace_ms)
+    if kwargs.get("grace_ms", 0) > max_grace:
+        raise fail("policy.grace", f"must not exceed max_grace ({format_duration(max_grace)})")
     try:
         kwargs["preemption_margin_ppm"] = margin_ppm(
             policy.get("preemption_margin", DEFAULT_MARGIN)

@@ -23,7 +23,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
     out["Decision"] = msgspec.json.schema(Decision)
     out["DecisionBatch"] = msgspec.json.schema(DecisionBatch)
     # as JSON holds them (a tuple default such as ``command: ()`` becomes ``[]``)
-    return msgspec.json.decode(msgspec.json.encode(out))
+    return msgspec.json.decode(msgspec.json.encode(out), type=dict[str, dict[str, Any]])
 
 
 __all__ = ["json_schemas", "kind_of", "kind_of_type"]

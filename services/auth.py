@@ -140,6 +140,18 @@ def check_principal(principal: str) -> str:
     return principal
 
 
+def reserved_principal_error(principal: str) -> str | None:
+    """Why no gateway token may stand for ``principal``, or ``None``: ``scheduler``
+    (the live scheduler's own inputs, e.g. marking a silent node down) and
+    ``agent:<host>`` (a host's agent) are identities the gateway must never stamp."""
+    if principal == "scheduler" or principal.startswith("agent:"):
+        return (
+            f"principal {principal!r} is reserved for the scheduler and host agents; "
+            "no gateway token may stand for it"
+        )
+    return None
+
+
 def bearer_token(headers: Mapping[str, str]) -> str:
     """The token of an ``Authorization: Bearer <token>`` header; :class:`AuthError` if
     there is none or it is malformed."""
@@ -241,6 +253,9 @@ def issue_token(path: str | Path, principal: str) -> str:
     (created, mode 0600, if missing); the token is returned and stored nowhere."""
     path = Path(path)
     check_principal(principal)
+    reserved = reserved_principal_error(principal)
+    if reserved:
+        raise ValueError(reserved)
     token = new_token()
     with _locked(path):
         text = _read_text(path)

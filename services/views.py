@@ -331,7 +331,14 @@ def explain(
     if w.status == "running":
         nodes = ", ".join(f"{s.node}:{s.gpus}" for s in w.placement)
         reasons.append(f"running on {nodes} since {when(w.started_ms, now)} (attempt {w.attempt})")
-        if not w.allocated:
+        stop = w.stopping
+        if stop is not None:
+            reasons.append(
+                f"stopping: preempted at {when(stop.from_ms, now)} with "
+                f"{(stop.until_ms - stop.from_ms) / 1000:g} s notice, GPUs released at "
+                f"{when(stop.until_ms, now)} at the latest"
+            )
+        elif not w.allocated:
             reasons.append(
                 "unallocated (min_runtime 0): free, preemptible by any allocated workload at any moment"
             )

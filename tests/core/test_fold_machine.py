@@ -5,7 +5,9 @@ registrations and health changes, submissions, cancels, finishes, clock ticks,
 some stamped in the past); decisions are built by the test the way a scheduler
 may make them (place a pending workload on free GPUs of healthy nodes; preempt a
 running one, requeued iff resumable; announce rejections; announce drained
-nodes), because ``decide()`` is not this test's subject.
+nodes), because ``decide()`` is not this test's subject. Some preemptions give
+notice (``grace_ms``): the model keeps the run (and its charge) until its
+deadline, an early report, a cancel or the loss of its host.
 
 The model keeps its own record of allocated runs (which budget nodes each one
 charges, from when to when) and computes every node's window usage from those
@@ -80,16 +82,31 @@ class FoldMachine(RuleBasedStateMachine):
         self.model_status: dict[str, str] = {}
         self.ids: list[str] = []
         self.submitted: dict[str, int] = {}
+        self.stops: dict[str, tuple[int, bool]] = {}
+        """Runs preempted with notice: workload -> (deadline, requeued)."""
 
     # -- plumbing -------------------------------------------------------------
     def _id(self) -> str:
         self.n += 1
         return f"e{self.n}"
 
+    def end_stops(self, at_ms: int) -> None:
+        """In the model, end every notice due by ``at_ms`` (time moves there), at its deadline."""
+        if at_ms <= self.now:
+            return
+        for until, wid in sorted((u, w) for w, (u, _) in self.stops.items()):
+            if until <= at_ms:
+                requeued = self.stops.pop(wid)[1]
+                run = self.current.pop(wid, None)
+                if run is not None:
+                    run.end = until
+                self.model_status[wid] = "pending" if requeued else "preempted"
+
     def feed(self, event: Event) -> bool:
         """Fold ``event``; return whether it was accepted (inputs) ."""
         before = len(self.state.rejections)
         self.events.append(event)
+        self.end_stops(event.at_ms)
         apply(self.state, event)
         self.now = max(self.now, event.at_ms)
         return len(self.state.rejections) == before
@@ -187,8 +204,9 @@ class FoldMachine(RuleBasedStateMachine):
     @rule(
         lookback=st.sampled_from([HOUR_MS, DAY_MS, 7 * DAY_MS, 0]),
         actor=st.sampled_from([ADMIN, "mallory"]),
+        grace=st.sampled_from([0, 0, MINUTE_MS, 20 * MINUTE_MS]),
     )
-    def policy(self, lookback: int, actor: str) -> None:
+    def policy(self, lookback: int, actor: str, grace: int) -> None:
         if self.feed(
             PolicySet(
                 id=self._id(),
@@ -196,8 +214,10 @@ class FoldMachine(RuleBasedStateMachine):
                 lookback_ms=lookback,
                 max_min_runtime_ms=min(lookback, 8 * HOUR_MS),
                 actor=actor,
+                grace_ms=grace,
             )
         ):
+            assert grace <= self.state.policy.max_grace_ms
             self.lookback = lookback
 
     @rule(
@@ -236,8 +256,11 @@ class FoldMachine(RuleBasedStateMachine):
         resumable=st.booleans(),
         priority=st.integers(0, 2),
         back=st.booleans(),
+        grace=st.sampled_from([None, None, 0, MINUTE_MS, 15 * MINUTE_MS]),
     )
-    def submit(self, data, valid, gpus, min_runtime, kind, resumable, priority, back) -> None:
+    def submit(
+        self, data, valid, gpus, min_runtime, kind, resumable, priority, back, grace
+    ) -> None:
         """A submission: usually plausible (a current leaf, a gang that fits some node, a
         contract under the cap), otherwise anything (unknown or inner owners, bad gangs,
         unknown types, contracts out of range, reused ids)."""
@@ -265,6 +288,7 @@ class FoldMachine(RuleBasedStateMachine):
             resumable=resumable,
             priority=priority,
             submitted_by=by,
+            grace_ms=grace,
         )
         accepted = self.feed(e)
         if by == "mallory":
@@ -288,13 +312,15 @@ class FoldMachine(RuleBasedStateMachine):
         spec = self.specs.get(wid)
         # the submitter, the root's owner, or someone with no authority over it
         actor = data.draw(st.sampled_from([spec.submitted_by if spec else ADMIN, ADMIN, "mallory"]))
+        self.end_stops(self.stamp())
         expect = self.model_status.get(wid) in ("pending", "running") and actor != "mallory"
         accepted = self.feed(
             WorkloadCancelled(id=self._id(), at_ms=self.stamp(), workload=wid, actor=actor)
         )
         assert accepted == expect
-        if accepted:
+        if accepted:  # a cancel during a notice ends the run at once
             self._end_run(wid)
+            self.stops.pop(wid, None)
             self.model_status[wid] = "cancelled"
 
     @rule(data=st.data(), outcome=st.sampled_from(["succeeded", "failed"]))
@@ -312,6 +338,7 @@ class FoldMachine(RuleBasedStateMachine):
         on = w.placement[0].node if w is not None and w.placement else "n0"
         # an operator, the agent of a host it runs on, or another host's agent
         actor = data.draw(st.sampled_from([ADMIN, f"agent:{on}", "agent:elsewhere"]))
+        self.end_stops(self.stamp())
         expect = (
             self.model_status.get(wid) == "running"
             and (attempt is None or attempt == w.attempt)
@@ -330,7 +357,12 @@ class FoldMachine(RuleBasedStateMachine):
         assert accepted == expect
         if accepted:
             self._end_run(wid)
-            self.model_status[wid] = outcome
+            stop = self.stops.pop(wid, None)
+            if stop is not None and outcome == "failed":
+                # stopped during its notice: the preemption's outcome stands
+                self.model_status[wid] = "pending" if stop[1] else "preempted"
+            else:
+                self.model_status[wid] = outcome
 
     @rule(
         step=st.sampled_from([0, MINUTE_MS, HOUR_MS, 12 * HOUR_MS, 2 * DAY_MS, 5 * DAY_MS]),
@@ -404,11 +436,15 @@ class FoldMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.state.running)
     @rule(
-        data=st.data(), reason=st.sampled_from(["fairshare", "unallocated", "drain", "node_down"])
+        data=st.data(),
+        reason=st.sampled_from(["fairshare", "unallocated", "drain", "node_down"]),
+        grace=st.sampled_from([0, 0, 1, MINUTE_MS, HOUR_MS]),
     )
-    def preempt(self, data, reason) -> None:
+    def preempt(self, data, reason, grace) -> None:
         wid = data.draw(st.sampled_from(sorted(self.state.running)))
         requeued = self.specs[wid].resumable
+        if wid in self.stops or reason == "node_down":
+            reason, grace = "node_down", 0  # only a lost host ends a notice early
         self.feed(
             WorkloadPreempted(
                 id=self._id(),
@@ -416,8 +452,13 @@ class FoldMachine(RuleBasedStateMachine):
                 workload=wid,
                 reason=reason,
                 requeued=requeued,
+                grace_ms=grace,
             )
         )
+        if grace:  # it keeps its GPUs and its charge until the deadline
+            self.stops[wid] = (self.state.now_ms + grace, requeued)
+            return
+        self.stops.pop(wid, None)
         self._end_run(wid)
         self.model_status[wid] = "pending" if requeued else "preempted"
 
@@ -470,6 +511,15 @@ class FoldMachine(RuleBasedStateMachine):
         # unallocated work is never charged: the root's whole history is the allocated runs
         total = sum(r.overlap(0, self.now) for r in self.runs)
         assert self.state.budget.root.series.cumulative(self.now) == total
+
+    @invariant()
+    def stops_match_model(self) -> None:
+        assert self.state.stop_deadlines == sorted((u, w) for w, (u, _) in self.stops.items())
+        for wid, (until, requeued) in self.stops.items():
+            stop = self.state.running[wid].stopping
+            assert stop is not None and (stop.until_ms, stop.requeue) == (until, requeued)
+            assert until > self.now
+        assert State.from_bytes(self.state.to_bytes()).stop_deadlines == self.state.stop_deadlines
 
     @invariant()
     def gpus_add_up(self) -> None:

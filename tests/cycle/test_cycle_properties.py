@@ -1,5 +1,9 @@
 """Invariants of decide + fold over random input sequences (hypothesis state machine),
-and determinism across processes with different hash seeds."""
+and determinism across processes with different hash seeds.
+
+Every input is authorised (the root's owner ``root`` acts), so the machine
+exercises placements, preemptions (with and without notice), drains and
+finishes rather than rejections."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from apportion.schemas.events import (
 )
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 MIN = 60_000
 HOUR = 60 * MIN
@@ -43,7 +47,11 @@ def setup_events() -> list[Event]:
         )
     ev.append(PolicySet(id="p", at_ms=0, actor="root", preemption_margin_ppm=50_000))
     for name, gpus, kind in NODES:
-        ev.append(NodeRegistered(id=f"n-{name}", at_ms=0, node=name, gpus=gpus, gpu_type=kind))
+        ev.append(
+            NodeRegistered(
+                id=f"n-{name}", at_ms=0, node=name, gpus=gpus, gpu_type=kind, actor="root"
+            )
+        )
     return ev
 
 
@@ -57,6 +65,7 @@ class CycleMachine(RuleBasedStateMachine):
         self.ids: list[str] = []
         self.now = 0
         self.preemptions = 0
+        self.noticed = 0
         self._cycle()
 
     def _input(self, event: Event) -> None:
@@ -72,21 +81,47 @@ class CycleMachine(RuleBasedStateMachine):
         if before is None:
             before = {}
         t = self.state.now_ms
+        running = self.state.running
+        stopping = {w.id for w in running.values() if w.stopping is not None}
+        waiting = {w.stopping.for_workload for w in running.values() if w.stopping is not None} - {
+            None
+        }
         result = step(self.state)
         self.log.extend(result.decisions)
         placed = {d.workload for d in result.decisions if isinstance(d, WorkloadPlaced)}
+        waits = {  # beneficiaries of a preemption with notice: placed once it stops
+            d.for_workload
+            for d in result.decisions
+            if isinstance(d, WorkloadPreempted) and d.grace_ms
+        }
         for d in result.decisions:
             if isinstance(d, WorkloadPreempted):
                 self.preemptions += 1
+                self.noticed += d.grace_ms > 0
                 min_runtime, protected_until = before.get(d.workload, (0, 0))
                 if d.reason != "node_down":
                     # protected work is never preempted except when its node goes down
                     assert min_runtime == 0 or t >= protected_until, d
+                    # a stopping run is never a victim; only node_down ends it early
+                    assert d.workload not in stopping, d
+                else:
+                    assert d.grace_ms == 0, d
                 if d.reason in ("fairshare", "unallocated"):
-                    # no preemption without a placement that needed it
-                    assert d.for_workload in placed, d
+                    # no preemption without a placement that needed it (with notice:
+                    # the beneficiary waits for the GPUs and stays pending)
+                    if d.for_workload in waits:
+                        assert self.state.workloads[d.for_workload].status == "pending", d
+                        assert d.for_workload not in placed, d
+                    else:
+                        assert d.for_workload in placed, d
+                    # no second victim set while runs stop for the same beneficiary
+                    assert d.for_workload not in waiting, d
         if result.next_wakeup_ms is not None:
             assert result.next_wakeup_ms > t
+        if self.state.stop_deadlines:
+            # the live scheduler and the simulator wake up when a notice ends
+            assert result.next_wakeup_ms is not None
+            assert result.next_wakeup_ms <= self.state.stop_deadlines[0][0]
 
     def _id(self) -> str:
         self.n += 1
@@ -99,8 +134,9 @@ class CycleMachine(RuleBasedStateMachine):
         resumable=st.booleans(),
         priority=st.integers(0, 2),
         gpu_type=st.sampled_from(["any", "any", "h100", "a100", "tpu"]),
+        grace=st.sampled_from([None, None, 0, 30_000, 30 * MIN]),
     )
-    def submit(self, owner, gpus, min_runtime, resumable, priority, gpu_type):
+    def submit(self, owner, gpus, min_runtime, resumable, priority, gpu_type, grace):
         wid = f"w{len(self.ids)}"
         self.ids.append(wid)
         self._input(
@@ -114,10 +150,38 @@ class CycleMachine(RuleBasedStateMachine):
                 resumable=resumable,
                 priority=priority,
                 gpu_type=gpu_type,
+                submitted_by="root",
+                grace_ms=grace,
             )
         )
 
-    @rule(dt=st.sampled_from([0, MIN, 20 * MIN, HOUR, 4 * HOUR]))
+    @initialize(grace=st.sampled_from([0, 30_000, 2 * MIN, 20 * MIN]))
+    def first_policy(self, grace):
+        self.policy(grace)
+
+    @rule(
+        owner=st.sampled_from(LEAVES),
+        gpus=st.sampled_from([1, 4, 8, 16]),
+        min_runtime=st.sampled_from([0, 5 * MIN, HOUR]),
+        resumable=st.booleans(),
+        grace=st.sampled_from([None, None, 0, 30 * MIN]),
+    )
+    def submit_valid(self, owner, gpus, min_runtime, resumable, grace):
+        self.submit(owner, gpus, min_runtime, resumable, 0, "any", grace)
+
+    @rule(grace=st.sampled_from([0, 1, 30_000, 2 * MIN, 20 * MIN]))
+    def policy(self, grace):
+        self._input(
+            PolicySet(
+                id=self._id(),
+                at_ms=self.now,
+                actor="root",
+                preemption_margin_ppm=50_000,
+                grace_ms=grace,
+            )
+        )
+
+    @rule(dt=st.sampled_from([0, 1, 30_000, MIN, 20 * MIN, HOUR, 4 * HOUR]))
     def tick(self, dt):
         self.now += dt
         self._input(ClockTicked(id=self._id(), at_ms=self.now))
@@ -141,21 +205,45 @@ class CycleMachine(RuleBasedStateMachine):
                 workload=wid,
                 outcome="failed" if failed else "succeeded",
                 attempt=attempt,
+                actor="root",
             )
         )
+
+    @precondition(lambda self: self.state.stop_deadlines)
+    @rule(data=st.data(), failed=st.booleans(), agent=st.booleans())
+    def finish_during_notice(self, data, failed, agent):
+        # the executor of a run preempted with notice reports it stopped (or done) early
+        wid = data.draw(st.sampled_from([w for _, w in self.state.stop_deadlines]))
+        w = self.state.running[wid]
+        attempt = w.attempt
+        self._input(
+            WorkloadFinished(
+                id=self._id(),
+                at_ms=self.now,
+                workload=wid,
+                outcome="failed" if failed else "succeeded",
+                attempt=attempt,
+                actor=f"agent:{w.placement[0].node}" if agent else "root",
+            )
+        )
+        # the run ended (a requeued one may be placed again at once, as a new attempt)
+        again = self.state.running.get(wid)
+        assert again is None or (again.attempt > attempt and again.stopping is None)
 
     @precondition(lambda self: self.ids)
     @rule(data=st.data())
     def cancel(self, data):
         wid = data.draw(st.sampled_from(self.ids))
-        self._input(WorkloadCancelled(id=self._id(), at_ms=self.now, workload=wid))
+        self._input(WorkloadCancelled(id=self._id(), at_ms=self.now, workload=wid, actor="root"))
 
     @rule(
         node=st.sampled_from([n for n, _, _ in NODES]),
         to=st.sampled_from(["healthy", "draining", "down"]),
     )
     def health(self, node, to):
-        self._input(NodeHealthChanged(id=self._id(), at_ms=self.now, node=node, state=to))
+        self._input(
+            NodeHealthChanged(id=self._id(), at_ms=self.now, node=node, state=to, actor="root")
+        )
 
     @rule(path=st.sampled_from(["a", "b", "a/x", "c"]), weight=st.integers(1, 5))
     def reweigh(self, path, weight):
@@ -195,6 +283,14 @@ class CycleMachine(RuleBasedStateMachine):
                 assert all((s.nodes[n].gpu_type, s.nodes[n].gpus) == pool for n in names)
 
     @invariant()
+    def stop_deadlines_match_the_stopping_runs(self):
+        s = self.state
+        expected = sorted((w.stopping.until_ms, w.id) for w in s.running.values() if w.stopping)
+        assert s.stop_deadlines == expected
+        assert all(until > s.now_ms for until, _ in expected)  # ended when time reached them
+        assert State.from_bytes(s.to_bytes()).stop_deadlines == expected
+
+    @invariant()
     def unallocated_time_is_never_charged(self):
         s = self.state
         # the root's charge rate is exactly the allocated GPUs running
@@ -221,7 +317,7 @@ class CycleMachine(RuleBasedStateMachine):
         assert replay.digest() == self.state.digest()
 
 
-CycleMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+CycleMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestCycleInvariants = CycleMachine.TestCase
 
 
@@ -242,12 +338,15 @@ for i in range(400):
     if r < 0.6:
         e = WorkloadSubmitted(id=f"s{i}", at_ms=now, workload=f"w{i}", owner=rng.choice(LEAVES),
             gpus=rng.choice([1, 2, 4, 8, 16]), min_runtime_ms=rng.choice([0, 600000, 3600000]),
-            priority=rng.randint(0, 2))
+            priority=rng.randint(0, 2), submitted_by="root",
+            grace_ms=rng.choice([None, 0, 120000]))
     elif r < 0.8 and s.running:
-        e = WorkloadFinished(id=f"f{i}", at_ms=now, workload=sorted(s.running)[rng.randrange(len(s.running))])
+        e = WorkloadFinished(id=f"f{i}", at_ms=now, actor="root",
+            outcome=rng.choice(["succeeded", "failed"]),
+            workload=sorted(s.running)[rng.randrange(len(s.running))])
     elif r < 0.85:
         e = NodeHealthChanged(id=f"h{i}", at_ms=now, node=rng.choice(["n1", "n2", "n3"]),
-            state=rng.choice(["healthy", "draining", "down"]))
+            state=rng.choice(["healthy", "draining", "down"]), actor="root")
     else:
         now += rng.randint(0, 3600000)
         e = ClockTicked(id=f"t{i}", at_ms=now)

@@ -137,6 +137,23 @@ def test_a_malformed_credentials_file_is_refused(tmp_path: Path, text: str, word
         issue_token(tmp_path / "other.toml", "../etc")
 
 
+@pytest.mark.parametrize("principal", ["scheduler", "agent:n000"])
+def test_reserved_principals_get_no_token(tmp_path: Path, principal: str) -> None:
+    from click.testing import CliRunner
+
+    from apportion.cli import main
+
+    file = tmp_path / "tokens.toml"
+    with pytest.raises(ValueError, match="reserved"):
+        issue_token(file, principal)
+    assert not file.exists()
+    result = CliRunner().invoke(main, ["auth", "issue", principal, "--file", str(file)])
+    assert result.exit_code != 0
+    assert "reserved for the scheduler and host agents" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not file.exists()
+
+
 def test_ensure_local_credentials_is_idempotent_and_private(tmp_path: Path) -> None:
     spec = load_cluster_spec(None)
     principals = tree_principals(spec.budget)

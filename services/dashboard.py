@@ -6,10 +6,11 @@ Pages (see docs/dashboard.md):
 |---|---|
 | ``/ui/`` | the cluster now: nodes by health, GPUs in use, a GPU timeline of the last hours (preemptible work hatched, preemptions marked) |
 | ``/ui/queue`` | pending work in queue order with the sort-key ratios per level (and the estimated start where the API gives one), running work, a submit form |
-| ``/ui/usage`` | each budget node's usage against its allocation over the lookback window |
+| ``/ui/usage`` | each budget node's usage against its allocation over the lookback window; per team, owed vs delivered hour by hour (:mod:`~apportion.services.usage_history`) |
 | ``/ui/workload/{id}`` | why a workload is pending, preempted or placed where it is (the explain view) |
 | ``/ui/budget`` | the budget tree, with forms to edit it (the fold decides who may) |
 | ``/ui/live`` | JSON ``{"html": ...}``: the live part of a page, polled by the page's script |
+| ``/v1/usage/history`` | JSON: the usage page's owed / delivered / used per hour (``?team=``, ``?hours=``), with the API's bearer token |
 
 **Identity.** A browser cannot attach ``Authorization: Bearer`` to a page load,
 so ``/ui/login`` takes the token once in a form, checks it with the gateway's
@@ -54,6 +55,7 @@ from apportion.schemas.history import HistoryItem, InputItem
 
 from . import views
 from .auth import AuthError, check_principal
+from .usage_history import UsageHistory, hours_in, usage_over_time
 from .views import History, budget_tree, explain, iso, queue_view, span
 
 if TYPE_CHECKING:
@@ -98,12 +100,15 @@ class TimelineHistory(History):
         """``(at_ms, workload, reason, gpus)``."""
         self.health: list[tuple[int, str, str]] = []
         self.clock = 0
+        self.usage = UsageHistory()
+        """Hourly healthy, demanded and used GPU-time for owed vs delivered (the usage page)."""
 
     def record(self, items: Iterable[HistoryItem]) -> None:
         items = list(items)
         super().record(items)
         if not items:
             return
+        self.usage.record(items)
         ended_by_input: list[Run] = []
         for item in items:
             if isinstance(item, InputItem):
@@ -184,6 +189,11 @@ def when(ms: int | None, now_ms: int) -> str:
 
 def gpu_h(value: float) -> str:
     return f"{value:,.1f} GPU-h" if value < 1000 else f"{value:,.0f} GPU-h"
+
+
+def fine(value: float) -> str:
+    """GPU-hours with two decimals below 100 (a fresh cluster's first minutes show)."""
+    return f"{value:,.2f} GPU-h" if value < 100 else gpu_h(value)
 
 
 def pct(value: float) -> str:
@@ -361,6 +371,207 @@ def usage_svg(rows: list[dict[str, Any]], width: int = 900) -> str:
             f"{esc(pct(used / allocation) if allocation else '-')}</text>"
         )
     out.append("</svg>")
+    return "".join(out)
+
+
+OWED_COLOR = "#1d2330"
+DELIVERED_COLOR = "#3b6fd8"
+USED_COLOR = "#e0a030"
+
+
+def _hour_ticks(start_ms: int, n: int) -> list[tuple[int, str]]:
+    """Hour indices to label on a time axis of ``n`` hours from ``start_ms``: every
+    few hours for a day or two (``14:00``), else each midnight (``Mon 30``)."""
+    out: list[tuple[int, str]] = []
+    every = 3 if n <= 24 else 6 if n <= 48 else 24
+    for i in range(n + 1):
+        t = start_ms + i * HOUR_MS
+        stamp = dt.datetime.fromtimestamp(t / 1000, dt.UTC)
+        if stamp.hour % every:
+            continue
+        label = (
+            stamp.strftime("%a %d") if every == 24 or stamp.hour == 0 else stamp.strftime("%H:%M")
+        )
+        out.append((i, label))
+    return out
+
+
+def usage_history_svg(
+    team: dict[str, Any], start_ms: int, n: int, top: float, width: int = 900, kind: str = "team"
+) -> str:
+    """One team's (or user's) hours: delivered GPU-hours as a filled area, owed as a
+    line, its allocated use (uncapped) as a dashed line; ``top`` (GPU-h per hour) is
+    the y-scale shared by every chart shown beside it."""
+    height, left, right, top_pad, bottom = (190 if kind == "team" else 150), 48, 12, 26, 28
+    pw, ph = width - left - right, height - top_pad - bottom
+    top = max(top, 1e-9)
+    hours = team["hours"]
+
+    def x(i: float) -> float:
+        return left + pw * i / max(n, 1)
+
+    def y(gpu_ms: float) -> float:
+        return top_pad + ph * (1 - min(gpu_ms / HOUR_MS / top, 1.0))
+
+    def steps(key: str) -> list[tuple[float, float]]:
+        pts: list[tuple[float, float]] = []
+        for i, h in enumerate(hours):
+            v = y(h[key])
+            pts += [(x(i), v), (x(i + 1), v)]
+        return pts
+
+    def line(pts: list[tuple[float, float]]) -> str:
+        return "M" + " L".join(f"{a:.1f},{b:.1f}" for a, b in pts) if pts else ""
+
+    path = team["path"]
+    ratio = team["delivery_ratio"]
+    summary = (
+        f"{path}: delivered {gpu_h(team['delivered_gpu_h'])} of {gpu_h(team['owed_gpu_h'])} owed"
+        + (f" ({pct(ratio)})" if ratio is not None else "")
+        + f", used {gpu_h(team['used_gpu_h'])}"
+    )
+    slug = "".join(c if c.isalnum() else "-" for c in path)
+    out = [
+        f'<svg id="usage-history-{esc(slug)}" class="chart usage-history {kind}" data-path="{esc(path)}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{esc(summary)}">',
+        f"<title>{esc(summary)}</title>",
+        f'<rect x="{left}" y="{top_pad}" width="{pw}" height="{ph}" class="plot"/>',
+    ]
+    for g in sorted({0.0, top / 2, top}):
+        gy = top_pad + ph * (1 - g / top)
+        label = f"{g:.0f}" if top >= 4 else f"{g:.1f}"
+        out.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{gy:.1f}" y2="{gy:.1f}" class="grid"/>'
+            f'<text x="{left - 6}" y="{gy + 4:.1f}" class="ylabel">{label}</text>'
+        )
+    for i, label in _hour_ticks(start_ms, n):
+        out.append(
+            f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{top_pad}" y2="{top_pad + ph}" class="grid"/>'
+            f'<text x="{x(i):.1f}" y="{height - 8}" class="xlabel">{esc(label)}</text>'
+        )
+    delivered = steps("delivered_gpu_ms")
+    if delivered:
+        base = y(0)
+        poly = [(delivered[0][0], base), *delivered, (delivered[-1][0], base)]
+        out.append(
+            f'<polygon class="h-delivered" fill="{DELIVERED_COLOR}" fill-opacity="0.45" '
+            f'points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in poly)}">'
+            "<title>delivered: allocated GPU-hours run, up to what was owed</title></polygon>"
+        )
+        out.append(
+            f'<path class="h-used" d="{line(steps("used_gpu_ms"))}" fill="none" stroke="{USED_COLOR}" '
+            'stroke-width="1.5" stroke-dasharray="4 3"><title>used: allocated GPU-hours run '
+            "(not capped)</title></path>"
+        )
+        out.append(
+            f'<path class="h-owed" d="{line(steps("owed_gpu_ms"))}" fill="none" stroke="{OWED_COLOR}" '
+            'stroke-width="1.6"><title>owed: global share of the healthy GPU-hours, capped at '
+            "demand</title></path>"
+        )
+    # hover targets: one per hour with its numbers
+    for i, h in enumerate(hours):
+        when_ = dt.datetime.fromtimestamp(h["start_ms"] / 1000, dt.UTC).strftime("%a %d %H:00Z")
+        out.append(
+            f'<rect class="hour" x="{x(i):.1f}" y="{top_pad}" width="{max(x(i + 1) - x(i), 0.1):.2f}" '
+            f'height="{ph}" fill="transparent"><title>{esc(when_)}: owed '
+            f"{h['owed_gpu_ms'] / HOUR_MS:.2f}, delivered {h['delivered_gpu_ms'] / HOUR_MS:.2f}, "
+            f"used {h['used_gpu_ms'] / HOUR_MS:.2f}, demand {h['demand_gpu_ms'] / HOUR_MS:.2f} "
+            "GPU-h</title></rect>"
+        )
+    # the legend, inside the chart (the page's style sheet needs nothing more)
+    lx = left + 4
+    out.append(
+        f'<text x="{lx}" y="16" class="label" font-weight="600">{esc(path)}</text>'
+        f'<g class="legend" transform="translate({left + pw - 430},6)">'
+        f'<rect width="14" height="10" fill="{DELIVERED_COLOR}" fill-opacity="0.45"/>'
+        '<text x="18" y="10" class="value">delivered</text>'
+        f'<line x1="90" x2="110" y1="5" y2="5" stroke="{OWED_COLOR}" stroke-width="1.6"/>'
+        '<text x="114" y="10" class="value">owed (share, capped at demand)</text>'
+        f'<line x1="320" x2="340" y1="5" y2="5" stroke="{USED_COLOR}" stroke-width="1.5" '
+        'stroke-dasharray="4 3"/><text x="344" y="10" class="value">used</text></g>'
+    )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def usage_history_html(gw: Gateway, hours: int | None = None, team: str | None = None) -> str:
+    """Per team: owed vs delivered hour by hour over the last ``hours`` (default:
+    the lookback window; a chart each, one y-scale), with ``team`` also a chart per
+    user of that team (one y-scale among them), and a table of every team's and
+    user's totals."""
+    hist = gw.history
+    if not isinstance(hist, TimelineHistory):
+        return ""
+    state = gw.state
+    now = max(state.now_ms, wall_ms())
+    most = hours_in(hist.usage.window_ms)
+    n = most if hours is None else min(max(hours, 1), most)
+    data = usage_over_time(hist.usage, state.budget, now, hours=n)
+    teams = data["teams"]
+    choices = sorted({h for h in (24, 72) if h < most} | {most})
+    shown = next((t for t in teams if t["path"] == team and t["users"]), None)
+
+    def href(h: int, path: str | None) -> str:
+        query = {"hours": str(h), **({"team": path} if path else {})}
+        return esc("/ui/usage?" + urllib.parse.urlencode(query))
+
+    here = shown["path"] if shown else None
+    links = " ".join(
+        f'<a href="{href(h, here)}"{" class=active" if h == n else ""}>{esc(span(h * HOUR_MS))}</a>'
+        for h in choices
+    )
+    out = [
+        f"<h2>Allocation usage over time, last {esc(span(n * HOUR_MS))} <small>{links}</small></h2>",
+        "<p>Hour by hour (UTC), as the simulator's KPIs count it: a team or user is "
+        "<b>owed</b> its global share of the hour's healthy GPU-hours, but no more than it "
+        "asked for (the GPU-hours of its allocated work pending or running); "
+        "<b>delivered</b> is the allocated GPU-hours it ran, up to what it was owed; "
+        "<b>used</b> is what it ran, not capped. Every chart has the same scale "
+        "(GPU-hours per hour: average GPUs). JSON: <code>/v1/usage/history?team=...</code>.</p>",
+    ]
+    if not teams:
+        out.append('<p class="empty">no teams in the budget tree</p>')
+        return "".join(out)
+    top = max(
+        [1.0]
+        + [max(h["owed_gpu_ms"], h["used_gpu_ms"]) / HOUR_MS for t in teams for h in t["hours"]]
+    )
+    for t in teams:
+        out.append(usage_history_svg(t, data["start_ms"], data["hours"], top))
+    pick = " · ".join(
+        f'<a href="{href(n, None if t is shown else t["path"])}"'
+        f"{' class=active' if t is shown else ''}>{esc(t['path'])}</a>"
+        for t in teams
+        if t["users"]
+    )
+    if pick:
+        out.append(f'<p class="muted">Each user of a team, hour by hour: {pick}</p>')
+    if shown is not None:
+        users = shown["users"]
+        utop = max(
+            [1.0]
+            + [max(h["owed_gpu_ms"], h["used_gpu_ms"]) / HOUR_MS for u in users for h in u["hours"]]
+        )
+        out.append(f"<h3>Users of {esc(shown['path'])}</h3>")
+        for u in users:
+            out.append(usage_history_svg(u, data["start_ms"], data["hours"], utop, kind="user"))
+    out.append(
+        '<table class="usage-history"><tr><th>team / user</th><th>global share</th>'
+        "<th>owed</th><th>delivered</th><th>delivered / owed</th><th>used</th>"
+        "<th>demand</th></tr>"
+    )
+    for t in teams:
+        for r in [t, *t["users"]]:
+            depth = 0 if r is t else 1
+            ratio = r["delivery_ratio"]
+            out.append(
+                f'<tr data-path="{esc(r["path"])}"><td class="d{depth}">{esc(r["path"])}</td>'
+                f"<td>{pct(r['global_share'])}</td><td>{fine(r['owed_gpu_h'])}</td>"
+                f"<td>{fine(r['delivered_gpu_h'])}</td>"
+                f"<td>{pct(ratio) if ratio is not None else '-'}</td>"
+                f"<td>{fine(r['used_gpu_h'])}</td><td>{fine(r['demand_gpu_h'])}</td></tr>"
+            )
+    out.append("</table>")
     return "".join(out)
 
 
@@ -583,7 +794,7 @@ def submit_form(state: State) -> str:
     )
 
 
-def usage_html(gw: Gateway) -> str:
+def usage_html(gw: Gateway, hours: int | None = None, team: str | None = None) -> str:
     state = gw.state
     tree = budget_tree(state, detail=True)
     rows: list[dict[str, Any]] = []
@@ -616,6 +827,7 @@ def usage_html(gw: Gateway) -> str:
             f"<td>{r['running_gpus']}</td><td>{r['pending_gpus']}</td></tr>"
         )
     out.append("</table>")
+    out.append(usage_history_html(gw, hours, team))
     return "".join(out)
 
 
@@ -892,17 +1104,60 @@ class Dashboard:
             page("Queue", "queue", body, principal=who, live="queue", flash=flash, error=err)
         )
 
+    @staticmethod
+    def _usage_query(request: web.Request) -> tuple[int | None, str | None]:
+        """``?hours=`` (``None``: the lookback window) and ``?team=`` of the usage page."""
+        try:
+            hours: int | None = int(request.query["hours"])
+        except (KeyError, ValueError):
+            hours = None
+        return hours, request.query.get("team") or None
+
     async def usage(self, request: web.Request) -> web.Response:
         who = self._require(request)
+        hours, team = self._usage_query(request)
+        query = {
+            **({"hours": str(hours)} if hours is not None else {}),
+            **({"team": team} if team else {}),
+        }
         return self._html(
             page(
                 "Usage against budget",
                 "usage",
-                f'<div id="live">{usage_html(self.gw)}</div>',
+                f'<div id="live">{usage_html(self.gw, hours, team)}</div>',
                 principal=who,
-                live="usage",
+                live="usage" + ("?" + urllib.parse.urlencode(query) if query else ""),
             )
         )
+
+    async def usage_history_api(self, request: web.Request) -> web.Response:
+        """``GET /v1/usage/history[?team=T][&hours=N]``: owed, delivered and used GPU-ms
+        per hour for every team (or team ``T``) and its users. Under ``/v1/``, so the
+        gateway asks for the bearer token like every other API call."""
+        hist = self.gw.history
+        if not isinstance(hist, TimelineHistory):
+            return web.json_response({"error": "this gateway keeps no usage history"}, status=404)
+        team = request.query.get("team")
+        hours = None
+        if "hours" in request.query:
+            most = hours_in(hist.usage.window_ms)
+            try:
+                hours = int(request.query["hours"])
+            except ValueError:
+                hours = 0
+            if not 1 <= hours <= most:
+                return web.json_response(
+                    {"error": f"hours: a whole number from 1 to {most} (the lookback window)"},
+                    status=400,
+                )
+        state = self.gw.state
+        try:
+            out = usage_over_time(
+                hist.usage, state.budget, self.gw.now_ms(), team=team or None, hours=hours
+            )
+        except KeyError:
+            return web.json_response({"error": f"no team {team!r}"}, status=404)
+        return web.json_response(out, headers={"Cache-Control": "no-store"})
 
     async def workload_lookup(self, request: web.Request) -> web.StreamResponse:
         self._require(request)
@@ -954,7 +1209,7 @@ class Dashboard:
         elif which == "queue":
             text = queue_html(self.gw, await self.estimates())
         elif which == "usage":
-            text = usage_html(self.gw)
+            text = usage_html(self.gw, *self._usage_query(request))
         elif which == "budget":
             text = budget_html(self.gw, who)
         elif which == "workload":
@@ -1125,4 +1380,5 @@ def add_dashboard(app: web.Application, gateway: Gateway) -> Dashboard:
     r.add_post("/ui/submit", d.submit)
     r.add_get("/ui/live", d.live)
     r.add_get("/ui/static/{name}", d.static)
+    r.add_get("/v1/usage/history", d.usage_history_api)
     return d

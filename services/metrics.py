@@ -202,7 +202,7 @@ def route_of(request: Any) -> str:
     return canonical if isinstance(canonical, str) else "other"
 
 
-# -- the scheduler and the projector --------------------------------------------
+# -- the scheduler, the projector and the executor emulator -------------------------
 # Each service object owns a registry of its own (tests run several in one
 # process). ``apportion serve scheduler|projector --metrics-port N`` exposes it
 # over HTTP (:func:`start_metrics_server`); ``apportion up`` appends it to the
@@ -360,6 +360,79 @@ class ProjectorMetrics:
         if stored is not None:
             self.inputs_stored.set(stored)
             self.input_lag.set(max(0, stored - position[0]))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+EXECUTOR_OUTCOMES = ("succeeded", "preempted", "cancelled", "ended", "report_failed")
+"""How a run the executor emulator followed ended, from its side: ``succeeded``
+(its own end report was stored), ``preempted`` (the scheduler took it back,
+requeued or not), ``cancelled``, ``ended`` (someone else reported its end), and
+``report_failed`` (its end report was not acknowledged; it tries again)."""
+
+TIMER_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ExecutorMetrics:
+    """The executor emulator's metrics. Counters move as it follows the history and
+    reports ends; gauges are set at each scrape (:meth:`update`)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.started = Counter(
+            "apportion_executor_runs_started",
+            "Runs (placements, each attempt once) the executor emulator began to emulate",
+            registry=r,
+        )
+        self.finished = Counter(
+            "apportion_executor_runs_finished",
+            "Runs the executor emulator stopped emulating, by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.running = Gauge(
+            "apportion_executor_runs_running",
+            "Runs the executor emulator emulates now (running workloads it follows)",
+            registry=r,
+        )
+        self.timers = Gauge(
+            "apportion_executor_timers",
+            "End timers armed now (running workloads with a duration)",
+            registry=r,
+        )
+        self.timer_lag = Histogram(
+            "apportion_executor_timer_lag_seconds",
+            "How late an end timer fired: the wall clock when it ran minus the end its "
+            "duration set (a restarted emulator catching up shows here)",
+            buckets=TIMER_LAG_BUCKETS,
+            registry=r,
+        )
+        self.inputs_folded = Gauge(
+            "apportion_executor_inputs_folded",
+            "Inputs the executor emulator's follower folded",
+            registry=r,
+        )
+        self.inputs_stored = Gauge(
+            "apportion_executor_inputs_stored", "Last sequence of the INPUTS stream", registry=r
+        )
+        self.input_lag = Gauge(
+            "apportion_executor_input_lag",
+            "Inputs stored but not yet folded by the executor emulator (stored - folded)",
+            registry=r,
+        )
+        self._outcomes = {o: self.finished.labels(o) for o in EXECUTOR_OUTCOMES}
+
+    def ended(self, outcome: str) -> None:
+        self._outcomes[outcome].inc()
+
+    def update(self, *, running: int, timers: int, folded: int, stored: int | None) -> None:
+        self.running.set(running)
+        self.timers.set(timers)
+        self.inputs_folded.set(folded)
+        if stored is not None:
+            self.inputs_stored.set(stored)
+            self.input_lag.set(max(0, stored - folded))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -222,7 +222,7 @@ async def serve(
 
     ``position`` (a ``multiprocessing.Value``) receives the projector's committed
     input sequence; ``ready`` (an ``Event``) is set once the service starts.
-    ``metrics_port`` (scheduler, projector; ``None``: none) serves the service's
+    ``metrics_port`` (scheduler, projector, executor; ``None``: none) serves the service's
     Prometheus metrics at ``http://<host>:<metrics_port>/metrics`` (0: any free
     port, logged); the gateway serves its own on its port.
     A signal gives the service ``grace_s`` seconds to stop, then it is
@@ -230,10 +230,9 @@ async def serve(
     """
     if kind not in KINDS:
         raise ValueError(f"unknown service {kind!r}; one of {', '.join(KINDS)}")
-    if metrics_port is not None and kind not in ("scheduler", "projector"):
+    if metrics_port is not None and kind == "gateway":
         raise ValueError(
-            "--metrics-port is for the scheduler and the projector "
-            "(the gateway serves /metrics on its own port)"
+            "--metrics-port is not for the gateway: it serves /metrics on its own port"
         )
     gateway_auth = None
     if kind == "gateway":

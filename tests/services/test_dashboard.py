@@ -253,3 +253,35 @@ async def test_without_auth_the_login_names_the_actor(jlog: JetStreamLog) -> Non
         async with s.post(f"{url}/ui/workload/free1/cancel", allow_redirects=False) as r2:
             assert r2.status == 303 and "ok=" in r2.headers["Location"]
         await eventually(lambda: gw.state.ended.get("free1") == "cancelled", what="cancelled")
+
+
+def test_the_usage_page_charts_owed_and_delivered_per_team() -> None:
+    from apportion.services.dashboard import usage_history_html
+
+    f = cluster_with_a_preemption()
+    gw = SimpleNamespace(state=f.state, history=f.history, auth=None, url=None)
+    out = usage_history_html(gw, 6)  # type: ignore[arg-type]
+    charts = re.findall(r'<svg id="usage-history-([^"]+)".*?</svg>', out)
+    assert charts == ["llm", "vision"]
+    # one y-scale for every team: the same axis labels on each chart
+    labels = [
+        re.findall(r'class="ylabel">([^<]+)<', c)
+        for c in re.findall(r'<svg id="usage-history-.*?</svg>', out)
+    ]
+    assert labels[0] == labels[1] and len(labels[0]) == 3
+    assert out.count('class="h-delivered"') == 2 and out.count('class="h-owed"') == 2
+    assert out.count('class="hour"') == 12  # six hours, two teams
+    assert '<tr data-path="llm/a">' in out and "last 6 h" in out
+    assert 'class="chart usage-history user"' not in out
+    # the users of a team on request, one scale among them
+    users = usage_history_html(gw, 6, "llm")  # type: ignore[arg-type]
+    assert re.findall(
+        r'<svg id="usage-history-([^"]+)" class="chart usage-history user"', users
+    ) == [
+        "llm-a",
+        "llm-b",
+    ]
+    assert 'href="/ui/usage?hours=6"' in users  # back to the teams only
+    assert usage_history_html(gw, 6, "nope").count("usage-history user") == 0  # type: ignore[arg-type]
+    # the page has it under the usage chart
+    assert '<svg id="usage-history-llm"' in usage_html(gw, 6)  # type: ignore[arg-type]

@@ -266,7 +266,36 @@ def test_the_dashboard_in_a_browser(chromium: str, stack: tuple[str, Path]) -> N
             expect(chart).to_be_visible()
             assert chart.locator("line.allocation").count() == 5  # llm, 2 leaves, vision, 1 leaf
             expect(page.locator("table.usage")).to_contain_text("llm/pretrain")
+            # allocation usage over time: a chart per team (llm, vision), one scale
+            expect(page.locator("svg.usage-history.team")).to_have_count(2)
+            for team in ("llm", "vision"):
+                hist = page.locator(f"svg#usage-history-{team}")
+                expect(hist).to_be_visible()
+                assert hist.locator("polygon.h-delivered").count() == 1
+                assert hist.locator("path.h-owed").count() == 1
+                assert hist.locator("path.h-used").count() == 1
+                assert hist.locator("g.legend").count() == 1
+                assert hist.locator("rect.hour").count() == 7 * 24  # the lookback window
+            box = page.locator("svg#usage-history-llm").bounding_box()
+            assert box and box["width"] > 500 and box["height"] > 80
+            # llm has run ui-job-1 this hour: what it was delivered rises above the axis
+            area = page.locator("svg#usage-history-llm polygon.h-delivered").bounding_box()
+            assert area and area["height"] > 0.5, area
+            expect(page.locator("table.usage-history")).to_contain_text("llm/pretrain")
             shot(page, "usage")
+            page.click("h2 small a[href='/ui/usage?hours=24']")
+            expect(page).to_have_url(re.compile(r"/ui/usage\?hours=24$"))
+            expect(page.locator("svg#usage-history-llm rect.hour")).to_have_count(24)
+            # each user of a team on request (the live update keeps the choice)
+            page.click("p.muted a:text-is('llm')")
+            expect(page).to_have_url(re.compile(r"/ui/usage\?hours=24&team=llm$"))
+            expect(page.locator("svg.usage-history.user")).to_have_count(2)
+            expect(page.locator("svg#usage-history-llm-pretrain")).to_be_visible()
+            expect(page.locator("body")).to_have_attribute(
+                "data-input-seq", re.compile(r"^\d+$"), timeout=10_000
+            )
+            expect(page.locator("svg.usage-history.user")).to_have_count(2)
+            shot(page, "usage-24h")
 
             # 7. the budget tree: the admin edits a weight; the page shows the new value
             t = time.monotonic()

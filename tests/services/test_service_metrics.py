@@ -192,3 +192,52 @@ async def test_serve_exposes_the_scheduler_metrics(
 async def test_metrics_port_is_refused_for_the_gateway(nats_server: NatsServer) -> None:
     with pytest.raises(ValueError, match="metrics-port"):
         await serve("gateway", nats_server.url, "x", metrics_port=0, insecure=True)
+
+
+async def test_executor_metrics_count_runs_by_outcome(jlog: JetStreamLog, tmp_path: Path) -> None:
+    """The executor emulator: runs started, finished by outcome (its own report, a
+    preemption, a cancel), runs and timers now, timer lag, follower lag."""
+    from apportion.schemas.events import WorkloadCancelled
+    from apportion.services.executor import Executor
+    from apportion.services.stack import Stack, load_cluster_spec
+
+    await jlog.publish_inputs(small_cluster(nodes=1))
+    scheduler, executor = Scheduler(jlog), Executor(jlog)
+    async with running(scheduler, executor):
+        # free work on the only node, then allocated work that preempts it (requeued)
+        # and ends on its own after 200 ms; the free work runs again and is cancelled
+        await jlog.publish_input(submit("u1", owner="vision", gpus=8, min_runtime_ms=0))
+        await eventually(lambda: "u1" in executor.runs, what="u1 running")
+        await jlog.publish_input(submit("a1", owner="llm/a", gpus=8, duration_ms=200))
+        await eventually(lambda: executor.finished == 1, what="a1 reported")
+        await eventually(lambda: executor.runs.get("u1") == 2, what="u1 running again")
+        await jlog.publish_input(
+            WorkloadCancelled(id="cancel-u1", at_ms=0, workload="u1", actor="ops")
+        )
+        await eventually(lambda: not executor.runs, what="u1 cancelled")
+        last = await jlog.last_input_seq()
+        await eventually(
+            lambda: executor.follower.state.input_seq >= last, what="executor caught up"
+        )
+        e = parse((await executor.metrics_text()).decode())
+        # under `apportion up`, the gateway's /metrics carries them after its own
+        stack = Stack("nats://unused", load_cluster_spec(None), data_dir=tmp_path, projector=False)
+        idle = parse((await stack._service_metrics()).decode())
+        stack.executor = executor
+        combined = parse((await stack._service_metrics()).decode())
+    assert value(e, "apportion_executor_runs_started_total") == 3  # u1, a1, u1 again
+    for outcome, n in (("succeeded", 1), ("preempted", 1), ("cancelled", 1)):
+        assert value(e, "apportion_executor_runs_finished_total", outcome=outcome) == n
+    assert value(e, "apportion_executor_runs_finished_total", outcome="ended") == 0
+    assert value(e, "apportion_executor_runs_finished_total", outcome="report_failed") == 0
+    assert value(e, "apportion_executor_runs_running") == 0
+    assert value(e, "apportion_executor_timers") == 0
+    assert value(e, "apportion_executor_timer_lag_seconds_count") == 1  # a1's timer
+    assert value(e, "apportion_executor_timer_lag_seconds_sum") >= 0
+    assert value(e, "apportion_executor_inputs_folded") == last
+    assert value(e, "apportion_executor_input_lag") == 0
+    assert value(idle, "apportion_executor_runs_started_total") == 0  # not started yet
+    assert value(combined, "apportion_executor_runs_started_total") == 3
+    # each emulator has a registry of its own
+    fresh = parse((await Executor(jlog).metrics_text()).decode())
+    assert value(fresh, "apportion_executor_runs_started_total") == 0

@@ -117,7 +117,12 @@ def _validate_choices(group: click.Group) -> None:
                 param.type = choice
 
 
-for _module in ("apportion.cli_sim", "apportion.cli_live", "apportion.cli_auth"):
+for _module in (
+    "apportion.cli_sim",
+    "apportion.cli_live",
+    "apportion.cli_auth",
+    "apportion.cli_agent",
+):
     _register(_module)
 _register("apportion.cli_sql")
 _validate_choices(main)

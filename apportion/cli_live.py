@@ -119,6 +119,13 @@ def _echo_json(data: Any) -> None:
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--no-executor", is_flag=True, help="do not run the executor emulator")
 @click.option(
+    "--agents",
+    type=click.IntRange(min=0),
+    default=0,
+    help="run N host agents (fake GPUs, the cluster's first N nodes; the others are "
+    "marked down) that run each workload's command, instead of the emulator",
+)
+@click.option(
     "--no-auth",
     is_flag=True,
     help="the gateway authenticates nobody and takes actors from request bodies (insecure)",
@@ -131,6 +138,7 @@ def up(
     replicas: int,
     log_level: str,
     no_executor: bool,
+    agents: int,
     no_auth: bool,
 ) -> None:
     """Start nats-server (unless NATS_URL is set) and every service in one process; Ctrl-C stops.
@@ -147,6 +155,11 @@ def up(
         spec = load_cluster_spec(cluster_file)
     except InputFileError as exc:
         raise UserError(str(exc)) from None
+    from apportion.schemas.events import NodeRegistered
+
+    nodes = sum(isinstance(e, NodeRegistered) for e in spec.events)
+    if agents > nodes:
+        raise UserError(f"--agents {agents}: the cluster has {nodes} nodes")
     logs.configure(log_level)
     if no_auth:
         click.echo(
@@ -164,9 +177,20 @@ def up(
         url = server.url
     try:
         asyncio.run(
-            _up(url, spec, data_dir, host, port, replicas, not no_executor, not no_auth, server)
+            _up(
+                url,
+                spec,
+                data_dir,
+                host,
+                port,
+                replicas,
+                not no_executor,
+                not no_auth,
+                server,
+                agents,
+            )
         )
-    except (OSError, CredentialsError) as exc:
+    except (OSError, ValueError, CredentialsError) as exc:
         raise UserError(f"cannot start: {exc}") from None
     finally:
         if server is not None:
@@ -183,6 +207,7 @@ async def _up(
     executor: bool,
     auth: bool = True,
     nats: Any = None,
+    agents: int = 0,
 ) -> None:
     from apportion.services.runner import STOP_GRACE_S
     from apportion.services.stack import Stack
@@ -200,6 +225,7 @@ async def _up(
         replicas=replicas,
         executor=executor,
         auth=auth,
+        agents=agents,
         nats=nats,  # supervised: started again if it dies
         exit_grace_s=3 * STOP_GRACE_S,  # a stop that hangs ends the process
     )
@@ -213,6 +239,14 @@ async def _up(
             f"gateway: {gw}\n"
             f"  export APPORTION_URL={gw}\n"
             + _credentials_text(stack.tokens, data_dir)
+            + (
+                f"agents: {', '.join(stack.agents) or agents} (fake GPUs; attempts and logs in "
+                f"{(data_dir / 'agents').resolve()})\n"
+                f"  apportion submit --owner {_first_leaf(spec)} --gpus 1 --min-runtime 0 "
+                "-- python -c 'import os; print(os.environ[\"CUDA_VISIBLE_DEVICES\"])'\n"
+                if agents
+                else ""
+            )
             + f"  apportion submit --owner {_first_leaf(spec)} --gpus 8 --min-runtime 15m --duration 2m\n"
             "Ctrl-C stops everything.",
             file=sys.stderr,
@@ -263,27 +297,122 @@ def _first_leaf(spec: Any) -> str:
 # --------------------------------------------------------------------------
 
 
-@main.command()
-@click.option("--owner", required=True, help="budget leaf path, e.g. llm/pretrain")
-@click.option("--gpus", type=int, required=True)
+JOB_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "id": str,
+    "owner": str,
+    "gpus": int,
+    "min_runtime": (str, int, float),
+    "duration": (str, int, float),
+    "priority": int,
+    "resumable": bool,
+    "gpu_type": str,
+    "command": (list, str),
+    "env": dict,
+    "image": str,
+    "grace": (str, int, float),
+}
+"""The fields of ``submit --file job.toml`` (the CLI's options, by the same names)."""
+
+
+def read_job_file(path: Path) -> dict[str, Any]:
+    """A job file (TOML): the fields of :data:`JOB_FIELDS`, checked; a ``[job]``
+    table or the top level."""
+    import shlex
+
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: TOML syntax: {exc}") from None
+    table = doc.get("job", doc)
+    if not isinstance(table, dict):
+        raise UserError(f"{path}: [job] must be a table")
+    unknown = sorted(set(table) - set(JOB_FIELDS))
+    if unknown:
+        raise UserError(
+            f"{path}: unknown field {unknown[0]!r} (known: {', '.join(sorted(JOB_FIELDS))})"
+        )
+    for key, value in table.items():
+        kind = JOB_FIELDS[key]
+        if isinstance(value, bool) and kind is not bool:
+            raise UserError(f"{path}: {key}: expected {_kind_name(kind)}, got a boolean")
+        if not isinstance(value, kind):
+            raise UserError(f"{path}: {key}: expected {_kind_name(kind)}")
+    job = dict(table)
+    if isinstance(job.get("command"), str):
+        job["command"] = shlex.split(job["command"])
+    if not all(isinstance(a, str) for a in job.get("command", [])):
+        raise UserError(f"{path}: command: a list of strings (or one string)")
+    env = job.get("env", {})
+    if not all(isinstance(v, str | int | float) and not isinstance(v, bool) for v in env.values()):
+        raise UserError(f"{path}: env: values must be strings or numbers")
+    job["env"] = {str(k): str(v) for k, v in env.items()}
+    for key in ("min_runtime", "duration", "grace"):
+        if isinstance(job.get(key), int | float):
+            job[key] = str(job[key])  # a bare number: seconds
+    return job
+
+
+def _kind_name(kind: Any) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+    names |= {list: "a list", dict: "a table"}
+    return " or ".join(dict.fromkeys(names[k] for k in kinds))
+
+
+def _env_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise UserError(f"--env {pair!r}: give NAME=VALUE")
+        out[name] = value
+    return out
+
+
+@main.command(context_settings={"allow_interspersed_args": False})
+@click.option("--owner", default=None, help="budget leaf path, e.g. llm/pretrain (required)")
+@click.option("--gpus", type=int, default=None, help="GPUs (required)")
 @click.option(
     "--min-runtime",
-    required=True,
-    help='protected minimum runtime ("15m", "2h", "0" for unallocated)',
+    default=None,
+    help='protected minimum runtime ("15m", "2h", "0" for unallocated; required)',
 )
 @click.option(
-    "--duration", default=None, help="how long it runs (the executor emulator honours it)"
+    "--duration",
+    default=None,
+    help="how long it runs (the emulator honours it; an agent runs a job without a "
+    "command for that long)",
 )
-@click.option(
-    "--priority", type=int, default=0, show_default=True, help="order inside the leaf only"
-)
+@click.option("--priority", type=int, default=None, help="order inside the leaf only (default 0)")
 @click.option("--no-resume", is_flag=True, help="a preemption ends it instead of requeueing")
-@click.option("--gpu-type", default="any", show_default=True)
+@click.option("--gpu-type", default=None, help="GPU type (default: any)")
 @click.option(
     "--id",
     "workload_id",
     default=None,
     help="workload id (default: generated here, so that a retry is stored once)",
+)
+@click.option(
+    "--env",
+    "env_pairs",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="environment for the command (repeatable)",
+)
+@click.option(
+    "--grace",
+    default=None,
+    help='preemption notice: SIGTERM, then SIGKILL after this ("30s"; default: the policy\'s)',
+)
+@click.option("--image", default=None, help="run the command in this container image")
+@click.option(
+    "--file",
+    "job_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="a job file (TOML) with these fields; options given here override it",
 )
 @click.option(
     "--as",
@@ -295,42 +424,75 @@ def _first_leaf(spec: Any) -> str:
 @_timeout_option
 @_token_option
 @click.option("--json", "as_json", is_flag=True)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def submit(
-    owner: str,
-    gpus: int,
-    min_runtime: str,
+    owner: str | None,
+    gpus: int | None,
+    min_runtime: str | None,
     duration: str | None,
-    priority: int,
+    priority: int | None,
     no_resume: bool,
-    gpu_type: str,
+    gpu_type: str | None,
     workload_id: str | None,
+    env_pairs: tuple[str, ...],
+    grace: str | None,
+    image: str | None,
+    job_file: Path | None,
     submitted_by: str | None,
     url: str | None,
     timeout: float | None,
     token_file: Path | None,
     as_json: bool,
+    command: tuple[str, ...],
 ) -> None:
-    """Submit a workload (as the principal of your token).
+    """Submit a workload (as the principal of your token): apportion submit --owner
+    llm/a --gpus 8 --min-runtime 1h -- python train.py --lr 3e-4
 
-    A submit the gateway could not get acknowledged (504) is sent again with the
-    same id until it is, or until the timeout; then the error names the id, and
-    submitting again with ``--id`` is safe (an id is stored once)."""
+    The host agents run COMMAND (after --) with --env and the contract variables
+    (docs/agent.md). A submit the gateway could not get acknowledged (504) is
+    sent again with the same id until it is, or until the timeout; then the
+    error names the id, and submitting again with ``--id`` is safe (an id is
+    stored once)."""
     from apportion.services.client import GatewayError, new_workload_id
 
-    workload = workload_id or new_workload_id()
+    job = read_job_file(job_file) if job_file is not None else {}
+    given = {
+        "id": workload_id,
+        "owner": owner,
+        "gpus": gpus,
+        "min_runtime": min_runtime,
+        "duration": duration,
+        "priority": priority,
+        "gpu_type": gpu_type,
+        "image": image,
+        "grace": grace,
+        "command": list(command) or None,
+    }
+    job.update({k: v for k, v in given.items() if v is not None})
+    if no_resume:
+        job["resumable"] = False
+    job["env"] = {**job.get("env", {}), **_env_pairs(env_pairs)}
+    missing = [f"--{k.replace('_', '-')}" for k in ("owner", "gpus", "min_runtime") if k not in job]
+    if missing:
+        raise UserError(f"missing {', '.join(missing)} (give it here or in --file)")
+    workload = job.get("id") or new_workload_id()
     client = _client(url, timeout, token_file)
     _deprecated_as(client, submitted_by)
     try:
         out = client.submit(
             id=workload,
-            owner=owner,
-            gpus=gpus,
-            min_runtime_ms=_duration_ms(min_runtime, "min-runtime"),
-            duration_ms=_duration_ms(duration, "duration"),
-            priority=priority,
-            resumable=not no_resume,
-            gpu_type=gpu_type,
+            owner=job["owner"],
+            gpus=job["gpus"],
+            min_runtime_ms=_duration_ms(job["min_runtime"], "min-runtime"),
+            duration_ms=_duration_ms(job.get("duration"), "duration"),
+            priority=job.get("priority", 0),
+            resumable=job.get("resumable", True),
+            gpu_type=job.get("gpu_type", "any"),
             submitted_by=submitted_by or os.environ.get("USER", ""),
+            command=job.get("command") or None,
+            env=job["env"] or None,
+            image=job.get("image") or None,
+            grace_ms=_duration_ms(job.get("grace"), "grace"),
         )
     except GatewayError as exc:
         if exc.status == 504 or exc.sent:
@@ -728,7 +890,7 @@ def budget_apply(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
-    help="scheduler, projector: serve Prometheus metrics at http://HOST:PORT/metrics "
+    help="scheduler, projector, executor: serve Prometheus metrics at http://HOST:PORT/metrics "
     "(0: any free port, logged; default: no metrics server). The gateway serves "
     "/metrics on --port",
 )
@@ -770,11 +932,8 @@ def serve(
         raise UserError("set NATS_URL to the NATS server or cluster (apportion up starts its own)")
     if kind == "projector" and db is None:
         raise UserError("projector needs --db FILE")
-    if metrics_port is not None and kind not in ("scheduler", "projector"):
-        raise UserError(
-            "--metrics-port is for the scheduler and the projector "
-            "(the gateway serves /metrics on --port)"
-        )
+    if metrics_port is not None and kind == "gateway":
+        raise UserError("--metrics-port is not for the gateway: it serves /metrics on --port")
     if kind == "gateway" and credentials is not None and no_auth:
         raise UserError("give --credentials FILE or --no-auth, not both")
     logs.configure(log_level)

@@ -8,6 +8,7 @@ Subjects and streams for cluster ``C`` (a name of letters, digits, ``_``, ``-``)
 | decision batches | ``apportion.C.decisions`` | ``DECISIONS_C`` |
 | scheduler snapshots | object ``scheduler`` | object store ``apportion_C_snapshots`` |
 | scheduler lease | key ``scheduler`` | KV bucket ``apportion_C_leases`` |
+| host agents' heartbeats | ``apportion.C.heartbeat.<node>`` | none (plain NATS) |
 
 Both streams use file storage, ``num_replicas`` 1 or 3, and are created
 idempotently. Inputs are published with ``Nats-Msg-Id = event.id`` (stored once
@@ -107,9 +108,15 @@ class Subjects:
         self.decisions = f"apportion.{cluster}.decisions"
         self.snapshot_bucket = f"apportion_{cluster}_snapshots"
         self.lease_bucket = f"apportion_{cluster}_leases"
+        self.heartbeats = f"apportion.{cluster}.heartbeat.>"
+        """Every host agent's heartbeat (plain NATS, not a stream)."""
 
     def input_subject(self, kind: str) -> str:
         return f"{self.inputs_prefix}.{kind}"
+
+    def heartbeat(self, node: str) -> str:
+        """Where the agent of ``node`` heartbeats (JSON ``{"node", "addr", "at_ms", ...}``)."""
+        return f"apportion.{self.cluster}.heartbeat.{node}"
 
 
 # --------------------------------------------------------------------------

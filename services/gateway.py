@@ -16,6 +16,7 @@ rejected by the scheduler (an ``InputRejected`` decision) when two requests race
 | GET | ``/v1/share`` | budget tree with usage against allocation (``sshare``) |
 | GET | ``/v1/explain/{id}`` | why pending / preempted / ended |
 | GET | ``/v1/budget`` | the budget tree |
+| GET | ``/v1/usage/history`` | per team and user, owed / delivered / used GPU-ms hour by hour (``?team=``, ``?hours=``; :mod:`~apportion.services.usage_history`, served by the dashboard's module) |
 | POST | ``/v1/budget`` | ``{"set":[{"path","weight","owner"}],"remove":[paths]}`` |
 | GET | ``/v1/status`` | positions of the gateway's view (no credential needed: a health check) |
 | GET | ``/openapi.json`` | this API as OpenAPI 3.1 (no credential needed) |
@@ -50,13 +51,26 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from aiohttp import web
 from apportion.core.estimate import Estimates, estimate_starts
 from apportion.core.state import State, apply, cancel_authority_error, submission_error
-from apportion.schemas.bounds import DurationMs, Gpus, Name, Path, Priority, Weight, plain_bound
+from apportion.schemas.bounds import (
+    MAX_ARGS,
+    MAX_ENV,
+    Arg,
+    DurationMs,
+    EnvName,
+    Gpus,
+    Image,
+    Name,
+    Path,
+    Priority,
+    Weight,
+    plain_bound,
+)
 from apportion.schemas.events import (
     ANY_GPU_TYPE,
     BudgetRemoved,
@@ -64,6 +78,7 @@ from apportion.schemas.events import (
     WorkloadCancelled,
     WorkloadSubmitted,
 )
+from msgspec import Meta
 
 from . import logs
 from .auth import Authenticator, AuthError
@@ -103,6 +118,11 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_type: Name = ANY_GPU_TYPE
     submitted_by: Name = ""
     """Ignored by a gateway that authenticates (the credential's principal is used)."""
+    command: Annotated[tuple[Arg, ...], Meta(max_length=MAX_ARGS)] = ()
+    """What the host agents run (argv); see docs/agent.md."""
+    env: Annotated[dict[EnvName, Arg], Meta(max_length=MAX_ENV)] = {}
+    image: Image = ""
+    grace_ms: DurationMs | None = None
 
 
 class CancelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -393,6 +413,10 @@ class Gateway:
             priority=body.priority,
             submitted_by=self._actor(request, body.submitted_by),
             duration_ms=body.duration_ms,
+            command=body.command,
+            env=body.env,
+            image=body.image,
+            grace_ms=body.grace_ms,
         )
         problem = submission_error(self.state, event)
         if problem:
@@ -655,6 +679,16 @@ def openapi_document() -> dict[str, Any]:
                     "requestBody": body(budget),
                     "responses": {"202": accepted, "400": err, "403": err, **publishing},
                 },
+            },
+            "/v1/usage/history": {
+                "get": {
+                    "summary": "Owed, delivered and used GPU-ms per hour, per team and user",
+                    "parameters": [
+                        {"name": "team", "in": "query", "schema": {"type": "string"}},
+                        {"name": "hours", "in": "query", "schema": {"type": "integer"}},
+                    ],
+                    "responses": {"200": ok, "400": err, "404": err},
+                }
             },
             "/v1/status": {
                 "get": {"summary": "Positions of the gateway's view", "responses": {"200": ok}}

@@ -32,6 +32,11 @@ The loop, as numbered steps:
    produce one tick).
 8. **Snapshot** every ``snapshot_every`` inputs, at most once every
    ``snapshot_interval_s`` seconds, and when stopping.
+9. **Heartbeats**: every instance listens to the host agents' heartbeats
+   (``apportion.<c>.heartbeat.<node>``, plain NATS) and keeps the last time it
+   heard each node; the leader marks a node it heard from ``down``
+   (``NodeHealthChanged``, actor ``scheduler``) once the policy's
+   ``heartbeat_timeout_ms`` (0: never) passes without one, once per silence.
 
 Readers skip what is not history: a ``DECISIONS`` message that does not decode
 (the bus skips it) or a batch out of canonical order is logged and passed over.
@@ -54,8 +59,8 @@ from apportion.core.history import (
     fold_item,
     split_batch,
 )
-from apportion.core.state import State
-from apportion.schemas.events import ClockTicked, DecisionBatch
+from apportion.core.state import SCHEDULER, State
+from apportion.schemas.events import ClockTicked, DecisionBatch, NodeHealthChanged
 from apportion.schemas.history import BatchItem, InputItem
 
 from . import logs
@@ -183,12 +188,62 @@ class Scheduler:
         self._tail: Tail[InputItem] | None = None
         self._btail: Tail[BatchItem] | None = None
         self._renewer: asyncio.Task[None] | None = None
+        self.heard: dict[str, tuple[float, int]] = {}
+        """node -> (monotonic time of its last heartbeat, its ``at_ms``)"""
+        self._marked_down: dict[str, int] = {}
+        """node -> the ``at_ms`` of the last heartbeat before it was marked down"""
+
+    # -- 9. heartbeats ------------------------------------------------------
+    async def _listen_heartbeats(self) -> object | None:
+        """Subscribe to the agents' heartbeats (a log without NATS has none)."""
+        nc = getattr(self.log, "nc", None)
+        if nc is None:
+            return None
+
+        async def heard(msg: object) -> None:
+            try:
+                data = msgspec.json.decode(getattr(msg, "data", b""))
+                node, at_ms = data["node"], int(data.get("at_ms", 0))
+            except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+                return
+            if isinstance(node, str):
+                self.heard[node] = (time.monotonic(), at_ms)
+
+        return await nc.subscribe(self.log.subjects.heartbeats, cb=heard)
+
+    async def _check_heartbeats(self) -> None:
+        """Leader: mark ``down`` each node silent for longer than the policy allows."""
+        state = self.state
+        timeout_ms = getattr(state.policy, "heartbeat_timeout_ms", 0) if state else 0
+        if not timeout_ms or state is None or not self.heard:
+            return
+        now = time.monotonic()
+        for node, (seen, at_ms) in list(self.heard.items()):
+            if (now - seen) * 1000 < timeout_ms or self._marked_down.get(node) == at_ms:
+                continue
+            known = state.nodes.get(node)
+            if known is None or known.health == "down":
+                continue
+            await self.log.publish_input(
+                NodeHealthChanged(
+                    id=f"heartbeat-down-{node}-{at_ms}",
+                    at_ms=self.clock(),
+                    node=node,
+                    state="down",
+                    actor=SCHEDULER,
+                )
+            )
+            self._marked_down[node] = at_ms
+            self.logger.warning(
+                "node silent; marked down", node=node, silent_ms=int((now - seen) * 1000)
+            )
 
     # -- 1 + 2 ----------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set; follow the log while another instance leads."""
         log = self.logger
         standby_logged = False
+        heartbeats = await self._listen_heartbeats()
         try:
             while not stop.is_set():
                 await self.follow()
@@ -215,6 +270,9 @@ class Scheduler:
                         # inputs folded past the last batch: not a state a follower may keep
                         await self._forget()
         finally:
+            if heartbeats is not None:
+                with contextlib.suppress(Exception):
+                    await heartbeats.unsubscribe()  # type: ignore[attr-defined]
             await self.lease.release()
             await self._forget()
             log.info("stopped")
@@ -463,6 +521,7 @@ class Scheduler:
             ):
                 await self.cycle()
                 since_cycle = 0
+            await self._check_heartbeats()
             # 7. tick
             if (
                 not items

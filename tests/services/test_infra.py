@@ -65,7 +65,7 @@ async def _connect(port: int, user: str):
 
 ROLES = ("scheduler", "gateway", "operator", "agent", "projector", "auditor")
 INPUT_KINDS = {
-    "scheduler": {"ClockTicked"},
+    "scheduler": {"ClockTicked", "NodeHealthChanged"},
     "gateway": {"WorkloadSubmitted", "WorkloadCancelled", "BudgetSet", "BudgetRemoved"},
     "operator": {
         "WorkloadSubmitted",
@@ -77,7 +77,7 @@ INPUT_KINDS = {
         "NodeHealthChanged",
         "WorkloadFinished",
     },
-    "agent": {"NodeRegistered", "NodeHealthChanged", "WorkloadFinished"},
+    "agent": {"NodeRegistered", "NodeHealthChanged", "WorkloadStarted", "WorkloadFinished"},
     "projector": set(),
     "auditor": set(),
 }
@@ -94,6 +94,33 @@ async def _refused(nc, subject: str, payload: bytes = b"{}") -> bool:
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
         return True
     return False
+
+
+async def _subscribe_refused(nc, subject: str) -> bool:
+    """A subscription the server refuses: a heartbeat published after it never arrives."""
+    import asyncio
+
+    got: list[bytes] = []
+
+    async def cb(msg) -> None:
+        got.append(msg.data)
+
+    sub = await nc.subscribe(subject, cb=cb)
+    agent, _ = await _connect_port(nc)
+    try:
+        await agent.publish("apportion.demo.heartbeat.probe", b"x")
+        await agent.flush()
+        await nc.flush()
+        await asyncio.sleep(0.3)
+    finally:
+        await agent.close()
+        await sub.unsubscribe()
+    return not got
+
+
+async def _connect_port(nc):
+    port = int(nc.connected_url.port)
+    return await _connect(port, "agent")
 
 
 async def _stored(nc, stream: str) -> int:
@@ -158,6 +185,26 @@ async def test_accounts_enforce_roles(secure_server: int) -> None:
         # what was refused left no trace; what was allowed was stored
         assert await _stored(conns["scheduler"], "DECISIONS_demo") == decisions
         assert await _stored(conns["scheduler"], "INPUTS_demo") == inputs
+        # heartbeats: only agents publish them; the scheduler and the agents hear them
+        heard: dict[str, list[str]] = {"scheduler": [], "agent": []}
+        for role, got in heard.items():
+
+            async def cb(msg, got=got) -> None:
+                got.append(msg.data.decode())
+
+            await conns[role].subscribe("apportion.demo.heartbeat.>", cb=cb)
+        for role, nc in conns.items():
+            await nc.publish(f"apportion.demo.heartbeat.{role}", role.encode())
+            await nc.flush()
+        for role, got in heard.items():
+            for _ in range(200):
+                if got:
+                    break
+                await asyncio.sleep(0.01)
+            await conns[role].flush()
+            assert got == ["agent"], role
+        for role in ("gateway", "operator", "projector", "auditor"):
+            assert await _subscribe_refused(conns[role], "apportion.demo.heartbeat.>"), role
     finally:
         for nc in conns.values():
             await nc.close()

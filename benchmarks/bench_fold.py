@@ -20,6 +20,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from itertools import islice
 
 from apportion.core import FairShareView, State, fold, queue_order
 from apportion.schemas.events import (
@@ -105,11 +106,14 @@ def node_events() -> list[Event]:
     ]
 
 
-def mixed_history(n_events: int, seed: int = 7) -> list[Event]:
+def mixed_history(n_events: int, seed: int = 7, backlog: int = 0) -> list[Event]:
     """A valid history of about ``n_events`` events (the scheduler's decisions included).
 
     Inputs advance time by 0-4 s (1,000,000 events span about 14 days, so
-    charges slide out of the 7-day window and old breakpoints are pruned)."""
+    charges slide out of the 7-day window and old breakpoints are pruned).
+    ``backlog`` submissions at time 0 come first: the queue stays deep (placements
+    take the oldest pending, so it turns over; the cluster starts full;
+    ``bench_scale``'s deep-queue fold)."""
     rng = random.Random(seed)
     events, leaves = tree_events()
     events += node_events()
@@ -124,6 +128,48 @@ def mixed_history(n_events: int, seed: int = 7) -> list[Event]:
     t = 0
     seq = 0
     cursor = 0
+    for i in range(backlog):
+        wid = f"b{i}"
+        gpus = rng.choice((1, 1, 2, 4, 8, 8))
+        min_runtime = rng.choice((0, 15 * MINUTE_MS, HOUR_MS, 2 * HOUR_MS, 8 * HOUR_MS))
+        resumable = rng.random() < 0.8
+        events.append(
+            WorkloadSubmitted(
+                submitted_by="admin",
+                id=f"xb{i}",
+                at_ms=0,
+                workload=wid,
+                owner=rng.choice(leaves),
+                gpus=gpus,
+                min_runtime_ms=min_runtime,
+                resumable=resumable,
+                priority=rng.randint(0, 2),
+            )
+        )
+        spec[wid] = (gpus, resumable, min_runtime)
+        pending[wid] = None
+    # with a backlog, the cluster starts full: the oldest pending placed first fit
+    for wid in list(pending) if backlog else ():
+        gpus, _, min_runtime = spec[wid]
+        node = next((n for n in range(NODES) if free[n] >= gpus), None)
+        if node is None:
+            break
+        del pending[wid]
+        free[node] -= gpus
+        where[wid] = (node, gpus, len(running))
+        running.append(wid)
+        attempts[wid] += 1
+        events.append(
+            WorkloadPlaced(
+                id=f"xp{wid}",
+                at_ms=0,
+                workload=wid,
+                placement=(Slot(f"node{node:04d}", gpus),),
+                allocated=min_runtime > 0,
+                protected_until_ms=min_runtime,
+                attempt=1,
+            )
+        )
 
     def stop(wid: str) -> None:
         node, gpus, pos = where.pop(wid)
@@ -160,12 +206,16 @@ def mixed_history(n_events: int, seed: int = 7) -> list[Event]:
             spec[wid] = (gpus, resumable, min_runtime)
             pending[wid] = None
         elif r < 0.58 and pending:
-            wid = next(iter(pending))
-            gpus, _, min_runtime = spec[wid]
-            for _ in range(16):
-                cursor = (cursor + 1) % NODES
-                if healthy[cursor] and free[cursor] >= gpus:
-                    break
+            # the oldest pending that fits (with a backlog: any of the oldest 8)
+            for wid in islice(pending, 8 if backlog else 1):
+                gpus, _, min_runtime = spec[wid]
+                for _ in range(16):
+                    cursor = (cursor + 1) % NODES
+                    if healthy[cursor] and free[cursor] >= gpus:
+                        break
+                else:
+                    continue
+                break
             else:
                 continue
             del pending[wid]

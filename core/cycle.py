@@ -197,6 +197,11 @@ class _Cycle:
         """(leaf, GPU type, gate) -> (epoch token, fewest GPUs that failed in it)."""
         self._epochs: dict[str, tuple[int, dict[str, None], object]] = {}
         self._holder_leaves: tuple[int, set[str]] | None = None
+        self._cheap: dict[
+            tuple[tuple[str, int], int], tuple[list[tuple[SetCost, str]], dict[str, SetCost]]
+        ] = {}
+        """(pool, GPUs) -> nodes by :meth:`_unallocated_cost` (sorted, and by node)."""
+        self._cheap_sizes: dict[tuple[str, int], list[int]] = {}
         self.victim_changes = 0  # bumps whenever the victim totals change
         self._expired: dict[tuple[str, tuple[str, int]], tuple[int, object, dict[str, int]]] = {}
 
@@ -297,23 +302,80 @@ class _Cycle:
         self._room_changed(name, before + self.node_unalloc.get(name, 0), free - before)
 
     def _room_changed(self, name: str, room: int, delta: int) -> None:
-        """Node ``name``'s free + unallocated GPUs went from ``room`` by ``delta``."""
+        """Node ``name``'s free + unallocated GPUs went from ``room`` by ``delta``
+        (or what it has of either changed): keep the per-pool lists up to date."""
         node = self.state.nodes[name]
-        ranked = self._roomy.get((node.gpu_type, node.gpus))
-        if ranked is None or not delta:
-            return
-        i = bisect_left(ranked, (-room, name))
-        if i < len(ranked) and ranked[i] == (-room, name):  # a node of the pool
-            del ranked[i]
-            insort(ranked, (-(room + delta), name))
+        key = (node.gpu_type, node.gpus)
+        ranked = self._roomy.get(key)
+        if ranked is not None and delta:
+            i = bisect_left(ranked, (-room, name))
+            if i < len(ranked) and ranked[i] == (-room, name):  # a node of the pool
+                del ranked[i]
+                insort(ranked, (-(room + delta), name))
+        for g in self._cheap_sizes.get(key, ()):
+            ranked_costs, costs = self._cheap[(key, g)]
+            old = costs.pop(name, None)
+            if old is not None:
+                del ranked_costs[bisect_left(ranked_costs, (old, name))]
+            elif name not in self._pool_sets_for(key):
+                continue
+            new = self._unallocated_cost(name, g)
+            if new is not None:
+                costs[name] = new
+                insort(ranked_costs, (new, name))
+
+    # -- the cheapest victim set of unallocated work only ----------------------
+    # On a node whose free and unallocated GPUs reach ``g``, the cheapest victim
+    # set takes unallocated work only (it comes first in :meth:`_victim_order`),
+    # so its cost (no allocated victim; then GPUs freed beyond need, victim ids,
+    # node) is the same for every candidate, and beats every node that needs an
+    # allocated victim. Per pool and ``g`` the nodes are kept sorted by that cost.
+    def _pool_sets_for(self, key: tuple[str, int]) -> frozenset[str]:
+        pool = self._pool_sets.get(key)
+        if pool is None:
+            pool = self._pool_sets[key] = frozenset(self.pool_nodes[key])
+        return pool
+
+    def _unallocated_cost(self, name: str, g: int) -> SetCost | None:
+        """The cost of the cheapest set of unallocated victims on ``name`` that frees
+        ``g`` GPUs there, or ``None`` if its free and unallocated GPUs fall short."""
+        free = self.free[name]
+        if free + self.node_unalloc.get(name, 0) < g:
+            return None
+        gone = self.gone
+        victims = [
+            v for v in self.victimable.get(name, ()) if v.id not in gone and not is_allocated(v)
+        ]
+        node = self.state.nodes[name]
+        chosen = self._cheapest_on_node(victims, node, free, g)
+        freed = sum(node.workloads[v.id] for v in chosen)
+        elsewhere = sum(v.gpus for v in chosen) - freed
+        return self._set_cost(chosen, free + freed - g + elsewhere, name)
+
+    def _cheapest_unallocated(self, c: Workload, key: tuple[str, int], g: int) -> str | None:
+        """The node of pool ``key`` (``g`` <= its node size) that ``c`` may use where
+        unallocated victims alone make ``g`` GPUs at the lowest cost, if any."""
+        entry = self._cheap.get((key, g))
+        if entry is None:
+            costs: dict[str, SetCost] = {}
+            for n in self.pool_nodes[key]:
+                cost = self._unallocated_cost(n, g)
+                if cost is not None:
+                    costs[n] = cost
+            entry = self._cheap[(key, g)] = (sorted((v, n) for n, v in costs.items()), costs)
+            self._cheap_sizes.setdefault(key, []).append(g)
+        for _, name in entry[0]:
+            if self._may_use(c, name):
+                return name
+        return None
 
     def _preempt(
         self, w: Workload, reason: str, for_workload: str | None, requeue_now: bool = False
     ) -> int:
         """Preempt ``w``; returns the notice given (its GPUs stay taken meanwhile)."""
+        self.gone[w.id] = reason
         if self._victims_ready and w.stopping is None and not is_protected(w, self.t):
             self._count_victimable(w, -1)
-        self.gone[w.id] = reason
         self.freed += 1
         grace = 0
         if reason != "node_down" and w.stopping is None:
@@ -527,6 +589,21 @@ class _Cycle:
             )
             if total + sum(expired.get(p, 0) for p in subtrees) < g:
                 continue  # not enough free and preemptible GPUs in the whole pool
+            roomy = self._roomy_nodes(key) if g <= size else None
+            if roomy and roomy[0][0] <= -g:
+                name = self._cheapest_unallocated(c, key, g)
+                if name is not None:  # the best of this pool: no need to look further
+                    node = self.state.nodes[name]
+                    victims = [
+                        v
+                        for v in self.victimable.get(name, ())
+                        if v.id not in self.gone and not is_allocated(v)
+                    ]
+                    chosen = self._cheapest_on_node(victims, node, self.free[name], g)
+                    cost = self._cheap[(key, g)][1][name]
+                    if best is None or cost < best[0]:
+                        best = (cost, chosen, [(name, g)])
+                    continue
             names = [
                 n for n in self._candidate_nodes(c, key, want, subtrees) if self._may_use(c, n)
             ]
@@ -594,37 +671,50 @@ class _Cycle:
         return chosen
 
     # -- c. reservation ------------------------------------------------------
-    def _release_times(
-        self, c: Workload, name: str, subtrees: dict[str, None], memo: dict[tuple[str, int], bool]
-    ) -> list[int]:
-        """For each GPU of ``name``: when it becomes free or preemptible for ``c``
-        (the protection expiry of work ``c`` outranks; never, as far as the
-        contract tells, for work it does not)."""
+    def _release_time(
+        self,
+        c: Workload,
+        name: str,
+        subtrees: dict[str, None],
+        memo: dict[tuple[str, int], bool],
+        k: int | None,
+    ) -> int:
+        """When the ``k``-th GPU of ``name`` (``None``: the last one) becomes free or
+        preemptible for ``c``: a GPU comes at the protection expiry of work ``c``
+        outranks, at the end of a notice, never (as far as the contract tells) under
+        work it does not outrank."""
         node = self.state.nodes[name]
-        times = [self.t] * self.free[name]
+        t = self.t
+        free = self.free[name]
+        times: list[tuple[int, int]] = [(t, free)] if free else []
         running = self.state.running
         for wid, gpus in node.workloads.items():
             if wid in self.gone:
                 until = self.noticed.get(wid)
                 if until is not None:  # preempted with notice this cycle
-                    times.extend([until] * gpus)
+                    times.append((until, gpus))
                 continue
             v = running[wid]
             if v.stopping is not None:
-                times.extend([v.stopping.until_ms] * gpus)
+                times.append((v.stopping.until_ms, gpus))
                 continue
             who = (v.owner, v.priority if is_allocated(v) else -1)
             ok = memo.get(who)
             if ok is None:
                 ok = memo[who] = self.may_preempt(c, v, subtrees)
-            at = preemptible_from(v, self.t) if ok else _NEVER
-            times.extend([at] * gpus)
+            times.append((preemptible_from(v, t) if ok else _NEVER, gpus))
         for v, gpus in self.added.get(name, ()):
             ok = self.may_preempt(c, v, subtrees)
-            at = protected_until(self.t, v.min_runtime_ms) if ok else _NEVER
-            times.extend([at] * gpus)
+            times.append((protected_until(t, v.min_runtime_ms) if ok else _NEVER, gpus))
+        if k is None:
+            return max(at for at, _ in times)
         times.sort()
-        return times
+        have = 0
+        for at, gpus in times:
+            have += gpus
+            if have >= k:
+                return at
+        raise AssertionError(f"{name} has fewer than {k} GPUs")  # pools hold nodes of >= k
 
     def reserve(self, c: Workload) -> None:
         """Hold for ``c`` the nodes that become free or preemptible for it earliest: for a
@@ -639,11 +729,11 @@ class _Cycle:
             size = key[1]
             names = self.pool_nodes[key]
             if g <= size:
-                ready = sorted((self._release_times(c, n, subtrees, memo)[g - 1], n) for n in names)
+                ready = sorted((self._release_time(c, n, subtrees, memo, g), n) for n in names)
                 option = (ready[0][0], (ready[0][1],)) if ready else None
             elif g % size == 0 and len(names) >= g // size:
                 k = g // size
-                ready = sorted((self._release_times(c, n, subtrees, memo)[-1], n) for n in names)
+                ready = sorted((self._release_time(c, n, subtrees, memo, None), n) for n in names)
                 start = ready[k - 1][0]
                 # Of the nodes whole by ``start``, hold those that come whole last: the
                 # start is the same, and the nodes that come whole sooner stay usable

@@ -7,7 +7,8 @@ budget edit. Time moves only to what is already known:
 
 - the **known end** of a running workload: ``started + duration - progress``
   from its ``duration_ms`` hint (a run overdue is taken to end at once); a run
-  without a hint never ends, as far as the estimate knows;
+  without a hint never ends, as far as the estimate knows; a run stopping after
+  a preemption with notice ends by its deadline at the latest;
 - the **next wake-up** of the last cycle (a protection expiry, a reservation
   start) and of every simulated cycle after it;
 - the known ends of the work the simulation itself places.
@@ -117,6 +118,8 @@ def estimate_starts(
     ends: dict[str, int] = {}
     for w in state.running.values():
         end = known_end(w.started_ms, w.duration_ms, w.run_ms)
+        if w.stopping is not None:  # preempted with notice: it ends by the deadline
+            end = w.stopping.until_ms if end is None else min(end, w.stopping.until_ms)
         if end is not None:
             ends[w.id] = max(t0, end)
     limit = t0 + horizon_ms

@@ -90,17 +90,7 @@ class GatewayMetrics:
         self.gpus = Gauge(
             "apportion_gpus", "GPUs of registered nodes, by node health", ["health"], registry=r
         )
-        self.inputs_stored = Gauge(
-            "apportion_inputs_stored", "Last sequence of the INPUTS stream", registry=r
-        )
-        self.inputs_folded = Gauge(
-            "apportion_inputs_folded", "Inputs folded by the gateway's follower", registry=r
-        )
-        self.input_lag = Gauge(
-            "apportion_input_lag",
-            "Inputs stored but not yet folded by the gateway (stored - folded)",
-            registry=r,
-        )
+        self.inputs = InputPosition("apportion", "the gateway's follower", r)
         self.state_age = Gauge(
             "apportion_state_age_seconds",
             "Wall clock minus the time of the last event the gateway folded",
@@ -170,10 +160,7 @@ class GatewayMetrics:
             health[node.health] = health.get(node.health, 0) + node.gpus
         for h, g in health.items():
             self.gpus.labels(h).set(g)
-        self.inputs_folded.set(state.input_seq)
-        if inputs_stored is not None:
-            self.inputs_stored.set(inputs_stored)
-            self.input_lag.set(max(0, inputs_stored - state.input_seq))
+        self.inputs.set(state.input_seq, inputs_stored)
         now = now_ms if now_ms is not None else int(time.time() * 1000)
         self.state_age.set(max(0, now - state.now_ms) / 1000)
         healthy = health["healthy"]
@@ -266,18 +253,8 @@ class SchedulerMetrics:
         self.leader = Gauge(
             "apportion_scheduler_leader", "1 while this scheduler leads, 0 on standby", registry=r
         )
-        self.inputs_folded = Gauge(
-            "apportion_scheduler_inputs_folded",
-            "Last input sequence the scheduler's state folded (0 with no state loaded)",
-            registry=r,
-        )
-        self.inputs_stored = Gauge(
-            "apportion_scheduler_inputs_stored", "Last sequence of the INPUTS stream", registry=r
-        )
-        self.input_lag = Gauge(
-            "apportion_scheduler_input_lag",
-            "Inputs stored but not yet folded by the scheduler (stored - folded)",
-            registry=r,
+        self.inputs = InputPosition(
+            "apportion_scheduler", "the scheduler's state (0 with no state loaded)", r
         )
         self._kinds = {k: self.decisions.labels(k) for k in DECISION_KINDS}
 
@@ -296,10 +273,7 @@ class SchedulerMetrics:
 
     def update(self, *, leading: bool, folded: int, stored: int | None) -> None:
         self.leader.set(1 if leading else 0)
-        self.inputs_folded.set(folded)
-        if stored is not None:
-            self.inputs_stored.set(stored)
-            self.input_lag.set(max(0, stored - folded))
+        self.inputs.set(folded, stored)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -408,19 +382,7 @@ class ExecutorMetrics:
             buckets=TIMER_LAG_BUCKETS,
             registry=r,
         )
-        self.inputs_folded = Gauge(
-            "apportion_executor_inputs_folded",
-            "Inputs the executor emulator's follower folded",
-            registry=r,
-        )
-        self.inputs_stored = Gauge(
-            "apportion_executor_inputs_stored", "Last sequence of the INPUTS stream", registry=r
-        )
-        self.input_lag = Gauge(
-            "apportion_executor_input_lag",
-            "Inputs stored but not yet folded by the executor emulator (stored - folded)",
-            registry=r,
-        )
+        self.inputs = InputPosition("apportion_executor", "the executor emulator's follower", r)
         self._outcomes = {o: self.finished.labels(o) for o in EXECUTOR_OUTCOMES}
 
     def ended(self, outcome: str) -> None:
@@ -429,13 +391,34 @@ class ExecutorMetrics:
     def update(self, *, running: int, timers: int, folded: int, stored: int | None) -> None:
         self.running.set(running)
         self.timers.set(timers)
-        self.inputs_folded.set(folded)
-        if stored is not None:
-            self.inputs_stored.set(stored)
-            self.input_lag.set(max(0, stored - folded))
+        self.inputs.set(folded, stored)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class InputPosition:
+    """The gauges of a follower's position in ``INPUTS``: ``<prefix>_inputs_folded``,
+    ``<prefix>_inputs_stored`` (the stream's last sequence) and ``<prefix>_input_lag``
+    (stored - folded: inputs waiting)."""
+
+    def __init__(self, prefix: str, who: str, registry: CollectorRegistry) -> None:
+        self.folded = Gauge(f"{prefix}_inputs_folded", f"Inputs folded by {who}", registry=registry)
+        self.stored = Gauge(
+            f"{prefix}_inputs_stored", "Last sequence of the INPUTS stream", registry=registry
+        )
+        self.lag = Gauge(
+            f"{prefix}_input_lag",
+            f"Inputs stored but not yet folded by {who} (stored - folded)",
+            registry=registry,
+        )
+
+    def set(self, folded: int, stored: int | None) -> None:
+        """``stored``: ``None`` when NATS did not answer (the stored gauges keep their value)."""
+        self.folded.set(folded)
+        if stored is not None:
+            self.stored.set(stored)
+            self.lag.set(max(0, stored - folded))
 
 
 async def stored_inputs(log: Any, timeout_s: float = 2.0) -> int | None:

@@ -37,6 +37,8 @@ The loop, as numbered steps:
    heard each node; the leader marks a node it heard from ``down``
    (``NodeHealthChanged``, actor ``scheduler``) once the policy's
    ``heartbeat_timeout_ms`` (0: never) passes without one, once per silence.
+   Every host not down counts as heard when an instance first checks, so a
+   host already silent when the scheduler started is marked down as well.
 
 Readers skip what is not history: a ``DECISIONS`` message that does not decode
 (the bus skips it) or a batch out of canonical order is logged and passed over.
@@ -215,9 +217,14 @@ class Scheduler:
         """Leader: mark ``down`` each node silent for longer than the policy allows."""
         state = self.state
         timeout_ms = getattr(state.policy, "heartbeat_timeout_ms", 0) if state else 0
-        if not timeout_ms or state is None or not self.heard:
+        if not timeout_ms or state is None:
             return
         now = time.monotonic()
+        # every host not down is watched from the first check on, heard or not: a
+        # host silent since before this instance started is marked down too
+        for node, known in state.nodes.items():
+            if node not in self.heard and known.health != "down":
+                self.heard[node] = (now, self.clock())
         for node, (seen, at_ms) in list(self.heard.items()):
             if (now - seen) * 1000 < timeout_ms or self._marked_down.get(node) == at_ms:
                 continue

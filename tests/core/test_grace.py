@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from apportion.core import State, apply, fold
 from apportion.core.cycle import CycleResult, decide, step
+from apportion.core.estimate import estimate_starts
 from apportion.core.state import CorruptHistory
 from apportion.schemas.events import (
     BudgetSet,
@@ -390,3 +391,18 @@ def test_the_cluster_file_reads_grace_max_grace_and_heartbeat_timeout() -> None:
     doc["policy"] = {"heartbeat_timeout": 60}
     with pytest.raises(InputFileError, match=r"policy\.heartbeat_timeout"):
         cluster_from_dict(doc)
+
+
+def test_the_estimate_places_the_beneficiary_when_the_notice_ends() -> None:
+    """A stopping run ends by its deadline at the latest (even with a longer duration
+    hint), and the workload it was preempted for starts then."""
+    state = cluster(1, grace_ms=GRACE)
+    submit(state, "a1", "a", duration_ms=10 * HOUR)
+    step(state)
+    tick(state, HOUR)
+    submit(state, "b1", "b")
+    result = step(state)
+    assert state.running["a1"].stopping is not None
+    est = estimate_starts(state, next_wakeup_ms=result.next_wakeup_ms)
+    assert est.ends["a1"] == HOUR + GRACE
+    assert est.starts["b1"] == HOUR + GRACE

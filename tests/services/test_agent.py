@@ -23,6 +23,7 @@ import pytest
 from apportion.schemas.events import (
     BudgetSet,
     NodeHealthChanged,
+    NodeRegistered,
     PolicySet,
     WorkloadFinished,
     WorkloadStarted,
@@ -417,6 +418,26 @@ async def test_killed_agent_marks_node_down_and_requeues(
         await c.settle()
         assert c.finishes("long") == []
         assert c.state.running["long"].attempt == 2
+
+
+async def test_a_host_silent_before_the_scheduler_started_is_marked_down(
+    nats_server, js, cluster, tmp_path
+) -> None:
+    """A host registered by an operator that never heartbeats (its agent died before
+    this scheduler started): the scheduler marks it down one timeout later."""
+    async with cluster_of(
+        nats_server, js, cluster, tmp_path, nodes=1, heartbeat_timeout_ms=1500
+    ) as c:
+        await c.log.publish_input(
+            NodeRegistered(
+                id="silent", at_ms=0, node="silent", gpus=2, gpu_type="h100", actor="ops"
+            )
+        )
+        await c.until(lambda: "silent" in c.state.nodes, "the silent host registered")
+        await c.until(lambda: c.state.nodes["silent"].health == "down", "the silent host down")
+        downs = [e for e in c.inputs if isinstance(e, NodeHealthChanged) and e.state == "down"]
+        assert [(e.node, e.actor) for e in downs] == [("silent", "scheduler")]
+        assert c.state.nodes["h0"].health == "healthy"  # its agent heartbeats
 
 
 async def test_restarted_agent_starts_nothing_twice(nats_server, js, cluster, tmp_path) -> None:

@@ -222,8 +222,8 @@ class Scheduler:
         now = time.monotonic()
         # every host not down is watched from the first check on, heard or not: a
         # host silent since before this instance started is marked down too
-        for node, known in state.nodes.items():
-            if node not in self.heard and known.health != "down":
+        for node, registered in state.nodes.items():
+            if node not in self.heard and registered.health != "down":
                 self.heard[node] = (now, self.clock())
         for node, (seen, at_ms) in list(self.heard.items()):
             if (now - seen) * 1000 < timeout_ms or self._marked_down.get(node) == at_ms:

@@ -197,6 +197,10 @@ class _Cycle:
         """(leaf, GPU type, gate) -> (epoch token, fewest GPUs that failed in it)."""
         self._epochs: dict[str, tuple[int, dict[str, None], object]] = {}
         self._holder_leaves: tuple[int, set[str]] | None = None
+        self._coverage: dict[int, tuple[dict[str, None], dict[str, bool]]] = {}
+        self._expired_leaves_cache: tuple[int, list[tuple[int, str]]] | None = None
+        """id(victim subtrees) -> (the subtrees, leaf -> in one of them): the object is
+        kept, so an id is never taken for another object's while cached."""
         self._cheap: dict[
             tuple[tuple[str, int], int], tuple[list[tuple[SetCost, str]], dict[str, SetCost]]
         ] = {}
@@ -496,7 +500,17 @@ class _Cycle:
             return True
         if v.owner == c.owner:
             return c.priority > v.priority
-        return any(p in subtrees for p in self._path(v.owner))
+        return self._covered(v.owner, subtrees)
+
+    def _covered(self, leaf: str, subtrees: dict[str, None]) -> bool:
+        """Whether ``leaf`` lies in one of ``subtrees`` (cached per subtrees object)."""
+        cached = self._coverage.get(id(subtrees))
+        if cached is None or cached[0] is not subtrees:
+            cached = self._coverage[id(subtrees)] = (subtrees, {})
+        known = cached[1].get(leaf)
+        if known is None:
+            known = cached[1][leaf] = any(p in subtrees for p in self._path(leaf))
+        return known
 
     def _roomy_nodes(self, key: tuple[str, int]) -> list[tuple[int, str]]:
         """``(-(free + unallocated GPUs), node)`` of the pool, most first, then by id."""
@@ -610,11 +624,21 @@ class _Cycle:
             if len(names) < need:
                 continue
             if g <= size:
+                # Every node here needs an allocated victim (a node where unallocated
+                # work alone would do was taken above), so a node's cost is at least
+                # (1, -position of its most over-served possible victim): visit them
+                # most over-served first and stop once that bound is above the best.
+                positions = self._victim_positions(c, key, subtrees)
+                names.sort(key=lambda n: (-positions.get(n, -1), n))
                 for name in names:
+                    if best is not None and (1, -positions.get(name, -1)) > best[0][:2]:
+                        break
                     node = self.state.nodes[name]
                     free = self.free[name]
                     victims = self._victims_on(c, name, subtrees)
                     if free + sum(node.workloads[v.id] for v in victims) < g:
+                        continue
+                    if best is not None and self._cannot_beat(best[0], victims, node, free, g):
                         continue
                     chosen = self._cheapest_on_node(victims, node, free, g)
                     freed = sum(node.workloads[v.id] for v in chosen)
@@ -652,6 +676,68 @@ class _Cycle:
         if best is None or not best[1]:
             return None
         return best[1], best[2]
+
+    def _victim_positions(
+        self, c: Workload, key: tuple[str, int], subtrees: dict[str, None]
+    ) -> dict[str, int]:
+        """Per node of pool ``key`` with expired allocated work of ``c``'s leaf or of a
+        leaf ``c`` outranks: the highest fair-share position among those leaves (the
+        most over-served victim ``c`` could find there)."""
+        pool = self._pool_sets_for(key)
+        out: dict[str, int] = {}
+        for position, leaf in self._expired_leaves():
+            if leaf != c.owner and not self._covered(leaf, subtrees):
+                continue
+            for n in self.path_nodes[leaf]:
+                if n in pool and n not in out:
+                    out[n] = position
+        return out
+
+    def _expired_leaves(self) -> list[tuple[int, str]]:
+        """``(fair-share position, leaf)`` of the leaves with expired allocated work
+        running, most over-served first (cached until the victims change)."""
+        cached = self._expired_leaves_cache
+        if cached is None or cached[0] != self.victim_changes:
+            nodes = self.state.budget.nodes
+            leaves = sorted(
+                (-self.view.leaf_position(p), p)
+                for p, on in self.path_nodes.items()
+                if on and not nodes[p].children
+            )
+            cached = self._expired_leaves_cache = (
+                self.victim_changes,
+                [(-neg, p) for neg, p in leaves],
+            )
+        return cached[1]
+
+    def _cannot_beat(
+        self, best: SetCost, victims: list[Workload], node: ClusterNode, free: int, g: int
+    ) -> bool:
+        """Whether no victim set on ``node`` can cost less than ``best``: a lower bound
+        of its first two cost terms is above ``best``'s (at least the fewest allocated
+        victims that free enough, the largest first; and no victim more over-served
+        than the most over-served of them)."""
+        if best[0] == 0:
+            return False  # decided on later terms: not worth a bound
+        need = g - free
+        sizes: list[int] = []
+        most = -1
+        for v in victims:
+            if is_allocated(v):
+                sizes.append(node.workloads[v.id])
+                most = max(most, self.view.leaf_position(v.owner))
+            else:
+                need -= node.workloads[v.id]
+        if need <= 0:
+            return False  # unallocated victims alone suffice: cost term 0
+        sizes.sort(reverse=True)
+        fewest = 0
+        for size in sizes:
+            fewest += 1
+            need -= size
+            if need <= 0:
+                break
+        return (fewest, -most) > best[:2]
 
     def _cheapest_on_node(
         self, victims: list[Workload], node: ClusterNode, free: int, g: int

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from functools import lru_cache
 
 import msgspec
 
@@ -42,15 +43,14 @@ def team_of(leaf: str) -> str:
     return leaf if parent == ROOT else parent
 
 
-def ancestors_of(path: str) -> list[str]:
-    """Proper ancestors from the root down: ``"a/b/c" -> ["", "a", "a/b"]``."""
-    out = [ROOT]
+@lru_cache(maxsize=1 << 16)
+def ancestors_of(path: str) -> tuple[str, ...]:
+    """Proper ancestors from the root down: ``"a/b/c" -> ("", "a", "a/b")`` (a pure
+    function of the string, cached: the fold and every cycle ask it per workload)."""
     if not path:
-        return []
+        return ()
     parts = path.split("/")
-    for i in range(1, len(parts)):
-        out.append("/".join(parts[:i]))
-    return out
+    return (ROOT, *("/".join(parts[:i]) for i in range(1, len(parts))))
 
 
 def path_error(path: str) -> str | None:

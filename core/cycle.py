@@ -457,7 +457,7 @@ class _Cycle:
             return cached[2]
         path = self._path(leaf)
         families = self.family_charges
-        key = tuple(families.get(parent_of(a), 0) for a in path)
+        key = tuple(families.get(p, 0) for p in ancestors_of(leaf))  # the path's families
         if cached is not None and cached[1] == key:
             self._subtrees[leaf] = (self.charges, key, cached[2])
             return cached[2]

@@ -8,7 +8,7 @@ order.
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 
 Pool = tuple[str, int]
 """``(gpu_type, gpus per node)``"""
@@ -52,7 +52,7 @@ class NodeIndex:
 
     def _unbucket(self, name: str, pool: Pool, free: int) -> None:
         names = self.buckets[pool][free]
-        names.remove(name)
+        del names[bisect_left(names, name)]  # sorted by id
         if not names:
             del self.buckets[pool][free]
 

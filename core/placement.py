@@ -15,7 +15,7 @@ node.
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections.abc import Callable
 
 from apportion.schemas.events import ANY_GPU_TYPE
@@ -41,7 +41,7 @@ class _FreeByNode(dict[str, int]):
 class FreeGPUs:
     """Free GPUs per node, and of healthy nodes by pool, as one cycle changes them."""
 
-    __slots__ = ("nodes", "free", "buckets", "_own", "pool_nodes", "pool_free")
+    __slots__ = ("nodes", "free", "buckets", "_own", "pool_nodes", "pool_free", "_pools")
 
     def __init__(self, state: State) -> None:
         index = state.node_index
@@ -55,6 +55,7 @@ class FreeGPUs:
         self.pool_nodes: dict[Pool, list[str]] = index.pool_nodes  # read only
         self.pool_free: dict[Pool, int] = dict(index.pool_free)
         """Free GPUs on the healthy nodes of each pool."""
+        self._pools: dict[str, list[Pool]] = {}
 
     def set(self, name: str, free: int) -> None:
         """Node ``name`` has ``free`` GPUs from now on (in this cycle)."""
@@ -70,15 +71,22 @@ class FreeGPUs:
             self.buckets[key] = {f: list(names) for f, names in self.buckets[key].items()}
             self._own[key] = None
         pool = self.buckets[key]
-        pool[old].remove(name)
+        names = pool[old]
+        del names[bisect_left(names, name)]  # each list is sorted by id
         insort(pool.setdefault(free, []), name)
         self.pool_free[key] += free - old
 
     def pools_for(self, gpu_type: str) -> list[Pool]:
-        """The pools a request of ``gpu_type`` may use, in ``(type, node size)`` order."""
-        return [
-            key for key in sorted(self.buckets) if gpu_type == ANY_GPU_TYPE or key[0] == gpu_type
-        ]
+        """The pools a request of ``gpu_type`` may use, in ``(type, node size)`` order
+        (the pools do not change during a cycle: cached per type)."""
+        pools = self._pools.get(gpu_type)
+        if pools is None:
+            pools = self._pools[gpu_type] = [
+                key
+                for key in sorted(self.buckets)
+                if gpu_type == ANY_GPU_TYPE or key[0] == gpu_type
+            ]
+        return pools
 
     def fit(
         self, gpus: int, gpu_type: str, may_use: Callable[[str], bool] | None = None

@@ -23,10 +23,10 @@ def org() -> Scenario:
 @pytest.mark.parametrize(
     ("path", "parent", "ancestors"),
     [
-        ("", "", []),
-        ("a", "", [""]),
-        ("a/b", "a", ["", "a"]),
-        ("a/b/c", "a/b", ["", "a", "a/b"]),
+        ("", "", ()),
+        ("a", "", ("",)),
+        ("a/b", "a", ("", "a")),
+        ("a/b/c", "a/b", ("", "a", "a/b")),
     ],
     ids=["root", "top", "second", "third"],
 )

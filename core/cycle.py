@@ -851,14 +851,13 @@ class _Cycle:
         if waiting is not None:
             return self._try_waiting(w, waiting)
         allocated = is_allocated(w)
-        subtrees = self.victim_subtrees(w.owner) if allocated else None
         failed = self.failed.get(self._shape(w, allocated))
         if (
             failed is not None
             and failed[0] == self.freed
-            and failed[1] is subtrees
             and w.priority <= failed[2]
             and w.gpus >= failed[3]
+            and failed[1] is (self.victim_subtrees(w.owner) if allocated else None)
         ):
             return False
         found = self._find(w)
@@ -868,6 +867,7 @@ class _Cycle:
                 found = self._find(w)  # again, now that reserved nodes are gated
         if found is None:
             shape = self._shape(w, allocated)
+            subtrees = self.victim_subtrees(w.owner) if allocated else None
             self.failed[shape] = (self.freed, subtrees, w.priority, w.gpus)
             if allocated and self.walk is not None:
                 self._doom(w, shape[3])

@@ -701,8 +701,8 @@ def _workload_finished(state: State, e: WorkloadFinished) -> None:
             e,
             f"finished: report for attempt {e.attempt} of {e.workload!r}, which is on attempt {w.attempt} (stale report)",
         )
-    if not any(e.actor == agent_of(s.node) for s in w.placement) and not is_operator(
-        state, e.actor
+    if not is_operator(state, e.actor) and not any(
+        e.actor == agent_of(s.node) for s in w.placement
     ):
         return _reject(
             state,
@@ -811,24 +811,27 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
         raise CorruptHistory(
             f"placed {e.workload!r} with allocated={e.allocated} against its contract"
         )
-    if sum(s.gpus for s in e.placement) != w.gpus:
-        raise CorruptHistory(f"placed {e.workload!r} on {e.placement} for {w.gpus} GPUs")
-    if len({s.node for s in e.placement}) != len(e.placement):
+    placement = e.placement
+    if len(placement) > 1 and len({s.node for s in placement}) != len(placement):
         # each node once: a repeated node would be checked against its free GPUs
         # slot by slot (overcommitting it) and could not be freed again later
-        raise CorruptHistory(f"placed {e.workload!r} on {e.placement}, which names a node twice")
+        raise CorruptHistory(f"placed {e.workload!r} on {placement}, which names a node twice")
     now = state.now_ms
     nodes = state.nodes
-    for slot in e.placement:
+    total = 0
+    for slot in placement:
         node = nodes.get(slot.node)
-        if node is None or node.free < slot.gpus or not node.schedulable or slot.gpus <= 0:
+        if node is None or node.free < slot.gpus or node.health != "healthy" or slot.gpus <= 0:
             raise CorruptHistory(
                 f"placed {e.workload!r} on {slot.node!r}, which cannot take {slot.gpus} GPUs"
             )
         if w.gpu_type != ANY_GPU_TYPE and node.gpu_type != w.gpu_type:
             raise CorruptHistory(f"placed {e.workload!r} on {slot.node!r} of the wrong GPU type")
+        total += slot.gpus
+    if total != w.gpus:
+        raise CorruptHistory(f"placed {e.workload!r} on {placement} for {w.gpus} GPUs")
     index = state.node_index
-    for slot in e.placement:
+    for slot in placement:
         node = nodes[slot.node]
         index.move(node.node, (node.gpu_type, node.gpus), node.free, node.free - slot.gpus)
         node.free -= slot.gpus

@@ -128,16 +128,16 @@ def mixed_history(n_events: int, seed: int = 7, backlog: int = 0) -> list[Event]
     t = 0
     seq = 0
     cursor = 0
-    for i in range(backlog):
-        wid = f"b{i}"
+
+    def submit(eid: str, wid: str, at_ms: int) -> None:
         gpus = rng.choice((1, 1, 2, 4, 8, 8))
         min_runtime = rng.choice((0, 15 * MINUTE_MS, HOUR_MS, 2 * HOUR_MS, 8 * HOUR_MS))
         resumable = rng.random() < 0.8
         events.append(
             WorkloadSubmitted(
                 submitted_by="admin",
-                id=f"xb{i}",
-                at_ms=0,
+                id=eid,
+                at_ms=at_ms,
                 workload=wid,
                 owner=rng.choice(leaves),
                 gpus=gpus,
@@ -148,6 +148,9 @@ def mixed_history(n_events: int, seed: int = 7, backlog: int = 0) -> list[Event]
         )
         spec[wid] = (gpus, resumable, min_runtime)
         pending[wid] = None
+
+    for i in range(backlog):
+        submit(f"xb{i}", f"b{i}", 0)
     # with a backlog, the cluster starts full: the oldest pending placed first fit
     for wid in list(pending) if backlog else ():
         gpus, _, min_runtime = spec[wid]
@@ -185,26 +188,8 @@ def mixed_history(n_events: int, seed: int = 7, backlog: int = 0) -> list[Event]
         eid = f"x{seq}"
         r = rng.random()
         if r < 0.29:
-            wid = f"w{seq}"
-            gpus = rng.choice((1, 1, 2, 4, 8, 8))
-            min_runtime = rng.choice((0, 15 * MINUTE_MS, HOUR_MS, 2 * HOUR_MS, 8 * HOUR_MS))
-            resumable = rng.random() < 0.8
             t = nt
-            events.append(
-                WorkloadSubmitted(
-                    submitted_by="admin",
-                    id=eid,
-                    at_ms=t,
-                    workload=wid,
-                    owner=rng.choice(leaves),
-                    gpus=gpus,
-                    min_runtime_ms=min_runtime,
-                    resumable=resumable,
-                    priority=rng.randint(0, 2),
-                )
-            )
-            spec[wid] = (gpus, resumable, min_runtime)
-            pending[wid] = None
+            submit(eid, f"w{seq}", t)
         elif r < 0.58 and pending:
             # the oldest pending that fits (with a backlog: any of the oldest 8)
             for wid in islice(pending, 8 if backlog else 1):

@@ -335,6 +335,7 @@ class _Cycle:
     # node) is the same for every candidate, and beats every node that needs an
     # allocated victim. Per pool and ``g`` the nodes are kept sorted by that cost.
     def _pool_sets_for(self, key: tuple[str, int]) -> frozenset[str]:
+        """The nodes of pool ``key``, as a set (cached)."""
         pool = self._pool_sets.get(key)
         if pool is None:
             pool = self._pool_sets[key] = frozenset(self.pool_nodes[key])
@@ -547,9 +548,7 @@ class _Cycle:
         cached = self._expired.get((leaf, key))
         if cached is not None and cached[0] == self.victim_changes and cached[1] is subtrees:
             return cached[2]
-        pool = self._pool_sets.get(key)
-        if pool is None:
-            pool = self._pool_sets[key] = frozenset(self.pool_nodes[key])
+        pool = self._pool_sets_for(key)
         expired: dict[str, int] = {}
         for p in (leaf, *subtrees):
             for n, gpus in self.path_nodes.get(p, {}).items():

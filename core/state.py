@@ -404,6 +404,10 @@ def _node_registered(state: State, e: NodeRegistered) -> None:
     _tick(state, e)
     if not e.node:
         return _reject(state, e, "node name is empty")
+    if e.node in _DOT_NAMES:
+        return _reject(
+            state, e, f"node name {e.node!r} is not allowed (it names a folder on hosts)"
+        )
     if not may_manage_node(state, e.actor, e.node):
         return _reject(state, e, _not_operator(e.actor, f"register node {e.node!r}"))
     if e.gpus <= 0:
@@ -570,12 +574,19 @@ def _policy_set(state: State, e: PolicySet) -> None:
 # -- workloads ----------------------------------------------------------------
 
 
+_DOT_NAMES = frozenset({".", ".."})
+"""Ids an executor cannot use as a folder name (a workload's or a node's files live
+under its id on the hosts)."""
+
+
 def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
     """Why ``e`` cannot be queued, or ``None``; used by the fold and the gateway.
 
     Changes nothing but a cache of gang checks (derived, never snapshotted)."""
     if not e.workload:
         return "workload id is empty"
+    if e.workload in _DOT_NAMES:
+        return f"workload id {e.workload!r} is not allowed (it names a folder on hosts)"
     if e.workload in state.workloads or e.workload in state.ended:
         return f"workload {e.workload!r} already exists; ids are never reused"
     if e.owner not in state.budget.nodes or e.owner == ROOT:

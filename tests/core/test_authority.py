@@ -80,3 +80,38 @@ def test_only_the_root_owner_names_operators() -> None:
     s = cluster()
     s.rejects("lena", "does not own the root").policy(actor="lena", operators=("lena",))
     s.rejects("lena may not register").node("x1", actor="lena")
+
+
+def test_dot_ids_are_refused_because_executors_use_ids_as_folder_names() -> None:
+    """A workload or node called '.' or '..' would make an agent's attempt and
+    checkpoint folders escape their parent: refused, and nothing changes."""
+    from apportion.core import fold
+    from apportion.schemas.events import BudgetSet, NodeRegistered, WorkloadSubmitted
+
+    setup = [
+        BudgetSet(id="b0", at_ms=0, path="", weight=1, owner="root", actor="root"),
+        BudgetSet(id="b1", at_ms=0, path="a", weight=1, owner="root", actor="root"),
+        NodeRegistered(id="n1", at_ms=0, node="n1", gpus=8, gpu_type="h100", actor="root"),
+    ]
+    state = fold(setup)
+    for i, name in enumerate((".", "..")):
+        fold(
+            [
+                WorkloadSubmitted(
+                    id=f"w{i}",
+                    at_ms=1,
+                    workload=name,
+                    owner="a",
+                    gpus=1,
+                    min_runtime_ms=0,
+                    submitted_by="root",
+                ),
+                NodeRegistered(
+                    id=f"n{i + 2}", at_ms=1, node=name, gpus=8, gpu_type="h100", actor="root"
+                ),
+            ],
+            state,
+        )
+    reasons = [reason for _, reason in state.rejections]
+    assert len(reasons) == 4 and all("not allowed" in r for r in reasons)
+    assert not state.pending and set(state.nodes) == {"n1"} and not state.workloads

@@ -15,6 +15,11 @@ the reader (subscribing reads, it cannot write). The wake-up can come before
 the stream has stored the message, so a wake-up that finds nothing asks again
 after 1, 2, 4, ... ms (up to :data:`RETRY_S` in all); a poll every
 :data:`POLL_S` covers a wake-up that was missed.
+
+A stream with no leader for a moment (a cluster electing one after its
+leader died) answers ``503`` (no responders), or not at all: the reader waits
+and asks again, within the caller's timeout, instead of failing; any other
+status is an error.
 """
 
 from __future__ import annotations
@@ -35,11 +40,19 @@ POLL_S = 0.25
 RETRY_S = 0.1
 """How long a reader woken by a new message keeps asking for it before waiting again."""
 REQUEST_TIMEOUT_S = 5.0
-"""How long one batch may take to arrive (then the reader raises)."""
+"""How long one batch may take to arrive (then the reader asks again)."""
+MAX_SILENT_REQUESTS = 6
+"""Requests in a row with no answer at all before the reader raises (about 30 s:
+longer than a cluster's leader election, short enough to surface a refused
+permission)."""
 
 
 class DirectGetError(Exception):
     """The server refused a direct get (no permission, no such stream, no ``allow_direct``)."""
+
+
+class DirectGetUnavailable(DirectGetError):
+    """The stream answered ``503``: it has no leader now (a cluster electing one)."""
 
 
 def stamp_ns(value: str) -> int:
@@ -99,7 +112,8 @@ async def get_batch(
     if status == "404":  # nothing stored from from_seq on
         return out, 0
     detail = headers.get("Description", "")
-    raise DirectGetError(f"direct get on {stream}: {status} {detail}".strip())
+    error = DirectGetUnavailable if status == "503" else DirectGetError
+    raise error(f"direct get on {stream}: {status} {detail}".strip())
 
 
 class DirectTail(Generic[T]):
@@ -125,6 +139,7 @@ class DirectTail(Generic[T]):
         self._woken = asyncio.Event()
         self._sub: Any = None
         self._lock = asyncio.Lock()
+        self._timeouts = 0  # requests in a row that got no answer at all
 
     @property
     def caught_up(self) -> bool:
@@ -151,9 +166,29 @@ class DirectTail(Generic[T]):
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             retry = 0.0  # > 0: woken, the message may not be stored yet
+            unavailable = 0.0  # > 0: the stream had no leader; wait before asking again
             while True:
                 if not self._buf:
-                    await self._fill(max_n)
+                    try:
+                        await self._fill(max_n)
+                        unavailable = 0.0
+                        self._timeouts = 0
+                    except (DirectGetUnavailable, TimeoutError) as exc:
+                        if isinstance(exc, TimeoutError):
+                            # no answer at all: a leader change, or a permission the
+                            # server refuses silently; the latter must surface
+                            self._timeouts += 1
+                            if self._timeouts > MAX_SILENT_REQUESTS:
+                                raise DirectGetError(
+                                    f"direct get on {self._stream}: no answer to "
+                                    f"{self._timeouts} requests in a row (permissions?)"
+                                ) from exc
+                        unavailable = min(max(2 * unavailable, 0.05), 1.0)
+                        left = deadline - loop.time()
+                        if left <= 0:
+                            return []
+                        await asyncio.sleep(min(unavailable, left))
+                        continue
                 if self._buf:
                     break
                 left = deadline - loop.time()

@@ -814,8 +814,11 @@ class _Cycle:
             size = key[1]
             names = self.pool_nodes[key]
             if g <= size:
-                ready = sorted((self._release_time(c, n, subtrees, memo, g), n) for n in names)
-                option = (ready[0][0], (ready[0][1],)) if ready else None
+                first = min(
+                    ((self._release_time(c, n, subtrees, memo, g), n) for n in names),
+                    default=None,
+                )
+                option = (first[0], (first[1],)) if first is not None else None
             elif g % size == 0 and len(names) >= g // size:
                 k = g // size
                 ready = sorted((self._release_time(c, n, subtrees, memo, None), n) for n in names)

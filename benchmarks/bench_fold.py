@@ -149,14 +149,8 @@ def mixed_history(n_events: int, seed: int = 7, backlog: int = 0) -> list[Event]
         spec[wid] = (gpus, resumable, min_runtime)
         pending[wid] = None
 
-    for i in range(backlog):
-        submit(f"xb{i}", f"b{i}", 0)
-    # with a backlog, the cluster starts full: the oldest pending placed first fit
-    for wid in list(pending) if backlog else ():
+    def place(eid: str, wid: str, node: int, at_ms: int) -> None:
         gpus, _, min_runtime = spec[wid]
-        node = next((n for n in range(NODES) if free[n] >= gpus), None)
-        if node is None:
-            break
         del pending[wid]
         free[node] -= gpus
         where[wid] = (node, gpus, len(running))
@@ -164,15 +158,25 @@ def mixed_history(n_events: int, seed: int = 7, backlog: int = 0) -> list[Event]
         attempts[wid] += 1
         events.append(
             WorkloadPlaced(
-                id=f"xp{wid}",
-                at_ms=0,
+                id=eid,
+                at_ms=at_ms,
                 workload=wid,
                 placement=(Slot(f"node{node:04d}", gpus),),
                 allocated=min_runtime > 0,
-                protected_until_ms=min_runtime,
-                attempt=1,
+                protected_until_ms=at_ms + min_runtime,
+                attempt=attempts[wid],
             )
         )
+
+    for i in range(backlog):
+        submit(f"xb{i}", f"b{i}", 0)
+    # with a backlog, the cluster starts full: the oldest pending placed first fit
+    for wid in list(pending) if backlog else ():
+        gpus = spec[wid][0]
+        node = next((n for n in range(NODES) if free[n] >= gpus), None)
+        if node is None:
+            break
+        place(f"xp{wid}", wid, node, 0)
 
     def stop(wid: str) -> None:
         node, gpus, pos = where.pop(wid)
@@ -203,22 +207,7 @@ def mixed_history(n_events: int, seed: int = 7, backlog: int = 0) -> list[Event]
                 break
             else:
                 continue
-            del pending[wid]
-            free[cursor] -= gpus
-            where[wid] = (cursor, gpus, len(running))
-            running.append(wid)
-            attempts[wid] += 1
-            events.append(
-                WorkloadPlaced(
-                    id=eid,
-                    at_ms=t,
-                    workload=wid,
-                    placement=(Slot(f"node{cursor:04d}", gpus),),
-                    allocated=min_runtime > 0,
-                    protected_until_ms=t + min_runtime,
-                    attempt=attempts[wid],
-                )
-            )
+            place(eid, wid, cursor, t)
         elif r < 0.84 and running:
             wid = running[rng.randrange(len(running))]
             stop(wid)

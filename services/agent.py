@@ -49,8 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from apportion.core.history import HistoryOrderError, fold_item
-from apportion.core.state import SCHEDULER, State, agent_of
+from apportion.core.state import SCHEDULER, agent_of
 from apportion.schemas.events import (
     HealthState,
     Input,
@@ -63,12 +62,12 @@ from apportion.schemas.events import (
     WorkloadStarted,
     WorkloadSubmitted,
 )
-from apportion.schemas.history import BatchItem, InputItem
+from apportion.schemas.history import InputItem
 
 from . import agent_runs, logs
 from .agent_runs import NOTICE, REPORTED, STARTED, Attempt
 from .bus import EventLog
-from .canonical import CanonicalReader
+from .canonical import Follower
 from .runner import is_transient
 
 PUBLISH_TIMEOUT_S = 10.0
@@ -181,8 +180,9 @@ class Agent:
         self.real_gpus = real_gpus
         self.clock = clock
         self.logger = logs.get("agent", cluster=cluster, node=node)
-        self.state = State()
-        self.reader = CanonicalReader(log)
+        self.follower = Follower(log)
+        self.state = self.follower.state
+        self.reader = self.follower.reader
         self.ready = asyncio.Event()
         """Set once caught up with the history and registered."""
         self.runs: dict[tuple[str, int], Attempt] = {}
@@ -246,7 +246,7 @@ class Agent:
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.stop_on_exit:
                 await self._stop_all()
-            await self.reader.close()
+            await self.follower.close()
             self.logger.info("stopped")
 
     async def _catch_up(self, stop: asyncio.Event) -> None:
@@ -256,18 +256,7 @@ class Agent:
             await self._poll(1.0)
 
     async def _poll(self, timeout: float) -> None:
-        items = await self.reader.read(timeout)
-        state = self.state
-        for item in items:
-            try:
-                rejected = fold_item(state, item)
-            except HistoryOrderError as exc:
-                if not isinstance(item, BatchItem):
-                    raise
-                self.logger.warning(
-                    "skipped a decision batch out of canonical order", seq=item.seq, why=str(exc)
-                )
-                continue
+        for item, rejected in await self.follower.poll_folded(timeout):
             if isinstance(item, InputItem):
                 if item.event is not None and rejected is None:
                     self._note_input(item.event)

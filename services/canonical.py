@@ -95,12 +95,17 @@ class Follower:
     async def poll(self, timeout: float) -> list[HistoryItem]:
         """Fold what arrived; return it (a batch out of canonical order is skipped,
         logged and not returned)."""
+        return [item for item, _ in await self.poll_folded(timeout)]
+
+    async def poll_folded(self, timeout: float) -> list[tuple[HistoryItem, str | None]]:
+        """:meth:`poll`, each item with what folding it gave: the reason an input
+        was refused, or ``None``."""
         items = await self.reader.read(timeout)
         state = self.state
-        folded: list[HistoryItem] = []
+        folded: list[tuple[HistoryItem, str | None]] = []
         for item in items:
             try:
-                fold_item(state, item)
+                why = fold_item(state, item)
             except HistoryOrderError as exc:
                 if not isinstance(item, BatchItem):
                     raise
@@ -109,7 +114,7 @@ class Follower:
                     "skipped a decision batch out of canonical order", seq=item.seq, why=str(exc)
                 )
                 continue
-            folded.append(item)
+            folded.append((item, why))
         return folded
 
     async def close(self) -> None:

@@ -314,17 +314,22 @@ JOB_FIELDS: dict[str, type | tuple[type, ...]] = {
 """The fields of ``submit --file job.toml`` (the CLI's options, by the same names)."""
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's tables, or a one-line error naming the file."""
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: TOML syntax: {exc}") from None
+
+
 def read_job_file(path: Path) -> dict[str, Any]:
     """A job file (TOML): the fields of :data:`JOB_FIELDS`, checked; a ``[job]``
     table or the top level."""
     import shlex
 
-    try:
-        doc = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: TOML syntax: {exc}") from None
+    doc = _read_toml(path)
     table = doc.get("job", doc)
     if not isinstance(table, dict):
         raise UserError(f"{path}: [job] must be a table")
@@ -843,13 +848,7 @@ def budget_apply(
 ) -> None:
     """Make the tree match FILE's [budget] part (a cluster file or just [budget] tables),
     as the principal of your token (who must own the parents of what changes)."""
-    try:
-        doc = tomllib.loads(file.read_text())
-    except OSError as exc:
-        raise UserError(f"cannot read {file}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{file}: TOML syntax: {exc}") from None
-    root_owner, nodes = budget_from_toml(doc)
+    root_owner, nodes = budget_from_toml(_read_toml(file))
     client = _client(url, timeout, token_file)
     _deprecated_as(client, actor)
     remove: list[str] = []

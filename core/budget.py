@@ -69,13 +69,16 @@ def path_error(path: str) -> str | None:
 class BudgetTree:
     """Nodes by path plus the derived caches the fold needs (rebuilt, never stored)."""
 
-    __slots__ = ("nodes", "_chains")
+    __slots__ = ("nodes", "_chains", "_owners")
 
     def __init__(self, nodes: dict[str, BudgetNode] | None = None) -> None:
         self.nodes: dict[str, BudgetNode] = (
             nodes if nodes is not None else {ROOT: BudgetNode(path=ROOT, weight=1, owner="")}
         )
         self._chains: dict[str, tuple[ChargeSeries, ...]] = {}
+        self._owners: dict[str, tuple[str, ...]] = {}
+        """The owners of ``path`` and of its ancestors (for :meth:`owns`); cleared by
+        every change of the tree (an owner changes only in :meth:`set_node`)."""
 
     # -- reading -------------------------------------------------------
     @property
@@ -109,9 +112,12 @@ class BudgetTree:
         """``actor`` owns ``path`` or a node above it (the root included)."""
         if not actor:
             return False
-        return any(
-            self.nodes[a].owner == actor for a in (*ancestors_of(path), path) if a in self.nodes
-        )
+        owners = self._owners.get(path)
+        if owners is None:
+            nodes = self.nodes
+            owners = tuple(nodes[a].owner for a in (*ancestors_of(path), path) if a in nodes)
+            self._owners[path] = owners
+        return actor in owners
 
     def share(self, path: str) -> Fraction:
         """``weight / sum(sibling weights)`` (1 for the root)."""
@@ -143,6 +149,7 @@ class BudgetTree:
 
     # -- changing (validated by the caller) -----------------------------
     def set_node(self, path: str, weight: int, owner: str) -> None:
+        self._owners.clear()
         node = self.nodes.get(path)
         if node is not None:
             node.weight = weight
@@ -156,3 +163,4 @@ class BudgetTree:
         del self.nodes[path]
         self.nodes[parent_of(path)].children.remove(path)
         self._chains.clear()
+        self._owners.clear()

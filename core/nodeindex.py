@@ -45,9 +45,18 @@ class NodeIndex:
             del self.buckets[pool], self.pool_nodes[pool], self.pool_free[pool]
 
     def move(self, name: str, pool: Pool, old_free: int, new_free: int) -> None:
-        """A healthy node's free GPUs changed."""
-        self._unbucket(name, pool, old_free)
-        insort(self.buckets[pool].setdefault(new_free, []), name)
+        """A healthy node's free GPUs changed (the fold's hot path: :meth:`_unbucket`
+        spelled inline)."""
+        buckets = self.buckets[pool]
+        names = buckets[old_free]
+        del names[bisect_left(names, name)]  # sorted by id
+        if not names:
+            del buckets[old_free]
+        into = buckets.get(new_free)
+        if into is None:
+            buckets[new_free] = [name]
+        else:
+            insort(into, name)
         self.pool_free[pool] += new_free - old_free
 
     def _unbucket(self, name: str, pool: Pool, free: int) -> None:

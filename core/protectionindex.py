@@ -34,10 +34,12 @@ class ProtectionIndex:
         self._seq = 0
 
     def add(self, workload: str, leaf: str, gpus: int, protected_until_ms: int) -> None:
-        self.remove(workload)
-        self._seq += 1
-        self._live[workload] = (leaf, gpus, protected_until_ms, self._seq)
-        heapq.heappush(self._heap, (protected_until_ms, self._seq, workload))
+        live = self._live
+        if workload in live:
+            self.remove(workload)
+        self._seq = seq = self._seq + 1
+        live[workload] = (leaf, gpus, protected_until_ms, seq)
+        heapq.heappush(self._heap, (protected_until_ms, seq, workload))
         self._sum(leaf, gpus, protected_until_ms, 1)
 
     def remove(self, workload: str) -> None:

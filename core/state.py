@@ -589,11 +589,13 @@ def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
         return f"workload id {e.workload!r} is not allowed (it names a folder on hosts)"
     if e.workload in state.workloads or e.workload in state.ended:
         return f"workload {e.workload!r} already exists; ids are never reused"
-    if e.owner not in state.budget.nodes or e.owner == ROOT:
+    budget = state.budget
+    owner = budget.nodes.get(e.owner)
+    if owner is None or e.owner == ROOT:
         return f"unknown owner {e.owner!r}: submit to a leaf of the budget tree"
-    if not state.budget.is_leaf(e.owner):
+    if owner.children:  # not budget.is_leaf(e.owner)
         return f"owner {e.owner!r} is not a leaf of the budget tree (it has children)"
-    if not state.budget.owns(e.submitted_by, e.owner):
+    if not budget.owns(e.submitted_by, e.owner):
         who = e.submitted_by or "(no submitter)"
         return (
             f"{who} may not submit to {e.owner!r}: only its owner or the owner of a node above it"
@@ -609,9 +611,11 @@ def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
     if e.grace_ms is not None and not 0 <= e.grace_ms <= grace_cap:
         return f"grace must be between 0 and {grace_cap // 1000} s (the policy's max_grace), got {e.grace_ms} ms"
     key = (e.gpu_type, e.gpus)
-    if key not in state.gang_errors:
-        state.gang_errors[key] = _gang_error(state, e.gpu_type, e.gpus)
-    return state.gang_errors[key]
+    gang_errors = state.gang_errors
+    if key in gang_errors:
+        return gang_errors[key]
+    gang_errors[key] = error = _gang_error(state, e.gpu_type, e.gpus)
+    return error
 
 
 def _gang_error(state: State, gpu_type: str, gpus: int) -> str | None:
@@ -763,18 +767,20 @@ def _end_run(state: State, w: Workload) -> None:
     now = state.now_ms
     nodes = state.nodes
     index = state.node_index
+    wid = w.id
     for slot in w.placement:
         node = nodes[slot.node]
+        free = node.free
+        node.free = free + slot.gpus
         if node.health == "healthy":
-            index.move(node.node, (node.gpu_type, node.gpus), node.free, node.free + slot.gpus)
-        node.free += slot.gpus
-        del node.workloads[w.id]
+            index.move(node.node, (node.gpu_type, node.gpus), free, node.free)
+        del node.workloads[wid]
     if is_allocated(w):
         change_rates(state.budget.chain(w.owner), now, -w.gpus)
+        state.protection_index.remove(wid)  # it indexes allocated runs only
     w.run_ms += now - w.started_ms
     w.placement = ()
-    del state.running[w.id]
-    state.protection_index.remove(w.id)
+    del state.running[wid]
     if w.stopping is not None:
         state.stop_deadlines.remove((w.stopping.until_ms, w.id))
         w.stopping = None
@@ -818,7 +824,8 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
     w = state.pending.get(e.workload)
     if w is None:
         raise CorruptHistory(f"placed {e.workload!r}, which is not pending")
-    if e.allocated != is_allocated(w):
+    allocated = is_allocated(w)
+    if e.allocated != allocated:
         raise CorruptHistory(
             f"placed {e.workload!r} with allocated={e.allocated} against its contract"
         )
@@ -829,6 +836,7 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
         raise CorruptHistory(f"placed {e.workload!r} on {placement}, which names a node twice")
     now = state.now_ms
     nodes = state.nodes
+    gpu_type = w.gpu_type
     total = 0
     for slot in placement:
         node = nodes.get(slot.node)
@@ -836,30 +844,33 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
             raise CorruptHistory(
                 f"placed {e.workload!r} on {slot.node!r}, which cannot take {slot.gpus} GPUs"
             )
-        if w.gpu_type != ANY_GPU_TYPE and node.gpu_type != w.gpu_type:
+        if gpu_type != ANY_GPU_TYPE and node.gpu_type != gpu_type:
             raise CorruptHistory(f"placed {e.workload!r} on {slot.node!r} of the wrong GPU type")
         total += slot.gpus
     if total != w.gpus:
         raise CorruptHistory(f"placed {e.workload!r} on {placement} for {w.gpus} GPUs")
     index = state.node_index
+    wid = w.id
     for slot in placement:
         node = nodes[slot.node]
-        index.move(node.node, (node.gpu_type, node.gpus), node.free, node.free - slot.gpus)
-        node.free -= slot.gpus
-        node.workloads[w.id] = slot.gpus
-    if is_allocated(w):
+        free = node.free
+        node.free = free - slot.gpus
+        index.move(node.node, (node.gpu_type, node.gpus), free, node.free)
+        node.workloads[wid] = slot.gpus
+    if allocated:
         change_rates(state.budget.chain(w.owner), now, w.gpus)
-    del state.pending[w.id]
+    del state.pending[wid]
     state.pending_index.remove(w)
-    state.running[w.id] = w
+    state.running[wid] = w
     w.status = "running"
-    w.placement = e.placement
+    w.placement = placement
     w.started_ms = now
-    w.protected_until_ms = protected_until(now, w.min_runtime_ms)
+    w.protected_until_ms = until = protected_until(now, w.min_runtime_ms)
     w.attempt += 1
     if w.first_placed_ms is None:
         w.first_placed_ms = now
-    _index_protection(state, w)
+    if allocated and until > now:  # _index_protection, spelled inline
+        state.protection_index.add(wid, w.owner, w.gpus, until)
 
 
 def _workload_preempted(state: State, e: WorkloadPreempted) -> None:

@@ -71,6 +71,7 @@ class ChargeSeries(msgspec.Struct, array_like=True):
 def change_rates(chain: tuple[ChargeSeries, ...], at_ms: int, delta_gpus: int) -> None:
     """:meth:`ChargeSeries.change_rate` for every series of ``chain`` (a leaf and its
     ancestors): the fold's hot path, so written as one loop."""
+    horizon = at_ms - MAX_LOOKBACK_MS
     for series in chain:
         times = series.times
         rates = series.rates
@@ -80,12 +81,13 @@ def change_rates(chain: tuple[ChargeSeries, ...], at_ms: int, delta_gpus: int) -
                 rates[-1] += delta_gpus
                 continue
             rate = rates[-1]
-            series.cums.append(series.cums[-1] + rate * (at_ms - last))
+            cums = series.cums
+            cums.append(cums[-1] + rate * (at_ms - last))
             rates.append(rate + delta_gpus)
         else:
             series.cums.append(0)
             rates.append(delta_gpus)
         times.append(at_ms)
         n = len(times)
-        if n > _PRUNE_MIN and times[n >> 1] < at_ms - MAX_LOOKBACK_MS:
-            series._prune(at_ms - MAX_LOOKBACK_MS)
+        if n > _PRUNE_MIN and times[n >> 1] < horizon:
+            series._prune(horizon)

@@ -208,6 +208,8 @@ class _Cycle:
         self._cheap_sizes: dict[tuple[str, int], list[int]] = {}
         self.victim_changes = 0  # bumps whenever the victim totals change
         self._expired: dict[tuple[str, tuple[str, int]], tuple[int, object, dict[str, int]]] = {}
+        self._outranked: dict[tuple[str, tuple[str, int]], tuple[tuple[int, int], int]] = {}
+        """(budget node, pool) -> (versions, GPUs): :meth:`_outranked_expired`."""
 
     # ------------------------------------------------------------------
     def run(self, report_reservation: bool = False) -> CycleResult:
@@ -588,7 +590,7 @@ class _Cycle:
         node ids."""
         self._index_victims()
         g = c.gpus
-        subtrees = self.victim_subtrees(c.owner)
+        subtrees: dict[str, None] | None = None  # computed once a pool passes the bound
         best: tuple[SetCost, list[Workload], list[tuple[str, int]]] | None = None
         for key in self._pools_for(c):
             size = key[1]
@@ -596,12 +598,10 @@ class _Cycle:
                 continue
             need = 1 if g <= size else g // size
             want = g if g <= size else size
-            expired = self.pool_expired.get(key, {})
-            total = (
-                self.pool_free.get(key, 0) + self.pool_unalloc.get(key, 0) + expired.get(c.owner, 0)
-            )
-            if total + sum(expired.get(p, 0) for p in subtrees) < g:
+            if self._pool_short(c.owner, key, g):
                 continue  # not enough free and preemptible GPUs in the whole pool
+            if subtrees is None:
+                subtrees = self.victim_subtrees(c.owner)
             roomy = self._roomy_nodes(key) if g <= size else None
             if roomy and roomy[0][0] <= -g:
                 name = self._cheapest_unallocated(c, key, g)
@@ -675,6 +675,41 @@ class _Cycle:
         if best is None or not best[1]:
             return None
         return best[1], best[2]
+
+    def _pool_short(self, leaf: str, key: tuple[str, int], g: int) -> bool:
+        """Whether pool ``key`` lacks ``g`` GPUs for work of ``leaf`` even counting every
+        GPU it could free there: free, unallocated, and expired allocated work of
+        ``leaf`` and of the subtrees it outranks (:meth:`victim_subtrees`).
+
+        Decided from the top of ``leaf``'s path down, stopping at the first level
+        where the total is already short: at ancestor ``a``, the siblings ``a``
+        outranks at this level and above, plus everything expired under ``a``
+        itself (which holds the rest of ``leaf``'s subtrees and ``leaf``), is an
+        upper bound of the total; at ``leaf`` it is the total. The failing heads of
+        most queues stop at a level shared by many leaves, whose sums are cached."""
+        expired = self.pool_expired.get(key, {})
+        have = self.pool_free.get(key, 0) + self.pool_unalloc.get(key, 0)
+        parent = ROOT
+        for a in self._path(leaf):
+            have += self._outranked_expired(parent, a, key, expired)
+            if have + expired.get(a, 0) < g:
+                return True
+            parent = a
+        return False
+
+    def _outranked_expired(
+        self, parent: str, a: str, key: tuple[str, int], expired: dict[str, int]
+    ) -> int:
+        """Expired allocated GPUs in pool ``key`` under the siblings of ``a`` that ``a``
+        clearly outranks (:meth:`_clearly_above`), cached until a child of ``parent`` is
+        charged or the victims change."""
+        version = (self.family_charges.get(parent, 0), self.victim_changes)
+        cached = self._outranked.get((a, key))
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        total = sum(expired.get(s, 0) for s in self._clearly_above(parent, a))
+        self._outranked[(a, key)] = (version, total)
+        return total
 
     def _victim_positions(
         self, c: Workload, key: tuple[str, int], subtrees: dict[str, None]
@@ -771,28 +806,46 @@ class _Cycle:
         node = self.state.nodes[name]
         t = self.t
         free = self.free[name]
-        times: list[tuple[int, int]] = [(t, free)] if free else []
+        # every time below is at or after ``t``; for the last GPU (``k`` is None) only
+        # the latest counts, and nothing comes after never
+        last = t
+        times: list[tuple[int, int]] = [(t, free)] if free and k is not None else []
         running = self.state.running
+        gone = self.gone
+        at: int
         for wid, gpus in node.workloads.items():
-            if wid in self.gone:
+            if wid in gone:
                 until = self.noticed.get(wid)
-                if until is not None:  # preempted with notice this cycle
-                    times.append((until, gpus))
-                continue
-            v = running[wid]
-            if v.stopping is not None:
-                times.append((v.stopping.until_ms, gpus))
-                continue
-            who = (v.owner, v.priority if is_allocated(v) else -1)
-            ok = memo.get(who)
-            if ok is None:
-                ok = memo[who] = self.may_preempt(c, v, subtrees)
-            times.append((preemptible_from(v, t) if ok else _NEVER, gpus))
+                if until is None:
+                    continue
+                at = until  # preempted with notice this cycle
+            else:
+                v = running[wid]
+                if v.stopping is not None:
+                    at = v.stopping.until_ms
+                else:
+                    who = (v.owner, v.priority if is_allocated(v) else -1)
+                    ok = memo.get(who)
+                    if ok is None:
+                        ok = memo[who] = self.may_preempt(c, v, subtrees)
+                    at = preemptible_from(v, t) if ok else _NEVER
+            if k is not None:
+                times.append((at, gpus))
+            elif at > last:
+                if at >= _NEVER:
+                    return _NEVER
+                last = at
         for v, gpus in self.added.get(name, ()):
             ok = self.may_preempt(c, v, subtrees)
-            times.append((protected_until(t, v.min_runtime_ms) if ok else _NEVER, gpus))
+            at = protected_until(t, v.min_runtime_ms) if ok else _NEVER
+            if k is not None:
+                times.append((at, gpus))
+            elif at > last:
+                if at >= _NEVER:
+                    return _NEVER
+                last = at
         if k is None:
-            return max(at for at, _ in times)
+            return last
         times.sort()
         have = 0
         for at, gpus in times:
@@ -869,8 +922,13 @@ class _Cycle:
                 found = self._find(w)  # again, now that reserved nodes are gated
         if found is None:
             shape = self._shape(w, allocated)
-            subtrees = self.victim_subtrees(w.owner) if allocated else None
-            self.failed[shape] = (self.freed, subtrees, w.priority, w.gpus)
+            if not allocated:
+                self.failed[shape] = (self.freed, None, w.priority, w.gpus)
+            elif w.owner in self._subtrees:
+                # (not when every pool was short before its subtrees were needed: the
+                # next workload of the leaf finds that out as cheaply as the memo)
+                subtrees = self.victim_subtrees(w.owner)
+                self.failed[shape] = (self.freed, subtrees, w.priority, w.gpus)
             if allocated and self.walk is not None:
                 self._doom(w, shape[3])
             return False

@@ -76,6 +76,7 @@ from .contract import (
     protected_until,
     unprotected,
 )
+from .nodeindex import Pool
 from .ordering import FairShareView, FairShareWalk
 from .pendingindex import FreeKey, Shape, free_key
 from .placement import FreeGPUs, Slots
@@ -167,8 +168,12 @@ class _Cycle:
         self.blocked = False  # an allocated workload could not be placed
         self.reserved: dict[str, int] = {}  # node -> reservation start
         self.freed = 0  # bumps on every preemption (the only way GPUs come free in a cycle)
-        self.failed: dict[tuple[str, str, bool, bool], tuple[int, object, int, int]] = {}
-        """shape -> (``freed``, victim subtrees, priority, GPUs) of the last failure to place."""
+        self.failed: dict[
+            tuple[str, str, bool, bool], tuple[int, object, int, int, frozenset[Pool]]
+        ] = {}
+        """shape -> (``freed``, what the failure depended on (:meth:`_try`), priority, GPUs,
+        the pools that could take them) of the last failure to place."""
+        self._taking: dict[tuple[str, int], frozenset[Pool]] = {}
         self._paths: dict[str, tuple[str, ...]] = {}
         self.charges = 0  # bumps on every projected charge (ratios changed)
         self._subtrees: dict[str, tuple[int, tuple[int, ...], dict[str, None]]] = {}
@@ -193,8 +198,9 @@ class _Cycle:
         self.draining_nodes = index.draining  # read only
         self.skip_doomed = skip_doomed
         self.walk: FairShareWalk | None = None
-        self.doomed: dict[tuple[str, str, bool], tuple[object, int]] = {}
-        """(leaf, GPU type, gate) -> (epoch token, fewest GPUs that failed in it)."""
+        self.doomed: dict[tuple[str, str, bool], tuple[object, int, frozenset[Pool], int]] = {}
+        """(leaf, GPU type, gate) -> (epoch token, fewest GPUs that failed in it, the pools
+        that could take them, fewest GPUs no node can be had for)."""
         self._epochs: dict[str, tuple[int, dict[str, None], object]] = {}
         self._holder_leaves: tuple[int, set[str]] | None = None
         self._coverage: dict[int, tuple[dict[str, None], dict[str, bool]]] = {}
@@ -899,9 +905,13 @@ class _Cycle:
         A failure is remembered per owner (allocated work only: unallocated work
         never preempts, so its owner does not matter), GPU type, contract kind
         and reservation gate: a later workload there with no higher priority and at
-        least as many GPUs fails too, as long as no preemption freed GPUs and
-        the owner's victim subtrees are the same (placements only take GPUs
-        away; a reservation only restricts), so it is skipped without a search."""
+        least as many GPUs, which no pool takes that could not take the failed
+        one's, fails too (:meth:`_pools_taking`), as long as no preemption freed
+        GPUs and the owner's victim subtrees are the same (placements only take
+        GPUs away; a reservation only restricts), so it is skipped without a
+        search. When every pool was short before the subtrees were needed
+        (:meth:`_pool_short`), the failure holds while no ratio and no victim
+        changed either."""
         waiting = self.waiting_for.get(w.id)
         if waiting is not None:
             return self._try_waiting(w, waiting)
@@ -912,7 +922,8 @@ class _Cycle:
             and failed[0] == self.freed
             and w.priority <= failed[2]
             and w.gpus >= failed[3]
-            and failed[1] is (self.victim_subtrees(w.owner) if allocated else None)
+            and self._still_fails(w, allocated, failed[1])
+            and failed[4].issuperset(self._pools_taking(w.gpu_type, w.gpus))
         ):
             return False
         found = self._find(w)
@@ -922,13 +933,14 @@ class _Cycle:
                 found = self._find(w)  # again, now that reserved nodes are gated
         if found is None:
             shape = self._shape(w, allocated)
-            if not allocated:
-                self.failed[shape] = (self.freed, None, w.priority, w.gpus)
-            elif w.owner in self._subtrees:
-                # (not when every pool was short before its subtrees were needed: the
-                # next workload of the leaf finds that out as cheaply as the memo)
-                subtrees = self.victim_subtrees(w.owner)
-                self.failed[shape] = (self.freed, subtrees, w.priority, w.gpus)
+            depends: object = None
+            if allocated:
+                if w.owner in self._subtrees:
+                    depends = self.victim_subtrees(w.owner)
+                else:  # every pool was short before its subtrees were needed
+                    depends = (self.charges, self.victim_changes)
+            taking = self._pools_taking(w.gpu_type, w.gpus)
+            self.failed[shape] = (self.freed, depends, w.priority, w.gpus, taking)
             if allocated and self.walk is not None:
                 self._doom(w, shape[3])
             return False
@@ -942,6 +954,28 @@ class _Cycle:
             return False
         self._place(w, slots)
         return True
+
+    def _still_fails(self, w: Workload, allocated: bool, depends: object) -> bool:
+        """Whether what a remembered failure of ``w``'s shape depended on is unchanged."""
+        if not allocated:
+            return depends is None
+        if type(depends) is tuple:
+            return depends == (self.charges, self.victim_changes)
+        return depends is self.victim_subtrees(w.owner)
+
+    def _pools_taking(self, gpu_type: str, gpus: int) -> frozenset[Pool]:
+        """The pools a request of ``gpus`` GPUs of ``gpu_type`` could be placed in at
+        all: one node's worth or less, or whole nodes. On those, more GPUs fail where
+        fewer failed; a pool that takes a larger request but not a smaller one (two
+        whole 4-GPU nodes for 8 GPUs, none for 6) is not ruled out by the smaller
+        one's failure."""
+        key = (gpu_type, gpus)
+        taking = self._taking.get(key)
+        if taking is None:
+            taking = self._taking[key] = frozenset(
+                p for p in self.gpus.pools_for(gpu_type) if gpus <= p[1] or gpus % p[1] == 0
+            )
+        return taking
 
     def _try_waiting(self, w: Workload, stopping: list[Workload]) -> bool:
         """``w`` has runs stopping with notice for it: it does not preempt again while
@@ -1001,13 +1035,16 @@ class _Cycle:
         token = self._epoch(w.owner)
         key = (w.owner, w.gpu_type, gate)
         prev = self.doomed.get(key)
-        gpus = w.gpus if prev is None or prev[0] is not token else min(prev[1], w.gpus)
+        least, cap = w.gpus, _NEVER
+        if prev is not None and prev[0] is token:
+            least, cap = min(prev[1], w.gpus), prev[3]
         most, smallest = self._most_obtainable(w)
         if most < smallest:
             # no node can be had whole: neither a gang nor a request for more than
-            # ``most`` GPUs on one node can be placed (free GPUs only get fewer)
-            gpus = min(gpus, most + 1)
-        self.doomed[key] = (token, gpus)
+            # ``most`` GPUs on one node can be placed, in any pool (free GPUs only
+            # get fewer)
+            cap = min(cap, most + 1)
+        self.doomed[key] = (token, least, self._pools_taking(w.gpu_type, least), cap)
         self.walk.skip_doomed(w.owner, self._is_doomed)
 
     def _most_obtainable(self, c: Workload) -> tuple[int, int]:
@@ -1047,6 +1084,8 @@ class _Cycle:
         doomed = self.doomed.get((leaf, gpu_type, gate))
         if doomed is None or gpus < doomed[1]:
             return None
+        if gpus < doomed[3] and not doomed[2].issuperset(self._pools_taking(gpu_type, gpus)):
+            return None  # a pool takes it that the smallest failure could not use
         token = self._epoch(leaf)
         return token if doomed[0] is token else None
 
@@ -1095,8 +1134,9 @@ class _Cycle:
         """Unallocated work by submit time, then id, while any GPU is free.
 
         It never preempts, so GPUs only get fewer: once ``g`` GPUs of a type did
-        not fit, no request of that type for ``g`` or more will (the same rule as
-        :meth:`_try`'s memo, checked here without a call per workload)."""
+        not fit, no request of that type for ``g`` or more will, unless a pool
+        takes it that could not take ``g`` (the same rule as :meth:`_try`'s memo,
+        checked here without a call per workload)."""
         if not any(self.pool_free.values()):
             return
         pending = self.state.pending
@@ -1104,18 +1144,23 @@ class _Cycle:
         requeued = {w.id: w for w in self.requeued if not is_allocated(w)}
         if requeued:
             keys = heapq.merge(keys, sorted(free_key(w) for w in requeued.values()))
-        smallest_failed: dict[str, int] = {}
+        smallest_failed: dict[str, tuple[int, frozenset[Pool]]] = {}
         for _, wid in keys:
             w = pending.get(wid) or requeued[wid]
             failed = smallest_failed.get(w.gpu_type)
-            if failed is not None and w.gpus >= failed:
+            if (
+                failed is not None
+                and w.gpus >= failed[0]
+                and failed[1].issuperset(self._pools_taking(w.gpu_type, w.gpus))
+            ):
                 continue
             if self._try(w):
                 if not any(self.pool_free.values()):
                     return
             else:
-                smallest_failed[w.gpu_type] = w.gpus
-                if smallest_failed.get(ANY_GPU_TYPE) == 1:
+                if failed is None or w.gpus < failed[0]:
+                    smallest_failed[w.gpu_type] = (w.gpus, self._pools_taking(w.gpu_type, w.gpus))
+                if w.gpu_type == ANY_GPU_TYPE and w.gpus == 1:
                     return  # not one GPU free anywhere that this cycle may use
 
     # -- next wake-up -----------------------------------------------------------

@@ -215,6 +215,10 @@ class _Cycle:
         self.victim_changes = 0  # bumps whenever the victim totals change
         self._expired: dict[tuple[str, tuple[str, int]], tuple[int, object, dict[str, int]]] = {}
         self._outranked: dict[tuple[str, tuple[str, int]], tuple[tuple[int, int], int]] = {}
+        self._not_pruned: dict[str, tuple[int, int, int]] = {}  # path -> when last checked
+        self.pruned: list[str] = []  # budget nodes the walk passed over whole (_prunable)
+        self._smallest: dict[str, dict[str, int]] = {}
+        self._waiting: set[str] | None = None
         """(budget node, pool) -> (versions, GPUs): :meth:`_outranked_expired`."""
 
     # ------------------------------------------------------------------
@@ -685,23 +689,32 @@ class _Cycle:
     def _pool_short(self, leaf: str, key: tuple[str, int], g: int) -> bool:
         """Whether pool ``key`` lacks ``g`` GPUs for work of ``leaf`` even counting every
         GPU it could free there: free, unallocated, and expired allocated work of
-        ``leaf`` and of the subtrees it outranks (:meth:`victim_subtrees`).
+        ``leaf`` and of the subtrees it outranks (:meth:`victim_subtrees`)."""
+        return self._room(leaf, key, g) < g
 
-        Decided from the top of ``leaf``'s path down, stopping at the first level
-        where the total is already short: at ancestor ``a``, the siblings ``a``
+    def _room(self, path: str, key: tuple[str, int], need: int = _NEVER) -> int:
+        """An upper bound of the GPUs any workload under budget node ``path`` could have
+        in pool ``key`` (free, unallocated, and expired allocated work of its leaf and
+        of the subtrees it outranks); for a leaf, exactly that total. Stops early once
+        it is below ``need``.
+
+        Decided from the top of the path down: at ancestor ``a``, the siblings ``a``
         outranks at this level and above, plus everything expired under ``a``
-        itself (which holds the rest of ``leaf``'s subtrees and ``leaf``), is an
-        upper bound of the total; at ``leaf`` it is the total. The failing heads of
-        most queues stop at a level shared by many leaves, whose sums are cached."""
+        itself (which holds the rest of a leaf's subtrees and the leaf), bound the
+        total of every leaf below ``a``; the least of these bounds is kept. Most
+        failing heads of a cycle stop at a level shared by many leaves, whose sums
+        are cached (:meth:`_outranked_expired`)."""
         expired = self.pool_expired.get(key, {})
         have = self.pool_free.get(key, 0) + self.pool_unalloc.get(key, 0)
+        room = _NEVER
         parent = ROOT
-        for a in self._path(leaf):
+        for a in self._path(path):
             have += self._outranked_expired(parent, a, key, expired)
-            if have + expired.get(a, 0) < g:
-                return True
+            room = min(room, have + expired.get(a, 0))
+            if room < need:
+                break
             parent = a
-        return False
+        return room
 
     def _outranked_expired(
         self, parent: str, a: str, key: tuple[str, int], expired: dict[str, int]
@@ -1089,6 +1102,64 @@ class _Cycle:
         token = self._epoch(leaf)
         return token if doomed[0] is token else None
 
+    # Whole subtrees of the budget tree at once: once a workload failed (so the
+    # reservation is settled on the first one), the walk passes over a budget node
+    # whose pending work all fails now: for each GPU type, its smallest request
+    # exceeds :meth:`_room` in every pool of the type (no fit either: free GPUs are
+    # part of the room). Nothing changes while they fail, so the walk would have
+    # visited them one after another with the same outcome.
+    def _prunable(self, path: str) -> bool:
+        """Whether none of the pending workloads under budget node ``path`` can be
+        placed now (:class:`~apportion.core.ordering.FairShareWalk` then passes over
+        them); rechecked only after a placement, a preemption or a victim change."""
+        if not self.blocked:
+            return False
+        epoch = (self.freed, self.victim_changes, self.charges)
+        if self._not_pruned.get(path) == epoch:
+            return False
+        self._not_pruned[path] = epoch
+        if path in self._waiting_paths():
+            return False  # a workload with runs stopping for it takes its own path
+        self._index_victims()
+        for gpu_type, gpus in self._smallest_requests(path).items():
+            for key in self.gpus.pools_for(gpu_type):
+                if self._room(path, key, gpus) >= gpus:
+                    return False
+        self.pruned.append(path)
+        return True
+
+    def _smallest_requests(self, path: str) -> dict[str, int]:
+        """Per GPU type, the fewest GPUs any pending allocated workload under ``path``
+        asks for (those already walked included: a bound), once per cycle."""
+        known = self._smallest.get(path)
+        if known is not None:
+            return known
+        walk = self.walk
+        assert walk is not None
+        out: dict[str, int] = {}
+        shapes = walk.shapes.get(path)
+        if shapes is not None:
+            for gpu_type, gpus, _ in shapes:
+                if gpus < out.get(gpu_type, _NEVER):
+                    out[gpu_type] = gpus
+        for child in self.state.budget.nodes[path].children:
+            for gpu_type, gpus in self._smallest_requests(child).items():
+                if gpus < out.get(gpu_type, _NEVER):
+                    out[gpu_type] = gpus
+        self._smallest[path] = out
+        return out
+
+    def _waiting_paths(self) -> set[str]:
+        """Budget nodes above (and the leaves of) workloads with runs stopping for them."""
+        if self._waiting is None:
+            pending = self.state.pending
+            self._waiting = set()
+            for wid in self.waiting_for:
+                w = pending.get(wid)
+                if w is not None:
+                    self._waiting.update((*ancestors_of(w.owner), w.owner))
+        return self._waiting
+
     def _find(self, w: Workload) -> tuple[list[Workload], Slots] | None:
         """Where ``w`` goes and whom it preempts for that: a fit, else (allocated work
         only) the cheapest victim set; ``None`` if neither."""
@@ -1102,6 +1173,8 @@ class _Cycle:
     def _schedule_allocated(self) -> None:
         walk = FairShareWalk(self.state, self.view, self.usage, self.requeued)
         self.walk = walk if self.skip_doomed else None
+        if self.skip_doomed:
+            walk.prune = self._prunable
         for w in walk:
             if self._try(w):
                 self._charge(walk, w)

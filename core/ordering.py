@@ -195,6 +195,9 @@ class FairShareWalk:
         self.merged: dict[str, _ShapeMerge] = {}
         """Leaves walked by shape (:meth:`skip_doomed`)."""
         self.doomed: Callable[[str, Shape], object] | None = None
+        self.prune: Callable[[str], bool] | None = None
+        """If set, asked before the walk enters a budget node: True passes over
+        everything under it, as if exhausted (the cycle's ``_prunable``)."""
         self.current: str | None = None  # the leaf being walked
         self.version: dict[str, int] = {}
         self.heaps: dict[str, list[tuple[SiblingKey, int]]] = {}
@@ -281,6 +284,10 @@ class FairShareWalk:
             child = key[2]
             if version != self.version[child]:
                 heapq.heappop(heap)
+                continue
+            if self.prune is not None and self.prune(child):
+                heapq.heappop(heap)
+                self.version[child] = -1  # passed over
                 continue
             w = self._best(child)
             if w is not None:

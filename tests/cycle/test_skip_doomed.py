@@ -1,9 +1,11 @@
-"""Passing over doomed shapes (``FairShareWalk.skip_doomed``) changes no decision.
+"""Passing over what cannot be placed changes no decision.
 
 A cycle may skip, without a search, the rest of a leaf's queue whose shape
-cannot be placed (core/cycle.py, ``_doom``). These tests run the same cycles
-with the skipping on and off, over random histories with deep leaf queues,
-and require identical decisions and wake-ups at every step.
+cannot be placed (core/cycle.py, ``_doom``; ``FairShareWalk.skip_doomed``), and
+a whole budget node whose pending work all lacks room (``_prunable``;
+``FairShareWalk.prune``). These tests run the same cycles with the skipping on
+and off, over random histories with deep leaf queues, and require identical
+decisions and wake-ups at every step.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def _setup(margin_ppm: int, reservations: bool, grace_ms: int) -> list[Event]:
 
 SKIPPED: list[int] = []
 """Leaves walked by shape in each cycle with skipping on (the tests check that some were)."""
+PRUNED: list[int] = []
+"""Budget nodes passed over whole in each cycle with skipping on (likewise)."""
 
 
 def _decide(state: State, skip: bool) -> tuple[tuple[object, ...], int | None]:
@@ -64,6 +68,7 @@ def _decide(state: State, skip: bool) -> tuple[tuple[object, ...], int | None]:
     result = cycle.run()
     if skip:
         SKIPPED.append(len(cycle.walk.merged) if cycle.walk is not None else 0)
+        PRUNED.append(len(cycle.pruned))
     return result.decisions, result.next_wakeup_ms
 
 
@@ -198,7 +203,50 @@ def test_a_deep_queue_that_cannot_be_placed_is_passed_over_by_shape() -> None:
 
 
 def test_the_property_test_walked_by_shape() -> None:
-    """The random histories above did exercise the skipping (not vacuous)."""
+    """The random histories above did exercise the skipping (not vacuous): leaves
+    walked by shape, and budget nodes passed over whole."""
     SKIPPED.clear()
+    PRUNED.clear()
     test_skipping_doomed_shapes_changes_no_decision()
     assert sum(SKIPPED) > 0
+    assert sum(PRUNED) > 0
+
+
+def test_a_workload_with_runs_stopping_for_it_is_never_passed_over() -> None:
+    """``w`` preempted unallocated work with notice on h002 and waits for it to
+    stop; h002 has 2 GPUs free meanwhile, h001 is protected. In the next cycle a
+    16-GPU workload fails first (so the walk may pass over whole budget nodes),
+    and ``w``'s team has no room for 8 GPUs now; the walk must still reach ``w``,
+    which holds h002, so that ``small`` of a later team does not take its free
+    GPUs (it would, were ``w``'s team passed over)."""
+    from apportion.core.cycle import step
+
+    from .builders import HOUR, MIN, Cluster, placed, preempted, submit
+
+    s = (
+        Cluster()
+        .team("a", 1)
+        .team("big", 2)
+        .team("c", 1)
+        .team("e", 1)
+        .nodes(2, prefix="h")
+        .policy(grace_ms=5 * MIN, reservations=False)
+        .state()
+    )
+    submit(s, "u", "c", 6, 0)  # unallocated: placed after allocated work, on h002
+    submit(s, "prot", "c", 8, 4 * HOUR)  # protected, on h001
+    step(s)
+    assert {w: s.running[w].placement[0].node for w in s.running} == {
+        "u": "h002",
+        "prot": "h001",
+    }
+    submit(s, "w", "a", 8, HOUR, at_ms=s.now_ms + MIN)
+    first = step(s)
+    assert preempted(first) == {"u": "unallocated"} and s.running["u"].stopping is not None
+    submit(s, "huge", "big", 16, HOUR, at_ms=s.now_ms + MIN)
+    submit(s, "small", "e", 2, HOUR)
+    cycle = _Cycle(s)
+    result = cycle.run()
+    assert placed(result) == {}  # h001's free GPUs stay held for w
+    assert cycle.held == {"h002": "w"}
+    assert result.decisions == _Cycle(s, skip_doomed=False).run().decisions

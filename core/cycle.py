@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import partial
 
 import msgspec
@@ -822,56 +822,54 @@ class _Cycle:
         preemptible for ``c``: a GPU comes at the protection expiry of work ``c``
         outranks, at the end of a notice, never (as far as the contract tells) under
         work it does not outrank."""
-        node = self.state.nodes[name]
         t = self.t
-        free = self.free[name]
-        # every time below is at or after ``t``; for the last GPU (``k`` is None) only
-        # the latest counts, and nothing comes after never
-        last = t
-        times: list[tuple[int, int]] = [(t, free)] if free and k is not None else []
-        running = self.state.running
-        gone = self.gone
-        at: int
-        for wid, gpus in node.workloads.items():
-            if wid in gone:
-                until = self.noticed.get(wid)
-                if until is None:
-                    continue
-                at = until  # preempted with notice this cycle
-            else:
-                v = running[wid]
-                if v.stopping is not None:
-                    at = v.stopping.until_ms
-                else:
-                    who = (v.owner, v.priority if is_allocated(v) else -1)
-                    ok = memo.get(who)
-                    if ok is None:
-                        ok = memo[who] = self.may_preempt(c, v, subtrees)
-                    at = preemptible_from(v, t) if ok else _NEVER
-            if k is not None:
-                times.append((at, gpus))
-            elif at > last:
+        times = self._gpu_release_times(c, name, subtrees, memo)
+        if k is None:  # only the latest counts, and nothing comes after never
+            last = t
+            for at, _ in times:
                 if at >= _NEVER:
                     return _NEVER
-                last = at
-        for v, gpus in self.added.get(name, ()):
-            ok = self.may_preempt(c, v, subtrees)
-            at = protected_until(t, v.min_runtime_ms) if ok else _NEVER
-            if k is not None:
-                times.append((at, gpus))
-            elif at > last:
-                if at >= _NEVER:
-                    return _NEVER
-                last = at
-        if k is None:
+                last = max(last, at)
             return last
-        times.sort()
         have = 0
-        for at, gpus in times:
+        for at, gpus in sorted(times):
             have += gpus
             if have >= k:
                 return at
         raise AssertionError(f"{name} has fewer than {k} GPUs")  # pools hold nodes of >= k
+
+    def _gpu_release_times(
+        self,
+        c: Workload,
+        name: str,
+        subtrees: dict[str, None],
+        memo: dict[tuple[str, int], bool],
+    ) -> Iterator[tuple[int, int]]:
+        """``(when, GPUs)`` for the GPUs of node ``name`` (:meth:`_release_time`), each
+        at or after the cycle's time."""
+        t = self.t
+        free = self.free[name]
+        if free:
+            yield (t, free)
+        running = self.state.running
+        for wid, gpus in self.state.nodes[name].workloads.items():
+            if wid in self.gone:
+                until = self.noticed.get(wid)
+                if until is not None:  # preempted with notice this cycle
+                    yield (until, gpus)
+                continue
+            v = running[wid]
+            if v.stopping is not None:
+                yield (v.stopping.until_ms, gpus)
+                continue
+            who = (v.owner, v.priority if is_allocated(v) else -1)
+            ok = memo.get(who)
+            if ok is None:
+                ok = memo[who] = self.may_preempt(c, v, subtrees)
+            yield (preemptible_from(v, t) if ok else _NEVER, gpus)
+        for v, gpus in self.added.get(name, ()):
+            ok = self.may_preempt(c, v, subtrees)
+            yield (protected_until(t, v.min_runtime_ms) if ok else _NEVER, gpus)
 
     def reserve(self, c: Workload) -> None:
         """Hold for ``c`` the nodes that become free or preemptible for it earliest: for a

@@ -10,11 +10,15 @@ decisions and wake-ups at every step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from apportion.core import State, apply, fold
 from apportion.core.cycle import _DOOM_FROM, _Cycle
 from apportion.schemas.events import (
     BudgetSet,
     ClockTicked,
+    Decision,
     Event,
     NodeHealthChanged,
     NodeRegistered,
@@ -63,7 +67,11 @@ PRUNED: list[int] = []
 """Budget nodes passed over whole in each cycle with skipping on (likewise)."""
 
 
-def _decide(state: State, skip: bool) -> tuple[tuple[object, ...], int | None]:
+Decided = tuple[tuple[Decision, ...], int | None]
+"""A cycle's decisions and wake-up."""
+
+
+def _decide(state: State, skip: bool) -> Decided:
     cycle = _Cycle(state, skip_doomed=skip)
     result = cycle.run()
     if skip:
@@ -81,33 +89,47 @@ submission = st.tuples(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    margin=st.sampled_from([0, 50_000, 500_000]),
-    reservations=st.booleans(),
-    grace=st.sampled_from([0, 0, 5 * MIN]),
-    first=st.lists(submission, min_size=10, max_size=30),
-    deep=st.lists(submission, min_size=2 * _DOOM_FROM, max_size=3 * _DOOM_FROM),
-    steps=st.lists(
-        st.tuples(st.sampled_from(["finish", "tick", "submit", "drain"]), st.integers(0, 10**6)),
-        min_size=3,
-        max_size=12,
-    ),
+Item = tuple[str, int, str, int, int]
+"""A submission: leaf, GPUs, GPU type, minimum runtime, priority."""
+
+histories = st.fixed_dictionaries(
+    {
+        "margin": st.sampled_from([0, 50_000, 500_000]),
+        "reservations": st.booleans(),
+        "grace": st.sampled_from([0, 0, 5 * MIN]),
+        "first": st.lists(submission, min_size=10, max_size=30),
+        "deep": st.lists(submission, min_size=2 * _DOOM_FROM, max_size=3 * _DOOM_FROM),
+        "steps": st.lists(
+            st.tuples(
+                st.sampled_from(["finish", "tick", "submit", "drain"]), st.integers(0, 10**6)
+            ),
+            min_size=3,
+            max_size=12,
+        ),
+    }
 )
-def test_skipping_doomed_shapes_changes_no_decision(
+"""Random histories: :func:`run_history`'s arguments but ``decide``."""
+
+
+def run_history(
+    decide: Callable[[State], Decided],
     margin: int,
     reservations: bool,
     grace: int,
-    first: list[tuple[str, int, str, int, int]],
-    deep: list[tuple[str, int, str, int, int]],
+    first: list[Item],
+    deep: list[Item],
     steps: list[tuple[str, int]],
 ) -> None:
+    """Fill the cluster with ``first``, queue ``deep`` (mostly in one leaf), then take
+    ``steps`` (finishes, submissions, drains, ticks), with a cycle after each part:
+    ``decide(state)`` returns ``(decisions, wake-up)`` (comparing what it likes) and
+    its decisions are folded."""
     state = fold(_setup(margin, reservations, grace))
     assert not state.rejections and len(state.nodes) == 6
     n = 0
     t = 0
 
-    def submit(item: tuple[str, int, str, int, int], at: int) -> None:
+    def submit(item: Item, at: int) -> None:
         nonlocal n
         leaf, gpus, gpu_type, min_runtime, priority = item
         n += 1
@@ -127,11 +149,8 @@ def test_skipping_doomed_shapes_changes_no_decision(
         )
 
     def cycle() -> None:
-        on = _decide(state, True)
-        off = _decide(state, False)
-        assert on == off
-        for d in on[0]:
-            apply(state, d)  # type: ignore[arg-type]
+        for d in decide(state)[0]:
+            apply(state, d)
 
     for item in first:  # fill the cluster
         submit(item, t)
@@ -157,6 +176,18 @@ def test_skipping_doomed_shapes_changes_no_decision(
         else:
             apply(state, ClockTicked(id=f"t{i}", at_ms=t))
         cycle()
+
+
+def _on_equals_off(state: State) -> Decided:
+    on = _decide(state, True)
+    assert on == _decide(state, False)
+    return on
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(h=histories)
+def test_skipping_doomed_shapes_changes_no_decision(h: dict[str, Any]) -> None:
+    run_history(_on_equals_off, **h)
 
 
 def test_a_deep_queue_that_cannot_be_placed_is_passed_over_by_shape() -> None:

@@ -217,7 +217,7 @@ class _Cycle:
         self._outranked: dict[tuple[str, tuple[str, int]], tuple[tuple[int, int], int]] = {}
         self._not_pruned: dict[str, tuple[int, int, int]] = {}  # path -> when last checked
         self.pruned: list[str] = []  # budget nodes the walk passed over whole (_prunable)
-        self._smallest: dict[str, dict[str, int]] = {}
+        self._smallest: dict[str, dict[str, int]] | None = None  # _smallest_requests
         self._waiting: set[str] | None = None
         """(budget node, pool) -> (versions, GPUs): :meth:`_outranked_expired`."""
 
@@ -1119,8 +1119,11 @@ class _Cycle:
         if path in self._waiting_paths():
             return False  # a workload with runs stopping for it takes its own path
         self._index_victims()
+        pool_free, pool_unalloc = self.pool_free, self.pool_unalloc
         for gpu_type, gpus in self._smallest_requests(path).items():
             for key in self.gpus.pools_for(gpu_type):
+                if pool_free.get(key, 0) + pool_unalloc.get(key, 0) >= gpus:
+                    return False  # (the room starts there: no need to go down the path)
                 if self._room(path, key, gpus) >= gpus:
                     return False
         self.pruned.append(path)
@@ -1128,24 +1131,20 @@ class _Cycle:
 
     def _smallest_requests(self, path: str) -> dict[str, int]:
         """Per GPU type, the fewest GPUs any pending allocated workload under ``path``
-        asks for (those already walked included: a bound), once per cycle."""
-        known = self._smallest.get(path)
-        if known is not None:
-            return known
-        walk = self.walk
-        assert walk is not None
-        out: dict[str, int] = {}
-        shapes = walk.shapes.get(path)
-        if shapes is not None:
-            for gpu_type, gpus, _ in shapes:
-                if gpus < out.get(gpu_type, _NEVER):
-                    out[gpu_type] = gpus
-        for child in self.state.budget.nodes[path].children:
-            for gpu_type, gpus in self._smallest_requests(child).items():
-                if gpus < out.get(gpu_type, _NEVER):
-                    out[gpu_type] = gpus
-        self._smallest[path] = out
-        return out
+        asks for (those already walked included: a bound); for every budget node
+        with pending work at once, on the first call of the cycle."""
+        if self._smallest is None:
+            walk = self.walk
+            assert walk is not None
+            smallest: dict[str, dict[str, int]] = {}
+            for leaf in walk.queues:
+                for gpu_type, gpus, _ in walk.shapes.get(leaf, ()):
+                    for p in (*ancestors_of(leaf)[1:], leaf):
+                        mins = smallest.setdefault(p, {})
+                        if gpus < mins.get(gpu_type, _NEVER):
+                            mins[gpu_type] = gpus
+            self._smallest = smallest
+        return self._smallest.get(path, {})
 
     def _waiting_paths(self) -> set[str]:
         """Budget nodes above (and the leaves of) workloads with runs stopping for them."""

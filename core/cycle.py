@@ -174,6 +174,7 @@ class _Cycle:
         """shape -> (``freed``, what the failure depended on (:meth:`_try`), priority, GPUs,
         the pools that could take them) of the last failure to place."""
         self._taking: dict[tuple[str, int], frozenset[Pool]] = {}
+        self._every_pool: dict[str, frozenset[Pool]] = {}  # GPU type -> its pools
         self._paths: dict[str, tuple[str, ...]] = {}
         self.charges = 0  # bumps on every projected charge (ratios changed)
         self._subtrees: dict[str, tuple[int, tuple[int, ...], dict[str, None]]] = {}
@@ -934,7 +935,7 @@ class _Cycle:
             and w.priority <= failed[2]
             and w.gpus >= failed[3]
             and self._still_fails(w, allocated, failed[1])
-            and failed[4].issuperset(self._pools_taking(w.gpu_type, w.gpus))
+            and self._rules_out(failed[4], w.gpu_type, w.gpus)
         ):
             return False
         found = self._find(w)
@@ -983,10 +984,22 @@ class _Cycle:
         key = (gpu_type, gpus)
         taking = self._taking.get(key)
         if taking is None:
-            taking = self._taking[key] = frozenset(
-                p for p in self.gpus.pools_for(gpu_type) if gpus <= p[1] or gpus % p[1] == 0
-            )
+            every = self._every_pool.get(gpu_type)
+            if every is None:
+                every = self._every_pool[gpu_type] = frozenset(self.gpus.pools_for(gpu_type))
+            taking = frozenset(p for p in every if gpus <= p[1] or gpus % p[1] == 0)
+            if taking == every:
+                taking = every  # the same object: :meth:`_rules_out` checks it first
+            self._taking[key] = taking
         return taking
+
+    def _rules_out(self, failed_in: frozenset[Pool], gpu_type: str, gpus: int) -> bool:
+        """Whether a failure whose request the pools ``failed_in`` took rules out a
+        larger request of ``gpus`` GPUs of ``gpu_type`` (every pool taking it took
+        the failed one)."""
+        return failed_in is self._every_pool.get(gpu_type) or failed_in.issuperset(
+            self._pools_taking(gpu_type, gpus)
+        )
 
     def _try_waiting(self, w: Workload, stopping: list[Workload]) -> bool:
         """``w`` has runs stopping with notice for it: it does not preempt again while
@@ -1095,7 +1108,7 @@ class _Cycle:
         doomed = self.doomed.get((leaf, gpu_type, gate))
         if doomed is None or gpus < doomed[1]:
             return None
-        if gpus < doomed[3] and not doomed[2].issuperset(self._pools_taking(gpu_type, gpus)):
+        if gpus < doomed[3] and not self._rules_out(doomed[2], gpu_type, gpus):
             return None  # a pool takes it that the smallest failure could not use
         token = self._epoch(leaf)
         return token if doomed[0] is token else None
@@ -1214,24 +1227,38 @@ class _Cycle:
         requeued = {w.id: w for w in self.requeued if not is_allocated(w)}
         if requeued:
             keys = heapq.merge(keys, sorted(free_key(w) for w in requeued.values()))
-        smallest_failed: dict[str, tuple[int, frozenset[Pool]]] = {}
+        # fewest GPUs of a type that failed where every pool of the type took them (the
+        # usual case, checked first: once per workload of a long queue), and where
+        # only some did (nodes of several sizes; see :meth:`_pools_taking`)
+        failed_everywhere: dict[str, int] = {}
+        failed_partly: dict[str, tuple[int, frozenset[Pool]]] = {}
         for _, wid in keys:
             w = pending.get(wid) or requeued[wid]
-            failed = smallest_failed.get(w.gpu_type)
-            if (
-                failed is not None
-                and w.gpus >= failed[0]
-                and failed[1].issuperset(self._pools_taking(w.gpu_type, w.gpus))
-            ):
+            failed = failed_everywhere.get(w.gpu_type)
+            if failed is not None and w.gpus >= failed:
                 continue
+            if failed_partly:
+                partly = failed_partly.get(w.gpu_type)
+                if (
+                    partly is not None
+                    and w.gpus >= partly[0]
+                    and self._rules_out(partly[1], w.gpu_type, w.gpus)
+                ):
+                    continue
             if self._try(w):
                 if not any(self.pool_free.values()):
                     return
-            else:
-                if failed is None or w.gpus < failed[0]:
-                    smallest_failed[w.gpu_type] = (w.gpus, self._pools_taking(w.gpu_type, w.gpus))
+                continue
+            taking = self._pools_taking(w.gpu_type, w.gpus)
+            if taking is self._every_pool[w.gpu_type]:
+                if failed is None or w.gpus < failed:
+                    failed_everywhere[w.gpu_type] = w.gpus
                 if w.gpu_type == ANY_GPU_TYPE and w.gpus == 1:
                     return  # not one GPU free anywhere that this cycle may use
+            else:
+                partly = failed_partly.get(w.gpu_type)
+                if partly is None or w.gpus < partly[0]:
+                    failed_partly[w.gpu_type] = (w.gpus, taking)
 
     # -- next wake-up -----------------------------------------------------------
     def _next_wakeup(self) -> int | None:

@@ -166,6 +166,7 @@ class _Cycle:
         self.reservation: Reservation | None = None
         self.to_reserve: Workload | None = None  # blocked, reservation not computed yet
         self.blocked = False  # an allocated workload could not be placed
+        self.failing = False  # the last allocated workload tried could not be placed
         self.reserved: dict[str, int] = {}  # node -> reservation start
         self.freed = 0  # bumps on every preemption (the only way GPUs come free in a cycle)
         self.failed: dict[
@@ -1113,8 +1114,8 @@ class _Cycle:
         token = self._epoch(leaf)
         return token if doomed[0] is token else None
 
-    # Whole subtrees of the budget tree at once: once a workload failed (so the
-    # reservation is settled on the first one), the walk passes over a budget node
+    # Whole subtrees of the budget tree at once: while workloads fail (so after the
+    # first failure, which the reservation is for), the walk passes over a budget node
     # whose pending work all fails now: for each GPU type, its smallest request
     # exceeds :meth:`_room` in every pool of the type (no fit either: free GPUs are
     # part of the room). Nothing changes while they fail, so the walk would have
@@ -1123,8 +1124,8 @@ class _Cycle:
         """Whether none of the pending workloads under budget node ``path`` can be
         placed now (:class:`~apportion.core.ordering.FairShareWalk` then passes over
         them); rechecked only after a placement, a preemption or a victim change."""
-        if not self.blocked:
-            return False
+        if not self.failing:
+            return False  # (also before the first failure) work is being placed: try it
         epoch = (self.freed, self.victim_changes, self.charges)
         if self._not_pruned.get(path) == epoch:
             return False
@@ -1188,7 +1189,10 @@ class _Cycle:
         for w in walk:
             if self._try(w):
                 self._charge(walk, w)
-            elif not self.blocked:
+                self.failing = False
+                continue
+            self.failing = True
+            if not self.blocked:
                 self.blocked = True
                 if self.state.policy.reservations:
                     self.to_reserve = w

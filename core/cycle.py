@@ -217,11 +217,11 @@ class _Cycle:
         self.victim_changes = 0  # bumps whenever the victim totals change
         self._expired: dict[tuple[str, tuple[str, int]], tuple[int, object, dict[str, int]]] = {}
         self._outranked: dict[tuple[str, tuple[str, int]], tuple[tuple[int, int], int]] = {}
+        """(budget node, pool) -> (versions, GPUs): :meth:`_outranked_expired`."""
         self._not_pruned: dict[str, tuple[int, int, int]] = {}  # path -> when last checked
         self.pruned: list[str] = []  # budget nodes the walk passed over whole (_prunable)
         self._smallest: dict[str, dict[str, int]] | None = None  # _smallest_requests
-        self._waiting: set[str] | None = None
-        """(budget node, pool) -> (versions, GPUs): :meth:`_outranked_expired`."""
+        self._waiting: set[str] | None = None  # _waiting_paths
 
     # ------------------------------------------------------------------
     def run(self, report_reservation: bool = False) -> CycleResult:

@@ -198,6 +198,9 @@ class CycleMachine(RuleBasedStateMachine):
         wid = data.draw(st.sampled_from(self.ids))
         w = self.state.workloads.get(wid)
         attempt = (w.attempt - 1 if stale else w.attempt) if w else None
+        self._report_end(wid, attempt, failed, "root")
+
+    def _report_end(self, wid: str, attempt: int | None, failed: bool, actor: str) -> None:
         self._input(
             WorkloadFinished(
                 id=self._id(),
@@ -205,7 +208,7 @@ class CycleMachine(RuleBasedStateMachine):
                 workload=wid,
                 outcome="failed" if failed else "succeeded",
                 attempt=attempt,
-                actor="root",
+                actor=actor,
             )
         )
 
@@ -216,16 +219,7 @@ class CycleMachine(RuleBasedStateMachine):
         wid = data.draw(st.sampled_from([w for _, w in self.state.stop_deadlines]))
         w = self.state.running[wid]
         attempt = w.attempt
-        self._input(
-            WorkloadFinished(
-                id=self._id(),
-                at_ms=self.now,
-                workload=wid,
-                outcome="failed" if failed else "succeeded",
-                attempt=attempt,
-                actor=f"agent:{w.placement[0].node}" if agent else "root",
-            )
-        )
+        self._report_end(wid, attempt, failed, f"agent:{w.placement[0].node}" if agent else "root")
         # the run ended (a requeued one may be placed again at once, as a new attempt)
         again = self.state.running.get(wid)
         assert again is None or (again.attempt > attempt and again.stopping is None)

@@ -29,6 +29,8 @@ from apportion.schemas.events import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from . import builders
+
 MIN = 60_000
 HOUR = 60 * MIN
 LEAVES = ("a/x", "a/y", "b/z", "c")
@@ -133,19 +135,16 @@ def run_history(
         nonlocal n
         leaf, gpus, gpu_type, min_runtime, priority = item
         n += 1
-        apply(
+        builders.submit(
             state,
-            WorkloadSubmitted(
-                id=f"s{n}",
-                at_ms=at,
-                workload=f"w{n}",
-                owner=leaf,
-                gpus=gpus,
-                gpu_type=gpu_type,
-                min_runtime_ms=min_runtime,
-                priority=priority,
-                submitted_by="root",
-            ),
+            f"w{n}",
+            leaf,
+            gpus,
+            min_runtime,
+            at_ms=at,
+            gpu_type=gpu_type,
+            priority=priority,
+            submitted_by="root",
         )
 
     def cycle() -> None:

@@ -1,7 +1,7 @@
 """Pending workloads in the orders a scheduling cycle walks them, kept by the fold.
 
-Derived from :attr:`State.pending` (rebuilt on restore, never snapshotted), so
-that a cycle does not sort the whole queue again each time:
+Derived from :attr:`State.pending` (never snapshotted), so that a cycle does not
+sort the whole queue again each time:
 
 - ``by_leaf[leaf]``: allocated work of one leaf by ``(-priority, submit time, id)``;
 - ``by_shape[leaf][shape]``: the same keys split by shape ``(gpu_type, gpus,
@@ -10,15 +10,25 @@ that a cycle does not sort the whole queue again each time:
   (:class:`~apportion.core.ordering.FairShareWalk`);
 - ``free``: unallocated work by ``(submit time, id)``.
 
-Both are sorted lists of tuples (a total order ending in the workload id).
+All are sorted lists of tuples (a total order ending in the workload id), so
+they are the same however they were built.
+
+The index is built from the pending workloads the first time any of the three
+is read, and kept current by the fold from then on. A fold that no cycle reads
+(a replay, an audit, a projector or standby following the log, a restore) never
+pays for it; a scheduler, whose every cycle reads it, keeps it from its first
+cycle on, and that first cycle pays for the build (a sort: under a microsecond
+per pending workload, about 80 ms at 100,000). Keeping it costs about a third
+of a deep-queue fold's time (``benchmarks/bench_scale.py``, rows "fold deep
+queue (fold)" and "(fold, index kept)"), mostly the cache misses of bisecting
+long lists of tuples.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Mapping
 from typing import Protocol
-
-from .contract import is_allocated
 
 
 class _Pending(Protocol):
@@ -51,35 +61,115 @@ def free_key(w: _Pending) -> FreeKey:
 
 
 class PendingIndex:
-    __slots__ = ("by_leaf", "by_shape", "free")
+    """The index of ``pending`` (the state's pending workloads by id, read once to
+    build the index); the fold calls :meth:`add` and :meth:`remove` as
+    workloads enter and leave it, which change nothing until the index is built.
 
-    def __init__(self) -> None:
-        self.by_leaf: dict[str, list[LeafKey]] = {}
-        self.by_shape: dict[str, dict[Shape, list[LeafKey]]] = {}
-        self.free: list[FreeKey] = []
+    :meth:`add` and :meth:`remove` are the fold's hot path: :func:`leaf_key`,
+    :func:`shape_of`, :func:`free_key` and
+    :func:`~apportion.core.contract.is_allocated` are spelled inline."""
+
+    __slots__ = ("_by_leaf", "_by_shape", "_free", "_pending", "kept")
+
+    def __init__(self, pending: Mapping[str, _Pending]) -> None:
+        self._pending = pending
+        self.kept = False
+        """Built (at the first read) and kept current by :meth:`add` and :meth:`remove`."""
+        self._by_leaf: dict[str, list[LeafKey]] = {}
+        self._by_shape: dict[str, dict[Shape, list[LeafKey]]] = {}
+        self._free: list[FreeKey] = []
+
+    @property
+    def by_leaf(self) -> dict[str, list[LeafKey]]:
+        if not self.kept:
+            self._build()
+        return self._by_leaf
+
+    @property
+    def by_shape(self) -> dict[str, dict[Shape, list[LeafKey]]]:
+        if not self.kept:
+            self._build()
+        return self._by_shape
+
+    @property
+    def free(self) -> list[FreeKey]:
+        if not self.kept:
+            self._build()
+        return self._free
+
+    def _build(self) -> None:
+        """Every pending workload into its lists, then each list sorted (the same
+        lists as :meth:`add` one by one, faster: :meth:`add` spelled inline)."""
+        by_leaf: dict[str, list[LeafKey]] = {}
+        by_shape: dict[str, dict[Shape, list[LeafKey]]] = {}
+        free: list[FreeKey] = []
+        for w in self._pending.values():
+            if w.min_runtime_ms > 0:  # allocated
+                key = (-w.priority, w.submitted_ms, w.id)
+                shape = (w.gpu_type, w.gpus, w.min_runtime_ms)
+                owner = w.owner
+                keys = by_leaf.get(owner)
+                if keys is None:
+                    by_leaf[owner] = [key]
+                    by_shape[owner] = {shape: [key]}
+                    continue
+                keys.append(key)
+                shapes = by_shape[owner]
+                same = shapes.get(shape)
+                if same is None:
+                    shapes[shape] = [key]
+                else:
+                    same.append(key)
+            else:
+                free.append((w.submitted_ms, w.id))
+        for keys in by_leaf.values():
+            keys.sort()
+        for shapes in by_shape.values():
+            for keys in shapes.values():
+                keys.sort()
+        free.sort()
+        self._by_leaf, self._by_shape, self._free = by_leaf, by_shape, free
+        self.kept = True
 
     def add(self, w: _Pending) -> None:
-        if is_allocated(w):
-            key = leaf_key(w)
-            insort(self.by_leaf.setdefault(w.owner, []), key)
-            insort(self.by_shape.setdefault(w.owner, {}).setdefault(shape_of(w), []), key)
+        if not self.kept:
+            return
+        if w.min_runtime_ms > 0:  # allocated
+            key = (-w.priority, w.submitted_ms, w.id)
+            owner = w.owner
+            keys = self._by_leaf.get(owner)
+            if keys is None:
+                self._by_leaf[owner] = [key]
+                self._by_shape[owner] = {(w.gpu_type, w.gpus, w.min_runtime_ms): [key]}
+                return
+            insort(keys, key)
+            shapes = self._by_shape[owner]
+            shape = (w.gpu_type, w.gpus, w.min_runtime_ms)
+            same = shapes.get(shape)
+            if same is None:
+                shapes[shape] = [key]
+            else:
+                insort(same, key)
         else:
-            insort(self.free, free_key(w))
+            insort(self._free, (w.submitted_ms, w.id))
 
     def remove(self, w: _Pending) -> None:
-        if is_allocated(w):
-            key = leaf_key(w)
-            keys = self.by_leaf[w.owner]
+        if not self.kept:
+            return
+        if w.min_runtime_ms > 0:  # allocated
+            key = (-w.priority, w.submitted_ms, w.id)
+            owner = w.owner
+            keys = self._by_leaf[owner]
             del keys[bisect_left(keys, key)]
-            if not keys:
-                del self.by_leaf[w.owner]
-            shapes = self.by_shape[w.owner]
-            shape = shape_of(w)
-            keys = shapes[shape]
-            del keys[bisect_left(keys, key)]
-            if not keys:
+            if not keys:  # the leaf's last: its one shape list is empty too
+                del self._by_leaf[owner], self._by_shape[owner]
+                return
+            shapes = self._by_shape[owner]
+            shape = (w.gpu_type, w.gpus, w.min_runtime_ms)
+            same = shapes[shape]
+            del same[bisect_left(same, key)]
+            if not same:
                 del shapes[shape]
-                if not shapes:
-                    del self.by_shape[w.owner]
         else:
-            del self.free[bisect_left(self.free, free_key(w))]
+            free = self._free
+            del free[bisect_left(free, (w.submitted_ms, w.id))]

@@ -34,18 +34,35 @@ class ProtectionIndex:
         self._seq = 0
 
     def add(self, workload: str, leaf: str, gpus: int, protected_until_ms: int) -> None:
+        """Index a protected run (the fold's hot path: :meth:`_sum` spelled inline)."""
         live = self._live
         if workload in live:
             self.remove(workload)
         self._seq = seq = self._seq + 1
         live[workload] = (leaf, gpus, protected_until_ms, seq)
         heapq.heappush(self._heap, (protected_until_ms, seq, workload))
-        self._sum(leaf, gpus, protected_until_ms, 1)
+        sums, weighted = self._gpus, self._weighted
+        total = sums.get(leaf, 0) + gpus
+        if total:
+            sums[leaf] = total
+            weighted[leaf] = weighted.get(leaf, 0) + gpus * protected_until_ms
+        else:
+            sums.pop(leaf, None)
+            weighted.pop(leaf, None)
 
     def remove(self, workload: str) -> None:
+        """Drop a run, if indexed (the fold's hot path: :meth:`_sum` spelled inline)."""
         entry = self._live.pop(workload, None)
         if entry is not None:
-            self._sum(entry[0], entry[1], entry[2], -1)
+            leaf, gpus, until, _ = entry
+            sums, weighted = self._gpus, self._weighted
+            total = sums.get(leaf, 0) - gpus
+            if total:
+                sums[leaf] = total
+                weighted[leaf] = weighted.get(leaf, 0) - gpus * until
+            else:  # the last one of the leaf: both sums are back to 0
+                sums.pop(leaf, None)
+                weighted.pop(leaf, None)
 
     def _sum(self, leaf: str, gpus: int, until: int, sign: int) -> None:
         total = self._gpus.get(leaf, 0) + sign * gpus

@@ -112,8 +112,15 @@ class Stopping(msgspec.Struct, frozen=True, kw_only=True):
     for_workload: str | None = None
 
 
-class Workload(msgspec.Struct, kw_only=True):
-    """A live (pending or running) workload. Ended ones keep only their status."""
+class Workload(msgspec.Struct, kw_only=True, gc=False):
+    """A live (pending or running) workload. Ended ones keep only their status.
+
+    ``gc=False``: the cyclic garbage collector does not track workloads. A workload
+    holds only strings, numbers, a tuple of slots and a frozen :class:`Stopping`,
+    none of which can refer back to it, so it can never be part of a cycle; a deep
+    queue keeps tens of thousands of them, and tracked, every placed one would
+    lengthen the collector's passes (a field that can hold a mutable container
+    would need ``gc=True`` again)."""
 
     id: str
     owner: str
@@ -205,6 +212,8 @@ class State:
         self.workloads: dict[str, Workload] = {}
         """Live workloads (pending or running) by id."""
         self.pending: dict[str, Workload] = {}
+        """Pending workloads by id; the pending index reads this very dict (change it
+        in place, never replace it)."""
         self.running: dict[str, Workload] = {}
         self.ended: dict[str, str] = {}
         """Status of every ended or rejected workload id."""
@@ -213,8 +222,9 @@ class State:
         # derived, rebuilt on restore:
         self.pools: dict[tuple[str, int], int] = {}
         """``(gpu_type, gpus_per_node) -> number of nodes``."""
-        self.pending_index = PendingIndex()
-        """Pending work in walk order (:mod:`apportion.core.pendingindex`)."""
+        self.pending_index = PendingIndex(self.pending)
+        """Pending work in walk order (:mod:`apportion.core.pendingindex`; built when
+        first read)."""
         self.node_index = NodeIndex()
         """Nodes by pool, health and free GPUs (:mod:`apportion.core.nodeindex`)."""
         self.gang_errors: dict[tuple[str, int], str | None] = {}
@@ -271,9 +281,8 @@ class State:
         state.budget = BudgetTree({n.path: n for n in snap.budget})
         state.nodes = {n.node: n for n in snap.nodes}
         state.workloads = {w.id: w for w in snap.workloads}
-        state.pending = {i: state.workloads[i] for i in snap.pending}
-        for w in state.pending.values():
-            state.pending_index.add(w)
+        # into the dict the pending index reads (and builds itself from when first read)
+        state.pending.update((i, state.workloads[i]) for i in snap.pending)
         state.running = {i: state.workloads[i] for i in snap.running}
         state.ended = dict(snap.ended)
         state.rejections = [(ref, reason) for ref, reason in snap.rejections]
@@ -775,7 +784,7 @@ def _end_run(state: State, w: Workload) -> None:
         if node.health == "healthy":
             index.move(node.node, (node.gpu_type, node.gpus), free, node.free)
         del node.workloads[wid]
-    if is_allocated(w):
+    if w.min_runtime_ms > 0:  # is_allocated(w), spelled inline (the fold's hot path)
         change_rates(state.budget.chain(w.owner), now, -w.gpus)
         state.protection_index.remove(wid)  # it indexes allocated runs only
     w.run_ms += now - w.started_ms
@@ -824,7 +833,7 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
     w = state.pending.get(e.workload)
     if w is None:
         raise CorruptHistory(f"placed {e.workload!r}, which is not pending")
-    allocated = is_allocated(w)
+    allocated = w.min_runtime_ms > 0  # is_allocated(w), spelled inline (the fold's hot path)
     if e.allocated != allocated:
         raise CorruptHistory(
             f"placed {e.workload!r} with allocated={e.allocated} against its contract"

@@ -33,10 +33,18 @@ class EventDecodeError(ValueError):
 _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
 
-_DECODERS: dict[tuple[Format, Any], Any] = {}
-for _type in (Input, Decision, AnyEvent, DecisionBatch):
-    _DECODERS[("json", _type)] = msgspec.json.Decoder(_type)
-    _DECODERS[("msgpack", _type)] = msgspec.msgpack.Decoder(_type)
+
+def _decoders(type_: Any) -> dict[Format, Any]:
+    """A decoder of ``type_`` for each format: one dict per type, keyed by format
+    alone (a key holding the type would be hashed per event, and a union of
+    event types hashes slower than a small event decodes)."""
+    return {"json": msgspec.json.Decoder(type_), "msgpack": msgspec.msgpack.Decoder(type_)}
+
+
+_INPUT_DECODERS = _decoders(Input)
+_DECISION_DECODERS = _decoders(Decision)
+_EVENT_DECODERS = _decoders(AnyEvent)
+_BATCH_DECODERS = _decoders(DecisionBatch)
 
 
 def encode(obj: Event | DecisionBatch | msgspec.Struct, fmt: Format = "json") -> bytes:
@@ -46,18 +54,20 @@ def encode(obj: Event | DecisionBatch | msgspec.Struct, fmt: Format = "json") ->
     return _msgpack_encoder.encode(obj)
 
 
-def _check_version(v: int, what: str) -> None:
-    if v not in SUPPORTED_VERSIONS:
-        raise EventDecodeError(
-            f"{what} has schema version v={v}; this apportion reads "
-            f"v in {sorted(SUPPORTED_VERSIONS)} (upgrade apportion or publish v={SCHEMA_VERSION})"
-        )
+def _unsupported_version(v: int, what: str) -> EventDecodeError:
+    """The error for a ``v`` not in :data:`SUPPORTED_VERSIONS` (callers check
+    ``v`` first, so that ``what`` is only formatted for an error)."""
+    return EventDecodeError(
+        f"{what} has schema version v={v}; this apportion reads "
+        f"v in {sorted(SUPPORTED_VERSIONS)} (upgrade apportion or publish v={SCHEMA_VERSION})"
+    )
 
 
-def _decode(data: bytes | str, type_: Any, fmt: Format, what: str) -> Any:
-    """``type_`` decoded from ``data`` (callers cast to ``type_``; a union has no ``type[T]``)."""
+def _decode(data: bytes | str, decoders: dict[Format, Any], fmt: Format, what: str) -> Any:
+    """``data`` decoded by ``decoders[fmt]`` (callers cast to the decoded type; a
+    union has no ``type[T]``)."""
     try:
-        return _DECODERS[(fmt, type_)].decode(data)
+        return decoders[fmt].decode(data)
     except msgspec.ValidationError as exc:
         raise EventDecodeError(f"invalid {what}: {plain_bound(str(exc))}") from None
     except msgspec.DecodeError as exc:
@@ -86,27 +96,32 @@ def bounds_error(event: Input) -> str | None:
 
 def decode_input(data: bytes | str, fmt: Format = "json") -> Input:
     """Decode one input event; raise :class:`EventDecodeError` if it is not one."""
-    event = cast(Input, _decode(data, Input, fmt, "input event"))
-    _check_version(event.v, f"input {event.id!r}")
+    event = cast(Input, _decode(data, _INPUT_DECODERS, fmt, "input event"))
+    if event.v not in SUPPORTED_VERSIONS:
+        raise _unsupported_version(event.v, f"input {event.id!r}")
     return event
 
 
 def decode_decision(data: bytes | str, fmt: Format = "json") -> Decision:
-    event = cast(Decision, _decode(data, Decision, fmt, "decision event"))
-    _check_version(event.v, f"decision {event.id!r}")
+    event = cast(Decision, _decode(data, _DECISION_DECODERS, fmt, "decision event"))
+    if event.v not in SUPPORTED_VERSIONS:
+        raise _unsupported_version(event.v, f"decision {event.id!r}")
     return event
 
 
 def decode_event(data: bytes | str, fmt: Format = "json") -> AnyEvent:
     """Decode any event, input or decision."""
-    event = cast(AnyEvent, _decode(data, AnyEvent, fmt, "event"))
-    _check_version(event.v, f"event {event.id!r}")
+    event = cast(AnyEvent, _decode(data, _EVENT_DECODERS, fmt, "event"))
+    if event.v not in SUPPORTED_VERSIONS:
+        raise _unsupported_version(event.v, f"event {event.id!r}")
     return event
 
 
 def decode_batch(data: bytes | str, fmt: Format = "json") -> DecisionBatch:
-    batch = cast(DecisionBatch, _decode(data, DecisionBatch, fmt, "decision batch"))
-    _check_version(batch.v, f"decision batch based on input {batch.basis}")
+    batch = cast(DecisionBatch, _decode(data, _BATCH_DECODERS, fmt, "decision batch"))
+    if batch.v not in SUPPORTED_VERSIONS:
+        raise _unsupported_version(batch.v, f"decision batch based on input {batch.basis}")
     for decision in batch.decisions:
-        _check_version(decision.v, f"decision {decision.id!r}")
+        if decision.v not in SUPPORTED_VERSIONS:
+            raise _unsupported_version(decision.v, f"decision {decision.id!r}")
     return batch

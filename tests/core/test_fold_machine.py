@@ -547,6 +547,33 @@ class FoldMachine(RuleBasedStateMachine):
         assert fold(self.events).digest() == digest
         assert State.from_bytes(self.state.to_bytes()).digest() == digest
 
+    @invariant()
+    def pending_index_is_its_definition(self) -> None:
+        # kept by the fold since its first read (order_is_the_literal_definition reads it
+        # at every step), against its definition and against the indexes of a refold and
+        # of a restore (each built from the pending workloads at its first read, below)
+        index = self.state.pending_index
+        by_leaf: dict[str, list[tuple[int, int, str]]] = {}
+        by_shape: dict[str, dict[tuple[str, int, int], list[tuple[int, int, str]]]] = {}
+        free: list[tuple[int, str]] = []
+        for w in self.state.pending.values():
+            if w.min_runtime_ms > 0:
+                key = (-w.priority, w.submitted_ms, w.id)
+                by_leaf.setdefault(w.owner, []).append(key)
+                shape = (w.gpu_type, w.gpus, w.min_runtime_ms)
+                by_shape.setdefault(w.owner, {}).setdefault(shape, []).append(key)
+            else:
+                free.append((w.submitted_ms, w.id))
+        for keys in [*by_leaf.values(), *(k for s in by_shape.values() for k in s.values())]:
+            keys.sort()
+        free.sort()
+        refolded = fold(self.events).pending_index
+        restored = State.from_bytes(self.state.to_bytes()).pending_index
+        for other in (index, refolded, restored):
+            assert other.by_leaf == by_leaf
+            assert other.free == free
+            assert other.by_shape == by_shape
+
 
 FoldMachine.TestCase.settings = settings(
     max_examples=60,

@@ -222,6 +222,7 @@ class _Cycle:
         self.pruned: list[str] = []  # budget nodes the walk passed over whole (_prunable)
         self._smallest: dict[str, dict[str, int]] | None = None  # _smallest_requests
         self._waiting: set[str] | None = None  # _waiting_paths
+        self._floors: dict[tuple[str, int], list[tuple[int, str]]] = {}  # _release_floors
 
     # ------------------------------------------------------------------
     def run(self, report_reservation: bool = False) -> CycleResult:
@@ -873,6 +874,62 @@ class _Cycle:
             ok = self.may_preempt(c, v, subtrees)
             yield (protected_until(t, v.min_runtime_ms) if ok else _NEVER, gpus)
 
+    def _release_floors(self, key: tuple[str, int]) -> list[tuple[int, str]]:
+        """``(floor, node)`` for the nodes of pool ``key``, sorted: the floor is the
+        latest end of a protection or notice among the runs on the node (the cycle's
+        time if later), so no GPU of the node comes free or preemptible for anyone
+        before it. Computed on first use, after the node-down and drain steps; runs
+        placed later in the cycle only come later, and runs preempted later were
+        past their protection, so it stays a lower bound of :meth:`_release_time`
+        with ``k=None`` for the rest of the cycle."""
+        floors = self._floors.get(key)
+        if floors is None:
+            t = self.t
+            nodes, running, gone = self.state.nodes, self.state.running, self.gone
+            floors = []
+            for n in self.pool_nodes[key]:
+                floor = t
+                for wid in nodes[n].workloads:
+                    if wid in gone:  # as _gpu_release_times: freed, or stopping with notice
+                        end = self.noticed.get(wid, t)
+                    else:
+                        v = running[wid]
+                        stop = v.stopping
+                        end = v.protected_until_ms if stop is None else stop.until_ms
+                    if end > floor:
+                        floor = end
+                floors.append((floor, n))
+            floors.sort()
+            self._floors[key] = floors
+        return floors
+
+    def _earliest_whole(
+        self,
+        c: Workload,
+        key: tuple[str, int],
+        k: int,
+        subtrees: dict[str, None],
+        memo: dict[tuple[str, int], bool],
+    ) -> list[tuple[int, str]]:
+        """``(time the node comes whole for c, node)`` sorted, for at least the ``k``
+        earliest nodes of pool ``key`` and every node as early as the ``k``-th: all a
+        gang's reservation reads. Nodes are visited by their floor
+        (:meth:`_release_floors`) and the visit stops at a floor later than the
+        ``k``-th earliest time found, since no node after it can come sooner."""
+        kth: list[int] = []  # the k earliest times so far, negated (a max-heap)
+        ready: list[tuple[int, str]] = []
+        for floor, n in self._release_floors(key):
+            if len(kth) == k and floor > -kth[0]:
+                break
+            at = self._release_time(c, n, subtrees, memo, None)
+            ready.append((at, n))
+            if len(kth) < k:
+                heapq.heappush(kth, -at)
+            elif at < -kth[0]:
+                heapq.heapreplace(kth, -at)
+        ready.sort()
+        return ready
+
     def reserve(self, c: Workload) -> None:
         """Hold for ``c`` the nodes that become free or preemptible for it earliest: for a
         gang of ``k`` nodes, the start is when the ``k``-th node comes whole, and of the
@@ -893,7 +950,7 @@ class _Cycle:
                 option = (first[0], (first[1],)) if first is not None else None
             elif g % size == 0 and len(names) >= g // size:
                 k = g // size
-                ready = sorted((self._release_time(c, n, subtrees, memo, None), n) for n in names)
+                ready = self._earliest_whole(c, key, k, subtrees, memo)
                 start = ready[k - 1][0]
                 # Of the nodes whole by ``start``, hold those that come whole last: the
                 # start is the same, and the nodes that come whole sooner stay usable

@@ -103,7 +103,8 @@ histories = st.fixed_dictionaries(
         "deep": st.lists(submission, min_size=2 * _DOOM_FROM, max_size=3 * _DOOM_FROM),
         "steps": st.lists(
             st.tuples(
-                st.sampled_from(["finish", "tick", "submit", "drain"]), st.integers(0, 10**6)
+                st.sampled_from(["finish", "tick", "submit", "drain", "down"]),
+                st.integers(0, 10**6),
             ),
             min_size=3,
             max_size=12,
@@ -123,7 +124,8 @@ def run_history(
     steps: list[tuple[str, int]],
 ) -> None:
     """Fill the cluster with ``first``, queue ``deep`` (mostly in one leaf), then take
-    ``steps`` (finishes, submissions, drains, ticks), with a cycle after each part:
+    ``steps`` (finishes, submissions, drains, nodes going down, ticks), with a cycle
+    after each part:
     ``decide(state)`` returns ``(decisions, wake-up)`` (comparing what it likes) and
     its decisions are folded."""
     state = fold(_setup(margin, reservations, grace))
@@ -166,11 +168,12 @@ def run_history(
             apply(state, WorkloadFinished(id=f"f{i}", at_ms=t, workload=wid, actor="root"))
         elif what == "submit":
             submit(("b/z", 1 + pick % 8, "any", HOUR, pick % 3), t)
-        elif what == "drain":
+        elif what in ("drain", "down"):
             node = f"h{pick % 4}"
+            health = "draining" if what == "drain" else "down"
             apply(
                 state,
-                NodeHealthChanged(id=f"d{i}", at_ms=t, node=node, state="draining", actor="root"),
+                NodeHealthChanged(id=f"d{i}", at_ms=t, node=node, state=health, actor="root"),
             )
         else:
             apply(state, ClockTicked(id=f"t{i}", at_ms=t))

@@ -188,8 +188,8 @@ class _Cycle:
         self.node_unalloc: dict[str, int] = {}
         self.path_nodes: dict[str, dict[str, int]] = {}  # budget path -> node -> expired GPUs
         self._roomy: dict[tuple[str, int], list[tuple[int, str]]] = {}
-        """Per pool: ``(-(free + unallocated GPUs), node)`` sorted, kept up to date
-        by :meth:`_room_changed` once built (:meth:`_roomy_nodes`)."""
+        """Per pool: ``(-(free + unallocated GPUs), node)`` sorted, of the nodes with
+        any, kept up to date by :meth:`_room_changed` once built (:meth:`_roomy_nodes`)."""
         self.pool_free = self.gpus.pool_free  # read only
         self.pool_unalloc: dict[tuple[str, int], int] = {}
         self.pool_expired: dict[tuple[str, int], dict[str, int]] = {}
@@ -327,9 +327,14 @@ class _Cycle:
         key = (node.gpu_type, node.gpus)
         ranked = self._roomy.get(key)
         if ranked is not None and delta:
-            i = bisect_left(ranked, (-room, name))
-            if i < len(ranked) and ranked[i] == (-room, name):  # a node of the pool
-                del ranked[i]
+            if room:  # listed, if a node of the pool
+                i = bisect_left(ranked, (-room, name))
+                listed = i < len(ranked) and ranked[i] == (-room, name)
+                if listed:
+                    del ranked[i]
+            else:  # not listed (nothing to offer)
+                listed = name in self._pool_sets_for(key)
+            if listed and room + delta:
                 insort(ranked, (-(room + delta), name))
         for g in self._cheap_sizes.get(key, ()):
             ranked_costs, costs = self._cheap[(key, g)]
@@ -529,11 +534,16 @@ class _Cycle:
         return known
 
     def _roomy_nodes(self, key: tuple[str, int]) -> list[tuple[int, str]]:
-        """``(-(free + unallocated GPUs), node)`` of the pool, most first, then by id."""
+        """``(-(free + unallocated GPUs), node)`` of the pool's nodes that have any, most
+        first, then by id (a node with neither offers no request anything: in a full
+        cluster that is most of them, so they are left out)."""
         ranked = self._roomy.get(key)
         if ranked is None:
             free, unalloc = self.free, self.node_unalloc
-            ranked = sorted((-(free[n] + unalloc.get(n, 0)), n) for n in self.pool_nodes[key])
+            pool = self._pool_sets_for(key)
+            names = [n for f, on in self.gpus.buckets[key].items() if f for n in on]
+            names += [n for n, gpus in unalloc.items() if gpus and not free[n] and n in pool]
+            ranked = sorted((-(free[n] + unalloc.get(n, 0)), n) for n in names)
             self._roomy[key] = ranked
         return ranked
 

@@ -383,7 +383,9 @@ class _Cycle:
         entry = self._cheap.get((key, g))
         if entry is None:
             costs: dict[str, SetCost] = {}
-            for n in self.pool_nodes[key]:
+            for room, n in self._roomy_nodes(key):  # the nodes with g free + unallocated
+                if -room < g:
+                    break
                 cost = self._unallocated_cost(n, g)
                 if cost is not None:
                     costs[n] = cost

@@ -4,7 +4,9 @@
 of a pool that have any (core/cycle.py), built once per cycle and kept up to
 date as the cycle places and preempts. These tests check every list handed out
 during real cycles over random histories against the list computed afresh
-from the cycle's free and unallocated GPUs.
+from the cycle's free and unallocated GPUs, and every node chosen for
+unallocated victims alone (whose candidates come from that list) against the
+cheapest over every node of the pool.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 from apportion.core import State
-from apportion.core.cycle import _Cycle
+from apportion.core.cycle import Workload, _Cycle
 from hypothesis import HealthCheck, given, settings
 
 from .test_skip_doomed import Decided, histories, run_history
 
 SIZES: list[int] = []
 """Length of each checked list (the tests require empty and non-empty ones)."""
+CHEAPEST: list[bool] = []
+"""Whether each checked search for unallocated victims alone found a node."""
 
 
 class _CheckedCycle(_Cycle):
@@ -29,6 +33,17 @@ class _CheckedCycle(_Cycle):
         assert ranked == [entry for entry in everything if entry[0]], key
         SIZES.append(len(ranked))
         return ranked
+
+    def _cheapest_unallocated(self, c: Workload, key: tuple[str, int], g: int) -> str | None:
+        name = super()._cheapest_unallocated(c, key, g)
+        options = []
+        for n in self.pool_nodes[key]:
+            cost = self._unallocated_cost(n, g)
+            if cost is not None and self._may_use(c, n):
+                options.append((cost, n))
+        assert name == (min(options)[1] if options else None), (c.id, key, g)
+        CHEAPEST.append(name is not None)
+        return name
 
 
 def _checked(state: State) -> Decided:
@@ -47,3 +62,4 @@ def test_the_roomy_nodes_are_their_definition(h: dict[str, Any]) -> None:
 def test_the_property_test_saw_empty_and_listed_pools() -> None:
     """Runs after the property test (file order): both cases were checked."""
     assert 0 in SIZES and any(SIZES)
+    assert True in CHEAPEST and False in CHEAPEST

@@ -15,6 +15,7 @@ from functools import lru_cache
 
 import msgspec
 
+from .ratio import sibling_scales
 from .usage import ChargeSeries
 
 ROOT = ""
@@ -69,7 +70,7 @@ def path_error(path: str) -> str | None:
 class BudgetTree:
     """Nodes by path plus the derived caches the fold needs (rebuilt, never stored)."""
 
-    __slots__ = ("nodes", "_chains", "_owners")
+    __slots__ = ("nodes", "_chains", "_owners", "_weights")
 
     def __init__(self, nodes: dict[str, BudgetNode] | None = None) -> None:
         self.nodes: dict[str, BudgetNode] = (
@@ -77,6 +78,8 @@ class BudgetTree:
         )
         self._chains: dict[str, tuple[ChargeSeries, ...]] = {}
         self._owners: dict[str, tuple[str, ...]] = {}
+        self._weights: tuple[dict[str, int], dict[str, int]] | None = None
+        """:meth:`weights_and_scales`, cleared by every change of the tree."""
         """The owners of ``path`` and of its ancestors (for :meth:`owns`); cleared by
         every change of the tree (an owner changes only in :meth:`set_node`)."""
 
@@ -99,6 +102,19 @@ class BudgetTree:
             chain = tuple(self.nodes[p].series for p in [*ancestors_of(path), path])
             self._chains[path] = chain
         return chain
+
+    def weights_and_scales(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Every node's weight, and its scale among its siblings
+        (:func:`~apportion.core.ratio.sibling_scales`; the root's is 1). Computed once
+        per version of the tree (every cycle asks): read only."""
+        if self._weights is None:
+            weight = {path: node.weight for path, node in self.nodes.items()}
+            scale = {ROOT: 1}
+            for node in self.nodes.values():
+                if node.children:
+                    scale.update(sibling_scales({c: weight[c] for c in node.children}))
+            self._weights = (weight, scale)
+        return self._weights
 
     def may_edit(self, actor: str, path: str) -> bool:
         """``actor`` owns a proper ancestor of ``path`` (for the root: owns the root,
@@ -150,6 +166,7 @@ class BudgetTree:
     # -- changing (validated by the caller) -----------------------------
     def set_node(self, path: str, weight: int, owner: str) -> None:
         self._owners.clear()
+        self._weights = None
         node = self.nodes.get(path)
         if node is not None:
             node.weight = weight
@@ -164,3 +181,4 @@ class BudgetTree:
         self.nodes[parent_of(path)].children.remove(path)
         self._chains.clear()
         self._owners.clear()
+        self._weights = None

@@ -39,7 +39,7 @@ from fractions import Fraction
 from .budget import ROOT, ancestors_of, parent_of
 from .contract import is_allocated
 from .pendingindex import LeafKey, Shape, leaf_key, shape_of
-from .ratio import ratio, sibling_scales
+from .ratio import ratio
 from .state import State, Workload
 
 SiblingKey = tuple[int, int, str]
@@ -103,12 +103,10 @@ class FairShareView:
             path: u + self.committed.get(path, 0) for path, u in self.charged.items()
         }
         """What ratios are computed from: charged + committed."""
-        self.weight: dict[str, int] = {path: node.weight for path, node in tree.nodes.items()}
-        self.scale: dict[str, int] = {ROOT: 1}
-        """``usage * scale`` orders siblings exactly by ratio (:func:`sibling_scales`)."""
-        for node in tree.nodes.values():
-            if node.children:
-                self.scale.update(sibling_scales({c: self.weight[c] for c in node.children}))
+        self.weight, self.scale = tree.weights_and_scales()
+        """Weights, and scales: ``usage * scale`` orders siblings exactly by ratio
+        (:func:`~apportion.core.ratio.sibling_scales`). The tree's own dicts, kept
+        until it changes: read only."""
         self._rank: dict[str, int] | None = None
         self.leaf_ranks: dict[str, tuple[int, ...]] = {}
         self._leaf_pos: dict[str, int] | None = None

@@ -88,6 +88,22 @@ def test_edit_changes_weight_owner_and_shares() -> None:
     s.rejects("'vic' does not own").budget("vision/det", 1, actor="vic")
 
 
+def test_weights_and_scales_follow_every_change_of_the_tree() -> None:
+    s = org()
+    tree = s.state.budget
+    weight, scale = tree.weights_and_scales()
+    assert (weight["llm"], weight["vision"], scale["llm"], scale["vision"]) == (3, 1, 1, 3)
+    assert tree.weights_and_scales() == (weight, scale)  # kept between changes
+    s.budget("vision", 5, "vic", actor="admin")  # an edit: llm 3, vision 5 -> scales 5, 3
+    weight, scale = tree.weights_and_scales()
+    assert (weight["vision"], scale["llm"], scale["vision"]) == (5, 5, 3)
+    s.budget("robotics", 2, "rob", actor="admin")  # a new node: lcm(3, 5, 2) = 30
+    weight, scale = tree.weights_and_scales()
+    assert (scale["llm"], scale["vision"], scale["robotics"]) == (10, 6, 15)
+    s.remove("robotics", actor="admin")
+    assert "robotics" not in tree.weights_and_scales()[0]
+
+
 def test_remove_leaf_then_parent() -> None:
     s = org()
     s.remove("llm/pretrain/alice", actor="pat").remove("llm/pretrain/bob", actor="lena")

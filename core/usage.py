@@ -56,8 +56,24 @@ class ChargeSeries(msgspec.Struct, array_like=True):
         return self.cums[i] + self.rates[i] * (x - times[i])
 
     def window(self, now_ms: int, lookback_ms: int) -> int:
-        """GPU-ms charged inside ``[now - lookback, now]``."""
-        return self.cumulative(now_ms) - self.cumulative(now_ms - lookback_ms)
+        """GPU-ms charged inside ``[now - lookback, now]``: ``C(now) - C(now -
+        lookback)``, with :meth:`cumulative` spelled inline (every cycle asks it of
+        every budget node)."""
+        times = self.times
+        if not times:
+            return 0
+        cums, rates = self.cums, self.rates
+        last = times[-1]
+        if now_ms >= last:
+            end = cums[-1] + rates[-1] * (now_ms - last)
+        else:
+            i = bisect_right(times, now_ms) - 1
+            end = cums[0] if i < 0 else cums[i] + rates[i] * (now_ms - times[i])
+        x = now_ms - lookback_ms
+        if x >= last:
+            return end - (cums[-1] + rates[-1] * (x - last))
+        i = bisect_right(times, x) - 1
+        return end - (cums[0] if i < 0 else cums[i] + rates[i] * (x - times[i]))
 
     def _prune(self, horizon: int) -> None:
         """Drop breakpoints no window can reach; the one in force at ``horizon`` stays."""

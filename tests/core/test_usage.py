@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from apportion.core import ChargeSeries
 from apportion.core.usage import MAX_LOOKBACK_MS
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 DAY = 24 * 3_600_000
 
@@ -134,3 +136,22 @@ def test_fold_usage_follows_policy_lookback(scenario) -> None:
     s.policy(lookback_ms=2 * h, max_min_runtime_ms=h)
     assert s.state.usage("t") == 2 * h  # [2 h, 4 h] holds 1 h of the run
     assert s.state.usage("") == 2 * h
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.integers(-3, 3)), min_size=0, max_size=12),
+    st.integers(-20, 700),
+    st.integers(0, 400),
+)
+def test_window_is_the_difference_of_cumulatives(
+    steps: list[tuple[int, int]], now: int, lookback: int
+) -> None:
+    """``window`` (which spells ``cumulative`` inline) at any time, before the first
+    breakpoint, between breakpoints or after the last, for any lookback."""
+    changes, at = [], 0
+    for gap, delta in steps:
+        at += gap
+        changes.append((at, delta))
+    s = series(*changes)
+    assert s.window(now, lookback) == s.cumulative(now) - s.cumulative(now - lookback)

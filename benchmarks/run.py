@@ -6,7 +6,7 @@ them (``bench_scale``).
 
     make bench                                  # every module, full sizes
     make bench ARGS=--quick                     # the small variants (a smoke test)
-    make bench ARGS="--only scale --quick"      # only bench_scale, about 5 minutes
+    make bench ARGS="--only scale --quick"      # only bench_scale, about 2 minutes
     make bench ARGS="--only scale --days 2"     # the scale rows, 2 simulated days measured
     make bench ARGS="fold cycle"                # modules whose name contains fold or cycle
 """

@@ -199,18 +199,34 @@ class FairShareWalk:
         self.current: str | None = None  # the leaf being walked
         self.version: dict[str, int] = {}
         self.heaps: dict[str, list[tuple[SiblingKey, int]]] = {}
-        live: dict[str, bool] = {}
-        for leaf in sorted(self.queues):
-            for p in [*ancestors_of(leaf), leaf]:
-                live[p] = True
-        for path in sorted(live):
-            if path == ROOT:
-                continue
-            parent = parent_of(path)
-            self.version[path] = 0
-            self.heaps.setdefault(parent, []).append(self._entry(path))
-        for heap in self.heaps.values():
+        """Per budget node the walk entered: its children with pending work below, by
+        :func:`sibling_key` (built on entry, :meth:`_heap`)."""
+        self.live: dict[str, list[str]] = {}
+        """Per budget node: its children with pending allocated work below."""
+        version, live = self.version, self.live
+        for leaf in self.queues:
+            path = leaf
+            while path not in version:  # up to the first ancestor already seen
+                version[path] = 0
+                parent = parent_of(path)
+                live.setdefault(parent, []).append(path)
+                if parent == ROOT:
+                    break
+                path = parent
+
+    def _heap(self, path: str) -> list[tuple[SiblingKey, int]] | None:
+        """The heap of ``path``'s children with pending work below, built from their
+        working usage when the walk first enters ``path`` (most families of a large
+        tree are passed over whole or never reached)."""
+        heap = self.heaps.get(path)
+        if heap is None:
+            children = self.live.get(path)
+            if children is None:
+                return None
+            heap = [self._entry(child) for child in children]
             heapq.heapify(heap)
+            self.heaps[path] = heap
+        return heap
 
     def _entry(self, path: str) -> tuple[SiblingKey, int]:
         key = sibling_key(self.usage[path], self.scale[path], self.weight[path], path)
@@ -276,7 +292,7 @@ class FairShareWalk:
     def _best(self, path: str) -> Workload | None:
         if path in self.queues:
             return self._take(path)
-        heap = self.heaps.get(path)
+        heap = self._heap(path)
         while heap:
             key, version = heap[0]
             child = key[2]
@@ -305,7 +321,9 @@ class FairShareWalk:
             if p == ROOT or self.version.get(p, -1) < 0:
                 continue
             self.version[p] += 1
-            heapq.heappush(self.heaps[parent_of(p)], self._entry(p))
+            heap = self.heaps.get(parent_of(p))
+            if heap is not None:  # (else built from the current usage on entry)
+                heapq.heappush(heap, self._entry(p))
 
 
 class _ShapeMerge:

@@ -220,7 +220,7 @@ class _Cycle:
         """(budget node, pool) -> (versions, GPUs): :meth:`_outranked_expired`."""
         self._not_pruned: dict[str, tuple[int, int, int]] = {}  # path -> when last checked
         self.pruned: list[str] = []  # budget nodes the walk passed over whole (_prunable)
-        self._smallest: dict[str, dict[str, int]] | None = None  # _smallest_requests
+        self._smallest: dict[str, dict[str, int]] = {}  # _smallest_requests
         self._waiting: set[str] | None = None  # _waiting_paths
         self._floors: dict[tuple[str, int], list[tuple[int, str]]] = {}  # _release_floors
 
@@ -1214,20 +1214,26 @@ class _Cycle:
 
     def _smallest_requests(self, path: str) -> dict[str, int]:
         """Per GPU type, the fewest GPUs any pending allocated workload under ``path``
-        asks for (those already walked included: a bound); for every budget node
-        with pending work at once, on the first call of the cycle."""
-        if self._smallest is None:
+        asks for (those already walked included: a bound): a leaf's from its
+        shapes, a budget node's from its children's with pending work below; each
+        computed once per cycle."""
+        smallest = self._smallest.get(path)
+        if smallest is None:
             walk = self.walk
             assert walk is not None
-            smallest: dict[str, dict[str, int]] = {}
-            for leaf in walk.queues:
-                for gpu_type, gpus, _ in walk.shapes.get(leaf, ()):
-                    for p in (*ancestors_of(leaf)[1:], leaf):
-                        mins = smallest.setdefault(p, {})
-                        if gpus < mins.get(gpu_type, _NEVER):
-                            mins[gpu_type] = gpus
-            self._smallest = smallest
-        return self._smallest.get(path, {})
+            smallest = {}
+            shapes = walk.shapes.get(path) if path in walk.queues else None
+            if shapes is not None:
+                for gpu_type, gpus, _ in shapes:
+                    if gpus < smallest.get(gpu_type, _NEVER):
+                        smallest[gpu_type] = gpus
+            else:
+                for child in walk.live.get(path, ()):
+                    for gpu_type, gpus in self._smallest_requests(child).items():
+                        if gpus < smallest.get(gpu_type, _NEVER):
+                            smallest[gpu_type] = gpus
+            self._smallest[path] = smallest
+        return smallest
 
     def _waiting_paths(self) -> set[str]:
         """Budget nodes above (and the leaves of) workloads with runs stopping for them."""

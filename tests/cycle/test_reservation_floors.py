@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from apportion.core import State
+from apportion.core import State, apply
 from apportion.core.cycle import CycleResult, Workload, _Cycle, step
 from hypothesis import HealthCheck, given, settings
 
@@ -56,6 +56,15 @@ def _result(state: State, kind: type[_Cycle]) -> CycleResult:
     return kind(state).run(report_reservation=True)
 
 
+def _checked_step(state: State) -> CycleResult:
+    """One cycle through the checked reservation, its decisions folded (as ``step``)."""
+    result = _result(state, _CheckedCycle)
+    assert result == _result(state, _PlainCycle)
+    for d in result.decisions:
+        apply(state, d)
+    return result
+
+
 def _checked_equals_plain(state: State) -> Decided:
     checked = _result(state, _CheckedCycle)
     plain = _result(state, _PlainCycle)
@@ -67,11 +76,6 @@ def _checked_equals_plain(state: State) -> Decided:
 @given(h=histories)
 def test_the_reservation_by_floors_is_the_plain_one(h: dict[str, Any]) -> None:
     run_history(_checked_equals_plain, **h)
-
-
-def test_the_property_test_saw_early_stops_and_full_visits() -> None:
-    """Runs after the property test (file order): both cases were checked."""
-    assert True in STOPPED_EARLY and False in STOPPED_EARLY
 
 
 def test_a_gang_lost_with_its_node_frees_its_other_nodes_for_the_reservation() -> None:
@@ -86,7 +90,7 @@ def test_a_gang_lost_with_its_node_frees_its_other_nodes_for_the_reservation() -
     tick(s, 10 * MIN)
     health(s, first["g"][0], "down")
     submit(s, "big", "a", 16, HOUR, priority=1)
-    r = step(s, report_reservation=True)
+    r = _checked_step(s)
     assert r.reservation is not None and r.reservation.workload == "big"
     assert r.reservation.start_ms == HOUR
     assert r.reservation.nodes == tuple(sorted((first["g"][1], first["p1"][0])))
@@ -101,6 +105,12 @@ def test_nodes_as_late_as_the_start_are_all_weighed() -> None:
     step(s)
     tick(s, 10 * MIN)
     submit(s, "big", "a", 16, HOUR, priority=1)
-    r = step(s, report_reservation=True)
+    r = _checked_step(s)
     assert r.reservation is not None
     assert (r.reservation.start_ms, r.reservation.nodes) == (HOUR, ("n002", "n003"))
+
+
+def test_the_checks_saw_early_stops_and_full_visits() -> None:
+    """Runs last (file order): both cases were checked, by the named tests above
+    at least (random histories on six nodes seldom stop early)."""
+    assert True in STOPPED_EARLY and False in STOPPED_EARLY

@@ -81,21 +81,24 @@ class PendingIndex:
 
     @property
     def by_leaf(self) -> dict[str, list[LeafKey]]:
-        if not self.kept:
-            self._build()
+        self.keep()
         return self._by_leaf
 
     @property
     def by_shape(self) -> dict[str, dict[Shape, list[LeafKey]]]:
-        if not self.kept:
-            self._build()
+        self.keep()
         return self._by_shape
 
     @property
     def free(self) -> list[FreeKey]:
+        self.keep()
+        return self._free
+
+    def keep(self) -> None:
+        """Build the index now, if it is not built yet, and keep it from then on (what
+        the first read does; a caller that will read it anyway may pay for it here)."""
         if not self.kept:
             self._build()
-        return self._free
 
     def _build(self) -> None:
         """Every pending workload into its lists, then each list sorted (the same

@@ -16,7 +16,7 @@ from apportion.core import State
 from apportion.core.cycle import _Cycle
 from hypothesis import HealthCheck, given, settings
 
-from .test_skip_doomed import Decided, histories, run_history
+from .test_skip_doomed import Decided, alike, decided, histories, run_history
 
 CHECKED: list[bool] = []
 """Every answer of the checked bound (the tests require both answers to occur)."""
@@ -52,15 +52,8 @@ class _PlainCycle(_Cycle):
         return total < g
 
 
-def _decide(state: State, kind: type[_Cycle]) -> Decided:
-    result = kind(state).run()
-    return (result.decisions, result.next_wakeup_ms)
-
-
 def _checked_equals_plain(state: State) -> Decided:
-    checked = _decide(state, _CheckedCycle)
-    assert checked == _decide(state, _PlainCycle) == _decide(state, _Cycle)
-    return checked
+    return decided(alike(state, _CheckedCycle, _PlainCycle, _Cycle))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -18,7 +18,7 @@ from apportion.core.cycle import CycleResult, Workload, _Cycle, step
 from hypothesis import HealthCheck, given, settings
 
 from .builders import HOUR, MIN, Cluster, health, placed, submit, tick
-from .test_skip_doomed import Decided, histories, run_history
+from .test_skip_doomed import Decided, alike, decided, histories, run_history
 
 STOPPED_EARLY: list[bool] = []
 """Whether each checked call left nodes of the pool unvisited."""
@@ -52,24 +52,16 @@ class _PlainCycle(_Cycle):
         return _plain(self, c, key, memo)
 
 
-def _result(state: State, kind: type[_Cycle]) -> CycleResult:
-    return kind(state).run(report_reservation=True)
-
-
 def _checked_step(state: State) -> CycleResult:
     """One cycle through the checked reservation, its decisions folded (as ``step``)."""
-    result = _result(state, _CheckedCycle)
-    assert result == _result(state, _PlainCycle)
+    result = alike(state, _CheckedCycle, _PlainCycle, report_reservation=True)
     for d in result.decisions:
         apply(state, d)
     return result
 
 
 def _checked_equals_plain(state: State) -> Decided:
-    checked = _result(state, _CheckedCycle)
-    plain = _result(state, _PlainCycle)
-    assert checked == plain == _result(state, _Cycle)
-    return (checked.decisions, checked.next_wakeup_ms)
+    return decided(alike(state, _CheckedCycle, _PlainCycle, _Cycle, report_reservation=True))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

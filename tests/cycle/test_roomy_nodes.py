@@ -17,7 +17,7 @@ from apportion.core import State
 from apportion.core.cycle import Workload, _Cycle
 from hypothesis import HealthCheck, given, settings
 
-from .test_skip_doomed import Decided, histories, run_history
+from .test_skip_doomed import Decided, alike, decided, histories, run_history
 
 SIZES: list[int] = []
 """Length of each checked list (the tests require empty and non-empty ones)."""
@@ -47,10 +47,7 @@ class _CheckedCycle(_Cycle):
 
 
 def _checked(state: State) -> Decided:
-    result = _CheckedCycle(state).run()
-    plain = _Cycle(state).run()
-    assert result == plain
-    return (result.decisions, result.next_wakeup_ms)
+    return decided(alike(state, _CheckedCycle, _Cycle))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from apportion.core import State, apply, fold
-from apportion.core.cycle import _DOOM_FROM, _Cycle
+from apportion.core.cycle import _DOOM_FROM, CycleResult, _Cycle
 from apportion.schemas.events import (
     BudgetSet,
     ClockTicked,
@@ -71,6 +71,19 @@ PRUNED: list[int] = []
 
 Decided = tuple[tuple[Decision, ...], int | None]
 """A cycle's decisions and wake-up."""
+
+
+def alike(state: State, *kinds: type[_Cycle], report_reservation: bool = False) -> CycleResult:
+    """One cycle of each of ``kinds`` (variants of the cycle, checked or plain) on
+    ``state``, unchanged: they must give the same result, which is returned."""
+    first, *rest = (kind(state).run(report_reservation) for kind in kinds)
+    for other in rest:
+        assert other == first
+    return first
+
+
+def decided(result: CycleResult) -> Decided:
+    return result.decisions, result.next_wakeup_ms
 
 
 def _decide(state: State, skip: bool) -> Decided:

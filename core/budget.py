@@ -37,13 +37,6 @@ def parent_of(path: str) -> str:
     return path[:cut] if cut >= 0 else ROOT
 
 
-def team_of(leaf: str) -> str:
-    """The team of an owner leaf (what the KPIs count): its parent, or the leaf
-    itself when it hangs directly under the root."""
-    parent = parent_of(leaf)
-    return leaf if parent == ROOT else parent
-
-
 @lru_cache(maxsize=1 << 16)
 def ancestors_of(path: str) -> tuple[str, ...]:
     """Proper ancestors from the root down: ``"a/b/c" -> ("", "a", "a/b")`` (a pure

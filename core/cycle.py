@@ -66,7 +66,12 @@ from apportion.schemas.events import (
 )
 
 from .budget import ROOT, ancestors_of, parent_of
-from .contract import (
+from .nodeindex import Pool
+from .ordering import FairShareView, FairShareWalk
+from .pendingindex import FreeKey, Shape, free_key
+from .placement import FreeGPUs, Slots
+from .ratio import clearly_below_pair
+from .rules.contract import (
     effective_grace,
     is_allocated,
     is_protected,
@@ -76,11 +81,6 @@ from .contract import (
     protected_until,
     unprotected,
 )
-from .nodeindex import Pool
-from .ordering import FairShareView, FairShareWalk
-from .pendingindex import FreeKey, Shape, free_key
-from .placement import FreeGPUs, Slots
-from .ratio import clearly_below_pair
 from .state import ClusterNode, State, Workload, apply
 
 _NEVER = 1 << 62

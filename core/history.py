@@ -44,6 +44,12 @@ from .state import CorruptHistory, State, apply
 
 Decider = Callable[[State], CycleResult]
 
+BUDGET_LOGIC = "budget/1"
+"""The version of the budget scheduler's decision logic that every batch it makes
+records (:attr:`DecisionBatch.logic`). Bump the number in the same commit as any
+change that makes the same history give different decisions (the golden logs
+change with it), so that an audit of an older log names the version that made it."""
+
 
 class HistoryOrderError(CorruptHistory):
     """An item that is not the next one in canonical order (a gap, a repeat, a
@@ -95,11 +101,17 @@ def fold_item(state: State, item: HistoryItem) -> str | None:
     return None
 
 
-def decide_batch(state: State, decider: Decider = decide) -> tuple[DecisionBatch, CycleResult]:
-    """The decision batch of one cycle at ``state``, based on its last input; ``state`` is unchanged."""
+def decide_batch(
+    state: State, decider: Decider = decide, logic: str = BUDGET_LOGIC
+) -> tuple[DecisionBatch, CycleResult]:
+    """The decision batch of one cycle at ``state``, based on its last input, made by
+    ``decider`` whose version is ``logic``; ``state`` is unchanged."""
     result = decider(state)
     batch = DecisionBatch(
-        basis=state.input_seq, decisions=result.decisions, next_wakeup_ms=result.next_wakeup_ms
+        basis=state.input_seq,
+        decisions=result.decisions,
+        next_wakeup_ms=result.next_wakeup_ms,
+        logic=logic,
     )
     return batch, result
 
@@ -116,6 +128,7 @@ def batch_part(cycle: DecisionBatch, start: int, stop: int, decisions_before: in
         decisions=cycle.decisions[start:stop],
         next_wakeup_ms=cycle.next_wakeup_ms if last else None,
         v=cycle.v,
+        logic=cycle.logic,
         decisions_before=decisions_before + start,
         more=UNSET if last else True,
     )
@@ -145,6 +158,7 @@ def split_batch(
                 v=cycle.v,
                 decisions_before=decisions_before + len(decisions),
                 more=True,
+                logic=cycle.logic,
             )
         )
     )

@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterable
 from fractions import Fraction
 
 from .budget import ROOT, ancestors_of, parent_of
-from .contract import is_allocated
 from .pendingindex import LeafKey, Shape, leaf_key, shape_of
 from .ratio import ratio
+from .rules.contract import is_allocated
 from .state import State, Workload
 
 SiblingKey = tuple[int, int, str]

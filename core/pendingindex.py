@@ -30,6 +30,8 @@ from bisect import bisect_left, insort
 from collections.abc import Mapping
 from typing import Protocol
 
+from .rules.contract import is_allocated
+
 
 class _Pending(Protocol):
     id: str
@@ -66,8 +68,7 @@ class PendingIndex:
     workloads enter and leave it, which change nothing until the index is built.
 
     :meth:`add` and :meth:`remove` are the fold's hot path: :func:`leaf_key`,
-    :func:`shape_of`, :func:`free_key` and
-    :func:`~apportion.core.contract.is_allocated` are spelled inline."""
+    :func:`shape_of` and :func:`free_key` are spelled inline."""
 
     __slots__ = ("_by_leaf", "_by_shape", "_free", "_pending", "kept")
 
@@ -107,7 +108,7 @@ class PendingIndex:
         by_shape: dict[str, dict[Shape, list[LeafKey]]] = {}
         free: list[FreeKey] = []
         for w in self._pending.values():
-            if w.min_runtime_ms > 0:  # allocated
+            if is_allocated(w):
                 key = (-w.priority, w.submitted_ms, w.id)
                 shape = (w.gpu_type, w.gpus, w.min_runtime_ms)
                 owner = w.owner
@@ -137,7 +138,7 @@ class PendingIndex:
     def add(self, w: _Pending) -> None:
         if not self.kept:
             return
-        if w.min_runtime_ms > 0:  # allocated
+        if is_allocated(w):
             key = (-w.priority, w.submitted_ms, w.id)
             owner = w.owner
             keys = self._by_leaf.get(owner)
@@ -159,7 +160,7 @@ class PendingIndex:
     def remove(self, w: _Pending) -> None:
         if not self.kept:
             return
-        if w.min_runtime_ms > 0:  # allocated
+        if is_allocated(w):
             key = (-w.priority, w.submitted_ms, w.id)
             owner = w.owner
             keys = self._by_leaf[owner]

@@ -18,9 +18,8 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Callable
 
-from apportion.schemas.events import ANY_GPU_TYPE
-
 from .nodeindex import Pool
+from .rules.gpu_types import takes
 from .state import ClusterNode, State
 
 Slots = list[tuple[str, int]]
@@ -82,9 +81,7 @@ class FreeGPUs:
         pools = self._pools.get(gpu_type)
         if pools is None:
             pools = self._pools[gpu_type] = [
-                key
-                for key in sorted(self.buckets)
-                if gpu_type == ANY_GPU_TYPE or key[0] == gpu_type
+                key for key in sorted(self.buckets) if takes(gpu_type, key[0])
             ]
         return pools
 

@@ -25,7 +25,6 @@ from typing import Any, Literal
 import msgspec
 from apportion.schemas.bounds import clip_reason
 from apportion.schemas.events import (
-    ANY_GPU_TYPE,
     DAY_MS,
     HOUR_MS,
     MINUTE_MS,
@@ -49,10 +48,11 @@ from apportion.schemas.events import (
 )
 
 from .budget import ROOT, BudgetNode, BudgetTree, parent_of, path_error
-from .contract import is_allocated, protected_until
 from .nodeindex import NodeIndex
 from .pendingindex import PendingIndex
 from .protectionindex import ProtectionIndex
+from .rules.contract import is_allocated, protected_until
+from .rules.gpu_types import is_any, takes
 from .usage import MAX_LOOKBACK_MS, change_rates
 
 Status = Literal["pending", "running", "succeeded", "failed", "cancelled", "preempted", "rejected"]
@@ -421,7 +421,7 @@ def _node_registered(state: State, e: NodeRegistered) -> None:
         return _reject(state, e, _not_operator(e.actor, f"register node {e.node!r}"))
     if e.gpus <= 0:
         return _reject(state, e, f"node {e.node!r}: gpus must be positive, got {e.gpus}")
-    if not e.gpu_type or e.gpu_type == ANY_GPU_TYPE:
+    if is_any(e.gpu_type):
         return _reject(state, e, f"node {e.node!r}: gpu_type must name a real GPU type")
     known = state.nodes.get(e.node)
     if known is not None:
@@ -629,11 +629,7 @@ def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
 
 def _gang_error(state: State, gpu_type: str, gpus: int) -> str | None:
     """Why ``gpus`` GPUs of ``gpu_type`` is not a valid gang on the registered nodes."""
-    pools = [
-        (t, gpn, n)
-        for (t, gpn), n in state.pools.items()
-        if gpu_type == ANY_GPU_TYPE or t == gpu_type
-    ]
+    pools = [(t, gpn, n) for (t, gpn), n in state.pools.items() if takes(gpu_type, t)]
     if not pools:
         known = sorted({t for t, _ in state.pools})
         return f"no nodes of gpu_type {gpu_type!r} (known types: {', '.join(known) or 'none'})"
@@ -784,7 +780,7 @@ def _end_run(state: State, w: Workload) -> None:
         if node.health == "healthy":
             index.move(node.node, (node.gpu_type, node.gpus), free, node.free)
         del node.workloads[wid]
-    if w.min_runtime_ms > 0:  # is_allocated(w), spelled inline (the fold's hot path)
+    if is_allocated(w):
         change_rates(state.budget.chain(w.owner), now, -w.gpus)
         state.protection_index.remove(wid)  # it indexes allocated runs only
     w.run_ms += now - w.started_ms
@@ -833,7 +829,7 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
     w = state.pending.get(e.workload)
     if w is None:
         raise CorruptHistory(f"placed {e.workload!r}, which is not pending")
-    allocated = w.min_runtime_ms > 0  # is_allocated(w), spelled inline (the fold's hot path)
+    allocated = is_allocated(w)
     if e.allocated != allocated:
         raise CorruptHistory(
             f"placed {e.workload!r} with allocated={e.allocated} against its contract"
@@ -853,7 +849,7 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
             raise CorruptHistory(
                 f"placed {e.workload!r} on {slot.node!r}, which cannot take {slot.gpus} GPUs"
             )
-        if gpu_type != ANY_GPU_TYPE and node.gpu_type != gpu_type:
+        if not takes(gpu_type, node.gpu_type):
             raise CorruptHistory(f"placed {e.workload!r} on {slot.node!r} of the wrong GPU type")
         total += slot.gpus
     if total != w.gpus:

@@ -17,6 +17,13 @@ together must be exactly the cycle's batch. A log that ends inside a cycle
 
 The first difference stops the audit: :class:`Divergence` names the batch, the
 input it is based on and the first decision (or wake-up time) that differs.
+
+Every batch records the version of the logic that made it
+(:attr:`~apportion.schemas.events.DecisionBatch.logic`). The label itself is
+not compared (a newer version that decides the same reproduces an older log);
+the verdict names the versions the log holds, and a divergence in a batch made
+by another version than the audit's names both, so a change of logic is told
+apart from a tampered or corrupt log.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from apportion.schemas.events import DecisionBatch
 from apportion.schemas.history import BatchItem
 
 from .eventlog import CanonicalLog
-from .simulator import policy_decider
+from .simulator import policy_decider, policy_logic
 
 
 class Divergence(msgspec.Struct, kw_only=True):
@@ -41,13 +48,28 @@ class Divergence(msgspec.Struct, kw_only=True):
     """``decision N``, ``next_wakeup_ms``, ``part``, ``digest``, ``fold`` ..."""
     expected: str
     recorded: str
+    logic: str = ""
+    """The version of the logic this audit ran."""
+    recorded_logic: str = ""
+    """The version recorded by the batch that differs (``""``: none recorded)."""
 
     def lines(self) -> list[str]:
         if self.what == "digest":
             head = f"audit: final state differs after input {self.basis}"
         else:
             head = f"audit: batch {self.batch} (based on input {self.basis}) differs at {self.what}"
-        return [head, f"  expected: {self.expected}", f"  recorded: {self.recorded}"]
+        out = [head, f"  expected: {self.expected}", f"  recorded: {self.recorded}"]
+        if self.what != "digest" and self.recorded_logic != self.logic:
+            made = (
+                f"logic {self.recorded_logic}"
+                if self.recorded_logic
+                else "a version before batches recorded theirs"
+            )
+            out.append(
+                f"  logic: the batch was made by {made}; this audit runs logic {self.logic} "
+                "(audit with the version that made the log)"
+            )
+        return out
 
 
 class AuditResult(msgspec.Struct, kw_only=True):
@@ -59,6 +81,10 @@ class AuditResult(msgspec.Struct, kw_only=True):
     divergence: Divergence | None = None
     foreign: list[str] = msgspec.field(default_factory=list)
     """Messages of the source that are not part of the history (left out, named)."""
+    logic: str = ""
+    """The version of the logic this audit ran."""
+    recorded_logic: list[str] = msgspec.field(default_factory=list)
+    """The versions the log's batches record, in the order first seen (``""``: none)."""
 
     @property
     def ok(self) -> bool:
@@ -73,9 +99,13 @@ class AuditResult(msgspec.Struct, kw_only=True):
         if self.divergence is not None:
             return "\n".join(self.divergence.lines() + (foreign if self.foreign else []))
         checked = "" if self.recorded_digest else ", no digest recorded to check"
+        made = ", ".join(v or "unrecorded" for v in self.recorded_logic)
+        by = f" by logic {self.logic}" + (
+            f", made by {made}" if made and made != self.logic else ""
+        )
         line = (
-            f"audit: {self.inputs:,} inputs, {self.batches:,} decision batches, all reproduced "
-            f"(digest {self.digest[:16]}{checked})"
+            f"audit: {self.inputs:,} inputs, {self.batches:,} decision batches, all reproduced"
+            f"{by} (digest {self.digest[:16]}{checked})"
         )
         return "\n".join([line, *foreign]) if self.foreign else line
 
@@ -109,10 +139,14 @@ def audit(
     log: CanonicalLog,
     *,
     decide: Decider | None = None,
+    logic: str | None = None,
     expected_digest: str | None = None,
 ) -> AuditResult:
-    """Audit ``log`` (see the module docstring); ``decide`` overrides the header's policy."""
+    """Audit ``log`` (see the module docstring); ``decide`` (whose version is
+    ``logic``) overrides the header's policy."""
     decider = decide or policy_decider(log.header.policy)
+    logic = logic or policy_logic(log.header.policy)
+    seen: list[str] = []
     state = State()
     batches = 0
     decisions = 0
@@ -126,6 +160,8 @@ def audit(
             recorded_digest=recorded,
             divergence=div,
             foreign=log.foreign,
+            logic=logic,
+            recorded_logic=seen,
         )
 
     items = iter(log)
@@ -138,9 +174,15 @@ def audit(
             if isinstance(item, BatchItem):
                 batches += 1
                 recorded_batch = item.batch
+                made_by = "" if recorded_batch.logic is msgspec.UNSET else recorded_batch.logic
+                if made_by not in seen:
+                    seen.append(made_by)
                 if cycle is None:
-                    expected, _ = decide_batch(state, decider)
-                    cycle = msgspec.structs.replace(expected, v=recorded_batch.v)
+                    expected, _ = decide_batch(state, decider, logic)
+                    # the labels are not compared: the schema version and the logic version
+                    cycle = msgspec.structs.replace(
+                        expected, v=recorded_batch.v, logic=recorded_batch.logic
+                    )
                     cycle_start, done = state.decisions_folded, 0
                 if recorded_batch.is_part or done:
                     stop = done + len(recorded_batch.decisions)
@@ -150,7 +192,13 @@ def audit(
                 if encode(expected) != encode(recorded_batch):
                     what, e, r = first_difference(expected, recorded_batch)
                     div = Divergence(
-                        batch=batches, basis=recorded_batch.basis, what=what, expected=e, recorded=r
+                        batch=batches,
+                        basis=recorded_batch.basis,
+                        what=what,
+                        expected=e,
+                        recorded=r,
+                        logic=logic,
+                        recorded_logic=made_by,
                     )
                     return result(div, None)
                 decisions += len(recorded_batch.decisions)

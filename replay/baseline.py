@@ -46,10 +46,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from fractions import Fraction
 
-from apportion.core.budget import team_of
-from apportion.core.contract import is_allocated, protected_until
 from apportion.core.cycle import CycleResult
 from apportion.core.placement import FreeGPUs, Slots
+from apportion.core.rules.classes import team_of
+from apportion.core.rules.contract import is_allocated, protected_until
 from apportion.core.state import State, Workload
 from apportion.schemas.events import (
     Decision,

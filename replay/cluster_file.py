@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from apportion.core.rules.gpu_types import is_any
 from apportion.schemas.events import (
     PPM,
     BudgetSet,
@@ -184,7 +185,7 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise fail(f"{key}.{field}", f"must be a positive integer, got {v!r}")
         gpu_type = pool.get("gpu_type")
-        if not isinstance(gpu_type, str) or not gpu_type or gpu_type == "any":
+        if not isinstance(gpu_type, str) or is_any(gpu_type):
             raise fail(f"{key}.gpu_type", f"must name a GPU type, got {gpu_type!r}")
         start = pool.get("start", 0)
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:

@@ -56,15 +56,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from apportion.core.budget import ancestors_of, team_of
-from apportion.core.contract import is_allocated, is_protected, may_use_reserved
+from apportion.core.budget import ancestors_of
 from apportion.core.cycle import Reservation, decide
 from apportion.core.history import fold_item
 from apportion.core.ordering import FairShareView, queue_order
 from apportion.core.placement import FreeGPUs
 from apportion.core.ratio import clearly_below_pair
+from apportion.core.rules.classes import team_of
+from apportion.core.rules.contract import is_allocated, is_protected, may_use_reserved
+from apportion.core.rules.gpu_types import is_any
 from apportion.core.state import State, Workload
-from apportion.schemas.events import ANY_GPU_TYPE, HOUR_MS
+from apportion.schemas.events import HOUR_MS
 from apportion.schemas.history import BatchItem, HistoryItem
 
 CAUSES = (
@@ -255,7 +257,7 @@ class _Moment:
             if gated and free.fit(w.gpus, w.gpu_type, lambda n: n not in gated) is None:
                 return "reservation", {}
             return "other", {}
-        if w.gpu_type != ANY_GPU_TYPE:
+        if not is_any(w.gpu_type):
             other_free = sum(v for p, v in free.pool_free.items() if p not in pools)
             if other_free >= w.gpus:
                 return "type_full", {}

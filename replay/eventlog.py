@@ -348,8 +348,14 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
             r[0]: InputItem(seq=r[0], at_ms=r[1], ref=r[2], rejection=r[3])
             for r in con.execute("SELECT seq, at_ms, ref, reason FROM malformed_inputs").fetchall()
         }
+        has_logic = con.execute(
+            "SELECT COUNT(*) FROM duckdb_columns() WHERE table_name = 'batches' "
+            "AND column_name = 'logic'"
+        ).fetchone()
+        logic_col = "logic" if has_logic and has_logic[0] else "NULL"  # files before versions
         batches = con.execute(
-            "SELECT basis, pos, decisions, next_wakeup_ms, v, batch FROM batches ORDER BY batch"
+            f"SELECT basis, pos, decisions, next_wakeup_ms, v, batch, {logic_col} FROM batches "
+            "ORDER BY batch"
         ).fetchall()
         icur, dcur = con.cursor(), con.cursor()
         icur.execute(
@@ -381,7 +387,7 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                 run += 1
             split = run - bi > 1  # a cycle in parts (the table keeps no part fields)
             while bi < run:
-                basis, bpos, n, wake, v, number = batches[bi]
+                basis, bpos, n, wake, v, number, logic = batches[bi]
                 got = []
                 for k in range(n):
                     row = next(decisions, None)
@@ -393,7 +399,13 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                         got.append(decode_decision(row[1]))
                     except EventDecodeError as exc:
                         raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
-                batch = DecisionBatch(basis=basis, decisions=tuple(got), next_wakeup_ms=wake, v=v)
+                batch = DecisionBatch(
+                    basis=basis,
+                    decisions=tuple(got),
+                    next_wakeup_ms=wake,
+                    v=v,
+                    logic=msgspec.UNSET if logic is None else logic,
+                )
                 if split:
                     more = True if bi + 1 < run else msgspec.UNSET
                     batch = msgspec.structs.replace(batch, decisions_before=folded, more=more)

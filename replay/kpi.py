@@ -51,6 +51,13 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import duckdb
+from apportion.core.rules.classes import (
+    allocated_debug_sql,
+    allocated_sql,
+    debug_sql,
+    large_sql,
+    team_sql,
+)
 
 HOUR_MS = 3_600_000
 
@@ -71,7 +78,7 @@ KPI_KEYS = (
     "wall_s",
 )
 
-_VIEWS = """
+_VIEWS = f"""
 CREATE OR REPLACE TEMP VIEW kpi_node_seg AS
 SELECT s.node, n.gpus, s.state, s.start_ms,
        COALESCE(LEAD(s.start_ms) OVER (PARTITION BY s.node ORDER BY s.start_ms, s.ord), $end) AS end_ms
@@ -87,12 +94,12 @@ CREATE OR REPLACE TEMP VIEW kpi_runs AS
 SELECT r.workload, r.node, r.gpus, GREATEST(r.start_ms, $start) AS start_ms,
        LEAST(COALESCE(r.end_ms, $end), $end) AS end_ms, r.allocated, r.end_reason, r.attempt,
        w.owner,
-       CASE WHEN strpos(w.owner, '/') > 0 THEN regexp_replace(w.owner, '/[^/]*$', '') ELSE w.owner END AS team
+       {team_sql("w.owner")} AS team
 FROM runs r JOIN workloads w USING (workload)
 WHERE r.start_ms < $end AND COALESCE(r.end_ms, $end) > $start;
 
 CREATE OR REPLACE TEMP VIEW kpi_teams AS
-SELECT DISTINCT CASE WHEN strpos(b.path, '/') > 0 THEN regexp_replace(b.path, '/[^/]*$', '') ELSE b.path END AS team
+SELECT DISTINCT {team_sql("b.path")} AS team
 FROM budget b WHERE b.path <> '' AND NOT EXISTS (
     SELECT 1 FROM budget c WHERE c.path LIKE b.path || '/%');
 """
@@ -103,7 +110,7 @@ SELECT (SELECT SUM(GREATEST(0, LEAST(r.end_ms, h.end_ms) - GREATEST(r.start_ms, 
           FROM kpi_runs r JOIN kpi_healthy h ON r.node = h.node AND r.start_ms < h.end_ms AND r.end_ms > h.start_ms)
      / NULLIF((SELECT SUM((end_ms - start_ms) * gpus) FROM kpi_healthy), 0)
 """,
-    "delivery": """
+    "delivery": f"""
 WITH hours AS (SELECT unnest(range(0, CAST(CEIL(($end - $start) / 3600000.0) AS BIGINT))) AS h),
 avail AS (
     SELECT h, SUM(GREATEST(0, LEAST(k.end_ms, $start + (h + 1) * 3600000) - GREATEST(k.start_ms, $start + h * 3600000)) * k.gpus) AS gpu_ms
@@ -113,9 +120,9 @@ avail AS (
 dem AS (
     SELECT team, h, SUM(GREATEST(0, LEAST(e, $start + (h + 1) * 3600000) - GREATEST(s, $start + h * 3600000)) * gpus) AS gpu_ms
     FROM (SELECT *, unnest(range(CAST(FLOOR((s - $start) / 3600000) AS BIGINT), CAST(CEIL((e - $start) / 3600000.0) AS BIGINT))) AS h
-          FROM (SELECT CASE WHEN strpos(owner, '/') > 0 THEN regexp_replace(owner, '/[^/]*$', '') ELSE owner END AS team,
+          FROM (SELECT {team_sql("owner")} AS team,
                        gpus, GREATEST(submitted_ms, $start) AS s, LEAST(COALESCE(ended_ms, $end), $end) AS e
-                FROM workloads WHERE min_runtime_ms > 0 AND status <> 'rejected'
+                FROM workloads WHERE {allocated_sql()} AND status <> 'rejected'
                   AND submitted_ms < $end AND COALESCE(ended_ms, $end) > $start))
     GROUP BY team, h),
 ran AS (
@@ -139,24 +146,24 @@ SELECT team, h, share_ms, demand_ms, ran_ms FROM owed ORDER BY team, h
 SELECT SUM(CASE WHEN NOT allocated THEN (end_ms - start_ms) * gpus ELSE 0 END) / NULLIF(SUM((end_ms - start_ms) * gpus), 0)
 FROM kpi_runs
 """,
-    "waits": """
+    "waits": f"""
 SELECT quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.5),
        quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.9),
-       quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.9) FILTER (WHERE x.gpus <= 8 AND x.min_runtime_ms <= 900000),
-       quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.9) FILTER (WHERE x.gpus >= 64),
-       quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.9) FILTER (WHERE x.gpus <= 8 AND x.min_runtime_ms <= 900000 AND x.min_runtime_ms > 0)
+       quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.9) FILTER (WHERE {debug_sql("x.gpus", "x.min_runtime_ms")}),
+       quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.9) FILTER (WHERE {large_sql("x.gpus")}),
+       quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.9) FILTER (WHERE {allocated_debug_sql("x.gpus", "x.min_runtime_ms")})
 FROM waits w JOIN workloads x USING (workload)
 WHERE w.placed_ms IS NOT NULL AND w.placed_ms >= $start AND w.placed_ms < $end
 """,
-    "large_waits_censored": """
+    "large_waits_censored": f"""
 SELECT quantile_cont((LEAST(COALESCE(w.placed_ms, $end), $end) - w.queued_ms) / 1000.0, 0.9)
 FROM waits w JOIN workloads x USING (workload)
-WHERE x.gpus >= 64 AND w.queued_ms < $end
+WHERE {large_sql("x.gpus")} AND w.queued_ms < $end
   AND (w.placed_ms IS NULL OR w.placed_ms >= $start)
   AND NOT (w.placed_ms IS NULL AND x.status = 'cancelled' AND x.ended_ms < $end)
 """,
-    "open_waits": """
-SELECT COUNT(*), COUNT(*) FILTER (WHERE x.gpus >= 64)
+    "open_waits": f"""
+SELECT COUNT(*), COUNT(*) FILTER (WHERE {large_sql("x.gpus")})
 FROM waits w JOIN workloads x USING (workload)
 WHERE w.queued_ms < $end AND (w.placed_ms IS NULL OR w.placed_ms >= $end)
   AND NOT (w.placed_ms IS NULL AND x.status = 'cancelled' AND x.ended_ms < $end)
@@ -184,9 +191,9 @@ SELECT (SELECT COUNT(*) FROM s),
        AVG(CASE WHEN actual_ms > estimated_start_ms THEN 1.0 ELSE 0.0 END)
 FROM c
 """,
-    "demand_ratio": """
+    "demand_ratio": f"""
 SELECT (SELECT SUM((LEAST(COALESCE(ended_ms, $end), $end) - GREATEST(submitted_ms, $start)) * gpus)
-          FROM workloads WHERE min_runtime_ms > 0 AND status <> 'rejected'
+          FROM workloads WHERE {allocated_sql()} AND status <> 'rejected'
            AND submitted_ms < $end AND COALESCE(ended_ms, $end) > $start)
        / NULLIF((SELECT SUM((end_ms - start_ms) * gpus) FROM kpi_healthy), 0)
 """,

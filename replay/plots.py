@@ -28,9 +28,9 @@ import errno
 from pathlib import Path
 from typing import Any
 
-from .projection import TEAM_SQL as _TEAM
+from apportion.core.rules.classes import LARGE_MIN_GPUS, debug_sql, large_sql, team_sql
 
-TEAM_SQL = _TEAM.format("w.owner")
+TEAM_SQL = team_sql("w.owner")
 INSTALL_HINT = "matplotlib is not installed; install the plot extra: pip install 'apportion[plot]'"
 HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS
@@ -272,9 +272,9 @@ def wait_distribution(sims: dict[str, Any], path: Path) -> None:
 
     plt = _plt()
     classes = {
-        "debug": "x.gpus <= 8 AND x.min_runtime_ms <= 900000",
-        "large (>= 64 GPUs)": "x.gpus >= 64",
-        "other": "NOT (x.gpus <= 8 AND x.min_runtime_ms <= 900000) AND x.gpus < 64",
+        "debug": debug_sql("x.gpus", "x.min_runtime_ms"),
+        f"large (>= {LARGE_MIN_GPUS} GPUs)": large_sql("x.gpus"),
+        "other": f"NOT {debug_sql('x.gpus', 'x.min_runtime_ms')} AND NOT {large_sql('x.gpus')}",
     }
     found: dict[str, dict[str, Any]] = {}
     for label, cond in classes.items():

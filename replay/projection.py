@@ -33,9 +33,10 @@ columns are additions):
 Additions that make the history exactly recoverable from the file (the
 ``apportion replay|audit|whatif`` log sources, :mod:`apportion.replay.eventlog`):
 
-- ``batches(batch, basis, pos, decisions, next_wakeup_ms, v)``: one row per
+- ``batches(batch, basis, pos, decisions, next_wakeup_ms, v, logic)``: one row per
   decision batch, empty ones included; its decisions are the ``events`` rows
-  ``pos + 1 .. pos + decisions``;
+  ``pos + 1 .. pos + decisions``; ``logic`` is the version of the logic that made
+  it (NULL for batches recorded before versions were);
 - ``malformed_inputs(seq, at_ms, ref, reason)``: inputs whose bytes did not
   decode (no ``events`` row; their ``InputRejected`` decision has one);
 - ``log_meta(key, value)``: e.g. ``policy`` (``budget`` or ``priority``) when
@@ -52,7 +53,7 @@ sampled start-time estimates, :mod:`apportion.replay.simulator`):
 Analyst additions (docs/analyst.md documents each with an example query):
 
 - a ``team`` column at the end of ``workloads`` and ``runs`` (the team rule of
-  the KPIs, :func:`apportion.core.budget.team_of`; the SQL macro ``team_of(path)``
+  the KPIs, :func:`apportion.core.rules.classes.team_of`; the SQL macro ``team_of(path)``
   holds the same rule for queries);
 - views ``attempts`` (one row per placement: a workload's run attempt, all its
   nodes), ``preemptions`` (one row per ``WorkloadPreempted`` decision, victim
@@ -77,7 +78,8 @@ from typing import Any
 
 import duckdb
 import msgspec
-from apportion.core.budget import ROOT, team_of
+from apportion.core.budget import ROOT
+from apportion.core.rules.classes import allocated_sql, team_of, team_sql
 from apportion.core.state import State
 from apportion.schemas.events import (
     BudgetRemoved,
@@ -110,22 +112,18 @@ CREATE TABLE IF NOT EXISTS health(node VARCHAR, at_ms BIGINT, state VARCHAR);
 CREATE TABLE IF NOT EXISTS budget(path VARCHAR, weight BIGINT, owner VARCHAR, global_share DOUBLE);
 CREATE TABLE IF NOT EXISTS projection_position(input_seq BIGINT, batches BIGINT, pos BIGINT, state BLOB);
 CREATE TABLE IF NOT EXISTS batches(batch BIGINT, basis BIGINT, pos BIGINT, decisions INTEGER, next_wakeup_ms BIGINT,
-    v INTEGER);
+    v INTEGER, logic VARCHAR);
 CREATE TABLE IF NOT EXISTS malformed_inputs(seq BIGINT, at_ms BIGINT, ref VARCHAR, reason VARCHAR);
 CREATE TABLE IF NOT EXISTS log_meta(key VARCHAR, value VARCHAR);
 CREATE TABLE IF NOT EXISTS estimates(workload VARCHAR, at_ms BIGINT, estimated_start_ms BIGINT, note VARCHAR);
 """
 
-TEAM_SQL = "CASE WHEN strpos({0}, '/') > 0 THEN regexp_replace({0}, '/[^/]*$', '') ELSE {0} END"
-"""The team of an owner leaf in SQL (``TEAM_SQL.format("owner")``): its parent, or
-the leaf itself under the root; the rule of :func:`apportion.core.budget.team_of`
-and of the KPIs (replay/kpi.py)."""
-
-# files written before the team column: add it and fill it (idempotent)
+# files written before the team column (and the batches' logic version): add them, fill the team (idempotent)
 MIGRATE = f"""
 ALTER TABLE workloads ADD COLUMN IF NOT EXISTS team VARCHAR;
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS team VARCHAR;
-UPDATE workloads SET team = {TEAM_SQL.format("owner")} WHERE team IS NULL AND owner IS NOT NULL;
+ALTER TABLE batches ADD COLUMN IF NOT EXISTS logic VARCHAR;
+UPDATE workloads SET team = {team_sql("owner")} WHERE team IS NULL AND owner IS NOT NULL;
 UPDATE runs SET team = (SELECT w.team FROM workloads w WHERE w.workload = runs.workload)
  WHERE team IS NULL;
 """
@@ -133,7 +131,7 @@ UPDATE runs SET team = (SELECT w.team FROM workloads w WHERE w.workload = runs.w
 HOUR_MS = 3_600_000
 
 VIEWS = f"""
-CREATE OR REPLACE MACRO team_of(path) AS {TEAM_SQL.format("path")};
+CREATE OR REPLACE MACRO team_of(path) AS {team_sql("path")};
 
 CREATE OR REPLACE VIEW attempts AS
 SELECT workload, attempt, any_value(team) AS team, min(start_ms) AS start_ms, max(end_ms) AS end_ms,
@@ -186,7 +184,7 @@ spans AS (
            COALESCE(end_ms, (SELECT t1 FROM bounds)) FROM runs
     UNION ALL
     SELECT 'demand', team, gpus, submitted_ms, COALESCE(ended_ms, (SELECT t1 FROM bounds))
-    FROM workloads WHERE min_runtime_ms > 0 AND status <> 'rejected'),
+    FROM workloads WHERE {allocated_sql()} AND status <> 'rejected'),
 per_hour AS (
     SELECT what, team, h AS hour,
            SUM(GREATEST(0, LEAST(e, (h + 1) * {HOUR_MS}) - GREATEST(s, h * {HOUR_MS})) * gpus) AS gpu_ms
@@ -271,7 +269,7 @@ _TYPES = {
     "nodes": ("VARCHAR", "INTEGER", "VARCHAR"),
     "health": ("VARCHAR", "BIGINT", "VARCHAR"),
     "budget": ("VARCHAR", "BIGINT", "VARCHAR", "DOUBLE"),
-    "batches": ("BIGINT", "BIGINT", "BIGINT", "INTEGER", "BIGINT", "INTEGER"),
+    "batches": ("BIGINT", "BIGINT", "BIGINT", "INTEGER", "BIGINT", "INTEGER", "VARCHAR"),
     "malformed_inputs": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR"),
     "estimates": ("VARCHAR", "BIGINT", "BIGINT", "VARCHAR"),
 }
@@ -510,7 +508,15 @@ class Projection:
         batch = item.batch
         self._batches = item.seq
         self._batch_rows.append(
-            (item.seq, batch.basis, self._pos, len(batch.decisions), batch.next_wakeup_ms, batch.v)
+            (
+                item.seq,
+                batch.basis,
+                self._pos,
+                len(batch.decisions),
+                batch.next_wakeup_ms,
+                batch.v,
+                None if batch.logic is msgspec.UNSET else batch.logic,
+            )
         )
         now = state.now_ms  # decisions happen at the time of the input they are based on
         for d in batch.decisions:

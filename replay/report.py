@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from apportion.core.rules.classes import LARGE_MIN_GPUS
+
 KPI_ROWS = (
     ("occupancy", "occupancy", "pct"),
     ("delivery_ratio", "delivered / owed", "pct"),
@@ -18,7 +20,7 @@ KPI_ROWS = (
     ("wait_p90_s", "wait p90", "dur"),
     ("debug_wait_p90_s", "debug wait p90", "dur"),
     ("debug_allocated_wait_p90_s", "debug (min runtime > 0) wait p90", "dur"),
-    ("large_wait_p90_s", "large (>= 64 GPUs) wait p90", "dur"),
+    ("large_wait_p90_s", f"large (>= {LARGE_MIN_GPUS} GPUs) wait p90", "dur"),
     ("open_waits", "still waiting at the end", "int"),
     ("preemptions_per_1000_gpu_h", "preemptions / 1000 GPU-h", "num"),
     ("drain_time_p90_s", "drain time p90", "dur"),

@@ -47,7 +47,14 @@ import duckdb
 from apportion.core.cycle import CycleResult
 from apportion.core.cycle import decide as budget_decide
 from apportion.core.estimate import estimate_starts
-from apportion.core.history import Decider, Observer, decide_batch, fold_item, observe_all
+from apportion.core.history import (
+    BUDGET_LOGIC,
+    Decider,
+    Observer,
+    decide_batch,
+    fold_item,
+    observe_all,
+)
 from apportion.core.state import State, agent_of, run_ended
 from apportion.schemas.events import (
     DAY_MS,
@@ -111,6 +118,15 @@ def sample_estimate(
     start = est.starts.get(workload)
     note = None if start is not None else NOTE_NO_KNOWN_END if est.exhausted else NOTE_HORIZON
     sink(workload, state.now_ms, start, note)
+
+
+PRIORITY_LOGIC = "priority/1"
+"""The version of the baseline policy's logic (see :data:`apportion.core.history.BUDGET_LOGIC`)."""
+
+
+def policy_logic(policy: str) -> str:
+    """The version of the logic of ``policy`` that its batches record."""
+    return PRIORITY_LOGIC if policy == "priority" else BUDGET_LOGIC
 
 
 def policy_decider(policy: str) -> Decider:
@@ -241,6 +257,7 @@ def run_simulation(
     """
     wall0 = time.perf_counter()
     decider = decide or policy_decider(policy)
+    logic = policy_logic(policy)
     state = State()
 
     heap: list[tuple[int, int, int, Any]] = []
@@ -279,7 +296,7 @@ def run_simulation(
 
     def cycle(t: int) -> None:
         nonlocal cycles, n_decisions, counter
-        batch, result = decide_batch(state, decider)
+        batch, result = decide_batch(state, decider, logic)
         cycles += 1
         item = BatchItem(seq=cycles, batch=batch)
         fold_item(state, item)

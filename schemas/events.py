@@ -335,6 +335,12 @@ class DecisionBatch(msgspec.Struct, frozen=True, kw_only=True):
     more: bool | msgspec.UnsetType = msgspec.UNSET
     """``True`` on every part of a cycle but the last: the next batch continues
     the cycle."""
+    logic: str | msgspec.UnsetType = msgspec.UNSET
+    """Which version of the decision logic made the batch (``budget/N`` for the
+    budget scheduler, ``priority/N`` for the simulator's baseline; N grows by one
+    whenever a change makes the same history give different decisions). Unset in
+    logs written before versions were recorded. ``apportion audit`` names both
+    versions when a recomputed batch differs from one made by another version."""
 
     @property
     def is_part(self) -> bool:

@@ -16,7 +16,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from apportion.core.budget import ROOT, team_of
+from apportion.core.budget import ROOT
+from apportion.core.rules.classes import team_of
 from apportion.core.state import State
 from apportion.schemas.events import InputRejected, WorkloadPreempted
 from apportion.schemas.history import BatchItem, HistoryItem

@@ -13,7 +13,7 @@ applied to the live history the gateway follows instead of a projection:
 - **delivered** = min(used, owed) (:func:`owed_delivered`).
 
 A team is the budget node one level above the leaves (a leaf directly under the
-root is its own team, :func:`~apportion.core.budget.team_of`); a user is a leaf.
+root is its own team, :func:`~apportion.core.rules.classes.team_of`); a user is a leaf.
 A team's demand and use are its leaves' summed (leaves since removed included,
 as the KPIs count them), its owed is capped by that sum. Shares are the current
 budget tree's (as the KPIs take the budget table).
@@ -36,7 +36,9 @@ from collections.abc import Iterable
 from fractions import Fraction
 from typing import Any
 
-from apportion.core.budget import ROOT, BudgetTree, team_of
+from apportion.core.budget import ROOT, BudgetTree
+from apportion.core.rules.classes import team_of
+from apportion.core.rules.contract import is_allocated
 from apportion.schemas.events import (
     DAY_MS,
     HOUR_MS,
@@ -165,7 +167,7 @@ class UsageHistory:
         if isinstance(e, WorkloadSubmitted):
             if e.workload in self.live:
                 return
-            w = self.live[e.workload] = _Live(e.owner, e.gpus, e.min_runtime_ms > 0)
+            w = self.live[e.workload] = _Live(e.owner, e.gpus, is_allocated(e))
             if w.allocated:
                 self._change(self.demand, w.leaf, w.gpus, now)
         elif isinstance(e, WorkloadCancelled | WorkloadFinished):

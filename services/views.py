@@ -18,14 +18,14 @@ from fractions import Fraction
 from typing import Any
 
 from apportion.core.budget import ROOT
-from apportion.core.contract import is_protected, may_use_reserved
 from apportion.core.cycle import decide
 from apportion.core.estimate import ASSUMPTION, Estimates, estimate_starts
 from apportion.core.history import fold_item
 from apportion.core.ordering import FairShareView, queue_order
+from apportion.core.rules.contract import is_protected, may_use_reserved
+from apportion.core.rules.gpu_types import is_any, overlap, takes
 from apportion.core.state import State, Workload
 from apportion.schemas.events import (
-    ANY_GPU_TYPE,
     HOUR_MS,
     InputRejected,
     WorkloadPlaced,
@@ -97,15 +97,6 @@ def _ratio_rows(state: State, view: FairShareView, leaf: str) -> list[dict[str, 
         }
         for p, u, wt, r in view.path_ratios(leaf)
     ]
-
-
-def _uses(gpu_type: str, node_type: str) -> bool:
-    return gpu_type in (ANY_GPU_TYPE, node_type)
-
-
-def _compete(a: str, b: str) -> bool:
-    """Two workloads' GPU types could want the same node."""
-    return a in (ANY_GPU_TYPE, b) or b == ANY_GPU_TYPE
 
 
 def _ratio(r: Fraction) -> dict[str, Any]:
@@ -390,8 +381,8 @@ def explain(
         reasons.append(
             "sort key (lower share used ranks first among siblings): " + "; ".join(parts)
         )
-    fits = [n for n in state.nodes.values() if n.schedulable and _uses(w.gpu_type, n.gpu_type)]
-    kind = "" if w.gpu_type == ANY_GPU_TYPE else f" {w.gpu_type}"
+    fits = [n for n in state.nodes.values() if n.schedulable and takes(w.gpu_type, n.gpu_type)]
+    kind = "" if is_any(w.gpu_type) else f" {w.gpu_type}"
     if not fits:
         reasons.append(f"no healthy node of gpu_type {w.gpu_type!r}")
     else:
@@ -417,7 +408,7 @@ def explain(
                 f"{len(blockers)} running allocated workloads on{kind} nodes it could use are "
                 f"protected; the first protection ends {when(b.protected_until_ms, now)} ({b.id})"
             )
-    competing = [a for a in ahead if _compete(a.gpu_type, w.gpu_type)]
+    competing = [a for a in ahead if overlap(a.gpu_type, w.gpu_type)]
     if competing:
         reasons.append(
             f"{len(competing)} workloads that could use the same nodes rank ahead of it, "
@@ -433,7 +424,7 @@ def explain(
                 "may use them"
             )
         elif not may_use_reserved(state.now_ms, w.min_runtime_ms, reservation.start_ms) and any(
-            _uses(w.gpu_type, state.nodes[n].gpu_type) for n in reservation.nodes
+            takes(w.gpu_type, state.nodes[n].gpu_type) for n in reservation.nodes
         ):
             reasons.append(
                 f"may not use {nodes}: reserved for {reservation.workload} from "

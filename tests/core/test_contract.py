@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from apportion.core.contract import (
+from apportion.core.placement import FreeGPUs
+from apportion.core.rules.classes import is_debug, is_large
+from apportion.core.rules.contract import (
     is_allocated,
-    is_debug,
     is_protected,
     may_use_reserved,
     preemptible_from,
     protected_until,
 )
-from apportion.core.placement import FreeGPUs
 from apportion.schemas.events import HOUR_MS as H
 from core_builders import Scenario
 
@@ -48,6 +48,11 @@ def test_the_reservation_gate(t, min_runtime, start, expected) -> None:
 )
 def test_debug_workloads(gpus, min_runtime, expected) -> None:
     assert is_debug(gpus, min_runtime) is expected
+
+
+@pytest.mark.parametrize(("gpus", "expected"), [(64, True), (63, False), (256, True), (1, False)])
+def test_large_workloads(gpus, expected) -> None:
+    assert is_large(gpus) is expected
 
 
 def test_placement_best_fit_across_pools_and_whole_nodes_of_one_pool() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from apportion.core.budget import team_of
+from apportion.core.rules.classes import team_of
 from apportion.replay.cluster_file import cluster_from_dict
 from apportion.replay.kpi import compute_kpis
 from apportion.replay.projection import Projection, snapshot_path

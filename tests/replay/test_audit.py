@@ -14,9 +14,11 @@ import duckdb
 import msgspec
 import pytest
 from apportion.core import cycle
+from apportion.core.history import BUDGET_LOGIC
 from apportion.replay.audit import audit
 from apportion.replay.eventlog import LogError, open_log
 from apportion.replay.projection import Projection
+from apportion.replay.simulator import PRIORITY_LOGIC
 from apportion.replay.whatif import PolicyChange, load_budget, replay_into, whatif
 from apportion.schemas.events import WorkloadPlaced
 from apportion.schemas.history import BatchItem, InputItem
@@ -143,6 +145,61 @@ def test_one_altered_decision_fails_the_audit_at_that_batch(tmp_path):
     assert len(out) == 3
     assert out[0] == f"audit: batch {n_batch} (based on input {div.basis}) differs at decision {k}"
     assert out[1].startswith("  expected: {") and out[2].startswith("  recorded: {")
+
+
+def _relabel(lines: list[dict], logic: str | None) -> list[dict]:
+    """Every batch as made by logic ``logic`` (``None``: no version recorded, as in
+    logs written before batches recorded theirs)."""
+    for x in lines:
+        if "batch" in x:
+            x["batch"].pop("logic", None)
+            if logic is not None:
+                x["batch"]["logic"] = logic
+    return lines
+
+
+def test_batches_record_the_logic_that_made_them():
+    lines = _lines("handmade")
+    assert {x["batch"]["logic"] for x in lines if "batch" in x} == {BUDGET_LOGIC}
+    prio = {x["batch"]["logic"] for x in _lines("debug-priority-1d") if "batch" in x}
+    assert prio == {PRIORITY_LOGIC}
+
+
+@pytest.mark.parametrize(("label", "named"), [("budget/0", "budget/0"), (None, "unrecorded")])
+def test_a_log_made_by_another_logic_that_decides_the_same_passes_and_says_so(
+    tmp_path, label, named
+):
+    path = _write(tmp_path / "old.jsonl", _relabel(_lines("handmade"), label))
+    result = audit(open_log(path), expected_digest=golden_digest("handmade"))
+    assert result.ok, result.verdict()
+    assert result.recorded_logic == [label or ""]
+    assert f"by logic {BUDGET_LOGIC}, made by {named} " in result.verdict()
+
+
+@pytest.mark.parametrize(
+    ("label", "made"),
+    [("budget/0", "made by logic budget/0"), (None, "made by a version before batches")],
+)
+def test_a_divergence_in_a_batch_of_another_logic_names_both_versions(tmp_path, label, made):
+    lines = _relabel(_lines("handmade"), label)
+    i = next(i for i, x in enumerate(lines) if "batch" in x and x["batch"]["next_wakeup_ms"])
+    lines[i]["batch"]["next_wakeup_ms"] += 1
+    result = audit(open_log(_write(tmp_path / "w.jsonl", lines)))
+    div = result.divergence
+    assert div is not None and div.what == "next_wakeup_ms"
+    logic_line = div.lines()[-1]
+    assert made in logic_line and f"this audit runs logic {BUDGET_LOGIC}" in logic_line
+
+
+def test_the_projection_keeps_each_batch_logic(tmp_path):
+    out = tmp_path / "p.duckdb"
+    r = cli("replay", str(golden("handmade")), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    con = duckdb.connect(str(out), read_only=True)
+    assert con.execute("SELECT DISTINCT logic FROM batches").fetchall() == [(BUDGET_LOGIC,)]
+    con.close()
+    result = audit(open_log(out), expected_digest=golden_digest("handmade"))
+    assert result.ok and result.recorded_logic == [BUDGET_LOGIC]
 
 
 def test_an_altered_wakeup_or_a_dropped_decision_fails(tmp_path):

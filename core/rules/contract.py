@@ -27,10 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, TypeVar
 
-DEBUG_MAX_GPUS = 8
-DEBUG_MAX_MIN_RUNTIME_MS = 15 * 60_000
-"""A *debug* workload (the KPIs' class): at most this many GPUs and at most this minimum runtime."""
-
 
 class _Contract(Protocol):
     @property
@@ -58,7 +54,7 @@ def protected_until(placed_ms: int, min_runtime_ms: int) -> int:
 def is_protected(w: _Running, t: int) -> bool:
     """A running workload that may not be preempted at ``t`` (except by its node
     going down): allocated, and ``t < protected_until``."""
-    return t < w.protected_until_ms and w.min_runtime_ms > 0
+    return t < w.protected_until_ms and is_allocated(w)
 
 
 def preemptible_from(w: _Running, t: int) -> int:
@@ -69,14 +65,13 @@ def preemptible_from(w: _Running, t: int) -> int:
 
 
 def protected(ws: Iterable[R], t: int) -> list[R]:
-    """Those of ``ws`` that are protected at ``t`` (:func:`is_protected`, spelled
-    inline: the cycle asks it of every running workload)."""
-    return [w for w in ws if t < w.protected_until_ms and w.min_runtime_ms > 0]
+    """Those of ``ws`` that are protected at ``t`` (:func:`is_protected`)."""
+    return [w for w in ws if is_protected(w, t)]
 
 
 def unprotected(ws: Iterable[R], t: int) -> list[R]:
     """Those of ``ws`` that are not protected at ``t`` (possible victims)."""
-    return [w for w in ws if not (t < w.protected_until_ms and w.min_runtime_ms > 0)]
+    return [w for w in ws if not is_protected(w, t)]
 
 
 def may_use_reserved(t: int, min_runtime_ms: int, start_ms: int) -> bool:
@@ -90,8 +85,3 @@ def effective_grace(own_grace_ms: int | None, policy_grace_ms: int) -> int:
     capacity or by a drain: its own ``grace_ms`` if it set one, else the policy's
     (a node going down gives none)."""
     return policy_grace_ms if own_grace_ms is None else own_grace_ms
-
-
-def is_debug(gpus: int, min_runtime_ms: int) -> bool:
-    """A debug workload: small and short-protected (see :data:`DEBUG_MAX_GPUS`)."""
-    return gpus <= DEBUG_MAX_GPUS and min_runtime_ms <= DEBUG_MAX_MIN_RUNTIME_MS

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from apportion.cli import UserError, main
+from apportion.services.auth import CREDENTIALS_ENV
 
 
 def _default_file() -> Path:
@@ -24,7 +25,7 @@ _file_option = click.option(
     "--file",
     "file",
     type=click.Path(dir_okay=False, path_type=Path),
-    envvar="APPORTION_CREDENTIALS",
+    envvar=CREDENTIALS_ENV,
     default=None,
     help="the gateway's credentials file (default: $APPORTION_CREDENTIALS, "
     "else .apportion/credentials/tokens.toml)",

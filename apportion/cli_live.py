@@ -26,6 +26,7 @@ from typing import Any
 import click
 
 from apportion.cli import UserError, main
+from apportion.services.auth import CREDENTIALS_ENV
 
 URL_HELP = "gateway URL (default: $APPORTION_URL, else http://127.0.0.1:8642)"
 _timeout_option = click.option(
@@ -898,7 +899,7 @@ def budget_apply(
 @click.option(
     "--credentials",
     type=click.Path(dir_okay=False, path_type=Path),
-    envvar="APPORTION_CREDENTIALS",
+    envvar=CREDENTIALS_ENV,
     default=None,
     help="gateway: the credentials file of token hashes (default: $APPORTION_CREDENTIALS); "
     "see docs/security.md",

@@ -56,7 +56,6 @@ from .rules.gpu_types import is_any, takes
 from .usage import MAX_LOOKBACK_MS, change_rates
 
 Status = Literal["pending", "running", "succeeded", "failed", "cancelled", "preempted", "rejected"]
-ENDED = ("succeeded", "failed", "cancelled", "preempted")
 
 
 class CorruptHistory(Exception):

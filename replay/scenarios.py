@@ -53,7 +53,6 @@ from .trace import HealthRow, NumberedRows, TraceRow
 if TYPE_CHECKING:
     from .family import Knobs
 
-WEEK_MS = 7 * DAY_MS
 T = TypeVar("T")
 
 
@@ -74,10 +73,6 @@ class Scenario(msgspec.Struct, kw_only=True):
             "preemption_margin": 0,
         }
     )
-
-    @property
-    def node_names(self) -> list[str]:
-        return [f"{p}{i:03d}" for p, c, _, _ in self.pools for i in range(c)]
 
 
 AI2_PROGRAMS: list[tuple[str, int, list[tuple[str, int]]]] = [

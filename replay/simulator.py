@@ -71,7 +71,6 @@ from .projection import Projection
 from .trace import HealthRow, TraceRow
 
 _FINISH, _HEALTH, _INPUT, _SUBMIT, _TICK = 0, 1, 2, 3, 4
-POLICIES = ("budget", "priority")
 
 DEFAULT_ESTIMATE_EVERY = 0
 """The default sample of :func:`simulate`: the estimate of every N-th submission (0: none)."""
@@ -101,10 +100,6 @@ class SimResult:
         self.rejected: list[tuple[str, str]] = kw["rejected"]
         """``(input id, reason)`` of every input the fold rejected (trace rows: ``sub/<id>``)."""
         self.state: State = kw["state"]
-
-    @property
-    def simulated_days(self) -> float:
-        return (self.end_ms - self.start_ms) / DAY_MS
 
 
 def sample_estimate(

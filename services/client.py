@@ -25,114 +25,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from apportion.core.state import agent_of
-from apportion.schemas.events import (
-    ANY_GPU_TYPE,
-    HealthState,
-    NodeHealthChanged,
-    NodeRegistered,
-    Outcome,
-    WorkloadCancelled,
-    WorkloadFinished,
-    WorkloadSubmitted,
-)
-
 from .auth import TOKEN_ENV, TOKEN_FILE_ENV, client_token
-from .bus import TIMEOUT_ENV, EventLog, PublishResult, client_timeout_s
+from .bus import TIMEOUT_ENV, client_timeout_s
 
 DEFAULT_URL = "http://127.0.0.1:8642"
 URL_ENV = "APPORTION_URL"
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-class EventClient:
-    """Publish inputs directly (``at_ms`` is informative: the log's ingestion time is what counts)."""
-
-    def __init__(self, log: EventLog) -> None:
-        self.log = log
-
-    async def submit(
-        self,
-        workload: str,
-        owner: str,
-        gpus: int,
-        min_runtime_ms: int,
-        *,
-        duration_ms: int | None = None,
-        priority: int = 0,
-        resumable: bool = True,
-        gpu_type: str = ANY_GPU_TYPE,
-        submitted_by: str = "",
-    ) -> PublishResult:
-        return await self.log.publish_input(
-            WorkloadSubmitted(
-                id=f"submit-{workload}",
-                at_ms=_now_ms(),
-                workload=workload,
-                owner=owner,
-                gpus=gpus,
-                min_runtime_ms=min_runtime_ms,
-                duration_ms=duration_ms,
-                priority=priority,
-                resumable=resumable,
-                gpu_type=gpu_type,
-                submitted_by=submitted_by,
-            )
-        )
-
-    async def cancel(self, workload: str, actor: str = "") -> PublishResult:
-        return await self.log.publish_input(
-            WorkloadCancelled(
-                id=f"cancel-{workload}", at_ms=_now_ms(), workload=workload, actor=actor
-            )
-        )
-
-    async def finished(
-        self, workload: str, attempt: int | None, outcome: Outcome = "succeeded", actor: str = ""
-    ) -> PublishResult:
-        """Report the end of a run, as ``actor`` (an operator or ``agent:<node>``)."""
-        return await self.log.publish_input(
-            WorkloadFinished(
-                id=f"finished-{workload}-{attempt}",
-                at_ms=_now_ms(),
-                workload=workload,
-                attempt=attempt,
-                outcome=outcome,
-                actor=actor,
-            )
-        )
-
-    async def node_registered(
-        self, node: str, gpus: int, gpu_type: str, actor: str | None = None
-    ) -> PublishResult:
-        """Register ``node`` as ``actor`` (default: the host's own agent)."""
-        return await self.log.publish_input(
-            NodeRegistered(
-                id=f"node-{node}-{uuid.uuid4().hex[:8]}",
-                at_ms=_now_ms(),
-                node=node,
-                gpus=gpus,
-                gpu_type=gpu_type,
-                actor=agent_of(node) if actor is None else actor,
-            )
-        )
-
-    async def node_health(
-        self, node: str, state: HealthState, actor: str | None = None
-    ) -> PublishResult:
-        """Change ``node``'s health as ``actor`` (default: the host's own agent)."""
-        return await self.log.publish_input(
-            NodeHealthChanged(
-                id=f"health-{node}-{uuid.uuid4().hex[:8]}",
-                at_ms=_now_ms(),
-                node=node,
-                state=state,
-                actor=agent_of(node) if actor is None else actor,
-            )
-        )
 
 
 NOT_AUTHENTICATED_HINT = (

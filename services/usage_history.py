@@ -327,9 +327,6 @@ class Hourly:
         self.demand = demand
         self.used = used
 
-    def hour_starts(self) -> list[int]:
-        return [self.start_ms + i * HOUR_MS for i in range(self.n)]
-
     def summed(self, leaves: Iterable[str]) -> tuple[list[int], list[int]]:
         """Demand and use of ``leaves`` together, per hour."""
         demand = [0] * self.n

@@ -68,7 +68,7 @@ from apportion.schemas.events import (
 )
 
 from . import agent_runs, logs
-from .agent_health import HostHealth, _why, discover_gpus, gpu_type_of
+from .agent_health import HostHealth, discover_gpus, error_text, gpu_type_of
 from .agent_process import SLEEPER, ProcessRuntime, container_runtime, master_port
 from .agent_runs import REPORTED, STARTED, Attempt
 from .bus import EventLog
@@ -202,7 +202,7 @@ class Agent:
                 except Exception as exc:
                     if not is_transient(exc):
                         raise
-                    self.logger.warning("interrupted; retrying", error=_why(exc))
+                    self.logger.warning("interrupted; retrying", error=error_text(exc))
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), 1.0)
         finally:
@@ -245,7 +245,7 @@ class Agent:
         try:
             await asyncio.wait_for(self.log.publish_input(event), PUBLISH_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - retried on the next round
-            self.logger.warning(f"{what} publish failed; retrying", error=_why(exc))
+            self.logger.warning(f"{what} publish failed; retrying", error=error_text(exc))
             return False
         return True
 

@@ -118,7 +118,7 @@ class HostHealth:
         try:
             sub = await nc.subscribe(subjects.heartbeats, cb=heard)
         except Exception as exc:  # noqa: BLE001 - no gang addresses then; heartbeats still go
-            self.logger.error("cannot hear the other hosts' heartbeats", error=_why(exc))
+            self.logger.error("cannot hear the other hosts' heartbeats", error=error_text(exc))
             sub = None
         try:
             while not stop.is_set():
@@ -133,7 +133,7 @@ class HostHealth:
                 try:
                     await nc.publish(subjects.heartbeat(self.node), json.dumps(payload).encode())
                 except Exception as exc:  # noqa: BLE001 - a reconnect; the next one may pass
-                    self.logger.warning("heartbeat failed", error=_why(exc))
+                    self.logger.warning("heartbeat failed", error=error_text(exc))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.heartbeat_s)
         finally:
@@ -191,6 +191,7 @@ class HostHealth:
         return True, ""
 
 
-def _why(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
+    """The first line of an error, with its type (for a log line)."""
     text = str(exc).splitlines()[0][:300] if str(exc) else ""
     return f"{type(exc).__name__}: {text}".rstrip(": ")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from apportion.core.history import HistoryOrderError, fold_item
@@ -24,6 +25,53 @@ from apportion.schemas.history import BatchItem, HistoryItem, InputItem
 
 from . import logs
 from .bus import EventLog, JetStreamLog, Tail, connect
+
+
+class SkippingFold:
+    """The one loop that folds history items and passes over a decision batch out
+    of canonical order: the follower, the projector and the scheduler fold with it.
+
+    A batch that :func:`~apportion.core.history.fold_item` refuses
+    (:class:`~apportion.core.history.HistoryOrderError`) changes nothing: it is
+    logged on ``logger`` (``skipped a decision batch out of canonical order``,
+    with its ``seq`` and ``why``), counted in :attr:`skipped`, shown to
+    ``on_skip`` (a metric, a position), and left out of what :meth:`fold`
+    yields. An input out of order is a broken reader, not a rogue message: it
+    raises."""
+
+    def __init__(
+        self, logger: Any, on_skip: Callable[[BatchItem, str], None] | None = None
+    ) -> None:
+        self.logger = logger
+        self.on_skip = on_skip
+        self.skipped = 0
+        """Decision batches out of canonical order, skipped."""
+
+    def fold(
+        self, state: State, items: Iterable[HistoryItem]
+    ) -> Iterator[tuple[HistoryItem, str | None]]:
+        """Fold ``items`` into ``state`` in order, yielding each item right after it
+        was folded (an observer sees the state with it and no later one) with the
+        reason an input was refused (``None`` if it was not); skipped batches are
+        not yielded."""
+        for item in items:
+            try:
+                why = fold_item(state, item)
+            except HistoryOrderError as exc:
+                if not isinstance(item, BatchItem):
+                    raise
+                self.skip(item, str(exc))
+                continue
+            yield item, why
+
+    def skip(self, item: BatchItem, why: str) -> None:
+        """Pass over batch ``item`` (logged, counted, shown to ``on_skip``)."""
+        self.skipped += 1
+        self.logger.warning(
+            "skipped a decision batch out of canonical order", seq=item.seq, why=why
+        )
+        if self.on_skip is not None:
+            self.on_skip(item, why)
 
 
 class CanonicalReader:
@@ -89,8 +137,12 @@ class Follower:
         self.log = log
         self.state = State()
         self.reader = CanonicalReader(log)
-        self.skipped = 0
+        self._fold = SkippingFold(logs.get("canonical"))
+
+    @property
+    def skipped(self) -> int:
         """Decision batches out of canonical order, skipped."""
+        return self._fold.skipped
 
     async def poll(self, timeout: float) -> list[HistoryItem]:
         """Fold what arrived; return it (a batch out of canonical order is skipped,
@@ -100,22 +152,7 @@ class Follower:
     async def poll_folded(self, timeout: float) -> list[tuple[HistoryItem, str | None]]:
         """:meth:`poll`, each item with what folding it gave: the reason an input
         was refused, or ``None``."""
-        items = await self.reader.read(timeout)
-        state = self.state
-        folded: list[tuple[HistoryItem, str | None]] = []
-        for item in items:
-            try:
-                why = fold_item(state, item)
-            except HistoryOrderError as exc:
-                if not isinstance(item, BatchItem):
-                    raise
-                self.skipped += 1
-                logs.get("canonical").warning(
-                    "skipped a decision batch out of canonical order", seq=item.seq, why=str(exc)
-                )
-                continue
-            folded.append((item, why))
-        return folded
+        return list(self._fold.fold(self.state, await self.reader.read(timeout)))
 
     async def close(self) -> None:
         await self.reader.close()

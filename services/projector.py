@@ -25,13 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-from apportion.core.history import HistoryOrderError, fold_item
 from apportion.replay.projection import Projection
-from apportion.schemas.history import BatchItem
 
 from . import logs
 from .bus import EventLog
-from .canonical import CanonicalReader
+from .canonical import CanonicalReader, SkippingFold
 from .metrics import ProjectorMetrics, stored_inputs
 
 
@@ -160,9 +158,13 @@ class Projector:
         self.logger = logs.get("projector", cluster=log.subjects.cluster)
         self.position: tuple[int, int] = projection.position
         self.state = projection.saved_state()
-        self.skipped = 0
-        """Decision batches skipped as out of canonical order."""
+        self._fold = SkippingFold(self.logger, lambda _item, _why: self.metrics.skipped.inc())
         self.metrics.update(self.position, None)
+
+    @property
+    def skipped(self) -> int:
+        """Decision batches skipped as out of canonical order."""
+        return self._fold.skipped
 
     async def metrics_text(self) -> bytes:
         """The metrics in Prometheus' text format; the lag asks NATS for INPUTS' last sequence."""
@@ -185,20 +187,7 @@ class Projector:
         try:
             while not stop.is_set():
                 items = await reader.read(0.2, limit=5000)
-                for item in items:
-                    try:
-                        why = fold_item(state, item)
-                    except HistoryOrderError as exc:
-                        if not isinstance(item, BatchItem):
-                            raise
-                        self.skipped += 1
-                        self.metrics.skipped.inc()
-                        self.logger.warning(
-                            "skipped a decision batch out of canonical order",
-                            seq=item.seq,
-                            why=str(exc),
-                        )
-                        continue
+                for item, why in self._fold.fold(state, items):
                     p(item, state, why)
                 dirty = dirty or bool(items)
                 if dirty and (not items or time.monotonic() - last_commit >= self.commit_every_s):

@@ -54,13 +54,7 @@ from collections.abc import Callable
 
 import msgspec
 from apportion.core.cycle import decide as budget_decide
-from apportion.core.history import (
-    Decider,
-    HistoryOrderError,
-    decide_batch,
-    fold_item,
-    split_batch,
-)
+from apportion.core.history import Decider, decide_batch, fold_item, split_batch
 from apportion.core.state import SCHEDULER, State
 from apportion.schemas.events import ClockTicked, DecisionBatch, NodeHealthChanged
 from apportion.schemas.history import BatchItem, InputItem
@@ -77,6 +71,7 @@ from .bus import (
     SnapshotUnreadable,
     Tail,
 )
+from .canonical import SkippingFold
 from .metrics import SchedulerMetrics, stored_inputs
 
 SNAPSHOT_NAME = "scheduler"
@@ -167,6 +162,7 @@ class Scheduler:
         self.metrics = metrics or SchedulerMetrics()
         """Prometheus metrics (docs/services.md, "Metrics"); :meth:`metrics_text` renders them."""
         self.logger = logs.get("scheduler", instance=name, cluster=log.subjects.cluster)
+        self._fold = SkippingFold(self.logger, self._passed_over)
         self.state: State | None = None
         self.batch_seq = 0
         """The last DECISIONS sequence read (folded, held as an open part, or skipped)."""
@@ -446,18 +442,22 @@ class Scheduler:
         if sb.batch.continued:
             return 0  # the cycle goes on in the next batch
         parts, self._open = self._open, []
-        for part in parts:
-            try:
-                fold_item(state, part)
-            except HistoryOrderError as exc:
-                self._skip(part, str(exc))
+        for _folded in self._fold.fold(state, parts):
+            pass
         self.last_basis = basis
         return len(parts)
 
+    @property
+    def skipped(self) -> int:
+        """Decision batches passed over as out of canonical order."""
+        return self._fold.skipped
+
     def _skip(self, sb: BatchItem, why: str) -> int:
-        self.logger.warning("skipped a decision batch out of canonical order", seq=sb.seq, why=why)
-        self.batch_seq = max(self.batch_seq, sb.seq)
+        self._fold.skip(sb, why)
         return 0
+
+    def _passed_over(self, sb: BatchItem, _why: str) -> None:
+        self.batch_seq = max(self.batch_seq, sb.seq)
 
     # -- the lease --------------------------------------------------------
     def _check_lease(self) -> None:

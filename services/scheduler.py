@@ -555,12 +555,15 @@ class Scheduler:
         for sb in published:
             fold_item(state, sb)
         if tuple(done) != batch.decisions[: len(done)]:
-            # not this code's decision (another version?): close the cycle as it stands
+            # not this code's decision: close the cycle as it stands, naming both versions
+            made_by = published[0].batch.logic
             self.logger.error(
                 "the published parts of a cycle differ from its decision; closing it",
                 basis=batch.basis,
+                parts_logic=None if made_by is msgspec.UNSET else made_by,
+                logic=batch.logic,
             )
-            batch = msgspec.structs.replace(batch, decisions=tuple(done))
+            batch = msgspec.structs.replace(batch, decisions=tuple(done), logic=made_by)
         parts = split_batch(batch, cycle_start, self.log.max_batch_bytes, start=len(done))
         for part in parts:
             try:

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from apportion.core.commands import submission, submit_id
 from apportion.core.state import agent_of
 from apportion.schemas.events import (
     ANY_GPU_TYPE,
@@ -34,7 +35,6 @@ from apportion.schemas.events import (
     Outcome,
     WorkloadCancelled,
     WorkloadFinished,
-    WorkloadSubmitted,
 )
 
 from .auth import TOKEN_ENV, TOKEN_FILE_ENV, client_token
@@ -68,8 +68,8 @@ class EventClient:
         submitted_by: str = "",
     ) -> PublishResult:
         return await self.log.publish_input(
-            WorkloadSubmitted(
-                id=f"submit-{workload}",
+            submission(
+                id=submit_id(workload),
                 at_ms=_now_ms(),
                 workload=workload,
                 owner=owner,
@@ -146,14 +146,18 @@ class GatewayError(Exception):
 
     ``status`` is ``None`` when no answer came (``sent``: the request may have
     reached the gateway, as when it timed out); ``retried`` says an earlier
-    attempt of the same request got no acknowledgement (504), so it may be stored."""
+    attempt of the same request got no acknowledgement (504), so it may be stored.
+    ``code`` is the answer's reason code (docs/reasons.md), ``None`` without one."""
 
-    def __init__(self, reason: str, status: int | None = None, sent: bool = False) -> None:
+    def __init__(
+        self, reason: str, status: int | None = None, sent: bool = False, code: str | None = None
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
         self.sent = sent
         self.retried = False
+        self.code = code
 
 
 def new_workload_id() -> str:
@@ -212,13 +216,16 @@ class GatewayClient:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
+            code = None
             try:
-                reason = json.loads(exc.read()).get("error") or exc.reason
+                answer = json.loads(exc.read())
+                reason = answer.get("error") or exc.reason
+                code = answer.get("code") if isinstance(answer.get("code"), str) else None
             except (ValueError, AttributeError, OSError):
                 reason = str(exc.reason)
             if exc.code == 401:
                 reason = self._unauthenticated(str(reason))
-            raise GatewayError(str(reason), exc.code) from None
+            raise GatewayError(str(reason), exc.code, code=code) from None
         except (TimeoutError, ConnectionResetError, http.client.HTTPException):
             raise GatewayError(late, sent=True) from None
         except (urllib.error.URLError, OSError, ValueError) as exc:

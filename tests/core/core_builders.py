@@ -41,7 +41,6 @@ from apportion.schemas.events import (
     WorkloadStarted,
     WorkloadSubmitted,
 )
-
 from apportion.schemas.reasons import CODES
 
 ADMIN = "admin"

@@ -9,9 +9,11 @@ independent copy when one is needed.
 
 Inputs are validated here. An input that cannot apply (bad input, or a stale
 report racing a decision) changes nothing but the clock and the input sequence,
-and is recorded in :attr:`State.rejections`; the next scheduling cycle turns
-each into an :class:`~apportion.schemas.events.InputRejected` decision, whose
-fold clears it. Decisions come only from the scheduler: a decision that cannot
+and is recorded in :attr:`State.rejections` with its reason code and message
+(a :class:`~apportion.schemas.reasons.Refusal`, from the check functions
+``*_refusal`` that the command layer, :mod:`apportion.core.commands`, calls
+too); the next scheduling cycle turns each into an
+:class:`~apportion.schemas.events.InputRejected` decision, whose fold clears it. Decisions come only from the scheduler: a decision that cannot
 apply means the history is corrupt and raises :class:`CorruptHistory`.
 """
 
@@ -58,7 +60,7 @@ from .pendingindex import PendingIndex
 from .protectionindex import ProtectionIndex
 from .usage import MAX_LOOKBACK_MS, change_rates
 
-Rejection = tuple[str, str, "str | UnsetType"]
+Rejection = tuple[str, str, str | UnsetType]
 """``(input id, reason, code)`` of an input the fold refused, not yet announced
 (the code is unset only for a rejection restored from a snapshot made before codes)."""
 

@@ -716,7 +716,14 @@ def openapi_document() -> dict[str, Any]:
                 "post": {
                     "summary": "Set and remove budget nodes",
                     "requestBody": body(budget),
-                    "responses": {"202": accepted, "400": err, "403": err, **publishing},
+                    "responses": {
+                        "202": accepted,
+                        "400": err,
+                        "403": err,
+                        "404": err,
+                        "409": err,
+                        **publishing,
+                    },
                 },
             },
             "/v1/usage/history": {

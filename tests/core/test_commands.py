@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 from apportion.core import commands
 from apportion.core.history import fold_item
@@ -27,7 +28,7 @@ from apportion.schemas.events import (
     WorkloadStarted,
     WorkloadSubmitted,
 )
-from apportion.schemas.history import input_item
+from apportion.schemas.history import input_item, malformed_item
 from apportion.schemas.reasons import CODES, FOLD_CODES, REQUEST_CODES, Refusal
 from core_builders import ADMIN, Scenario
 
@@ -272,3 +273,56 @@ def test_the_doc_lists_exactly_the_codes_defined() -> None:
     fold, gateway = doc_codes("The codes the fold records"), doc_codes("The gateway's own codes")
     assert fold == FOLD_CODES  # every one, once, in the order defined
     assert gateway == REQUEST_CODES
+
+
+# -- schema evolution -------------------------------------------------------------
+
+
+def test_an_input_rejected_without_a_code_decodes_and_encodes_as_before() -> None:
+    from apportion.schemas.codec import decode_decision, encode
+
+    old = (
+        b'{"kind":"InputRejected","id":"d1","at_ms":0,"v":1,"ref":"sub/x",'
+        b'"reason":"unknown owner \'c\': submit to a leaf of the budget tree"}'
+    )
+    decision = decode_decision(old)
+    assert isinstance(decision, InputRejected) and decision.code is msgspec.UNSET
+    assert encode(decision) == old
+    new = msgspec.structs.replace(decision, code="unknown_owner")
+    assert encode(new) == old[:-1] + b',"code":"unknown_owner"}'
+    assert decode_decision(encode(new)) == new
+    with pytest.raises(Exception, match="code"):
+        decode_decision(old[:-1] + b',"code":"Not A Code"}')
+
+
+def test_a_snapshot_without_pending_rejections_encodes_as_before_codes() -> None:
+    state = world()
+    assert not state.rejections
+    assert b"rejection_codes" not in state.to_bytes()
+
+
+def test_a_snapshot_keeps_the_codes_of_pending_rejections() -> None:
+    state = world()
+    apply(state, sub(owner="nope"))
+    fold_item(state, malformed_item(state.input_seq + 1, 0, "m1", "invalid JSON"))
+    copy = state.copy()
+    assert copy.rejections == state.rejections
+    assert [c for _, _, c in copy.rejections] == ["unknown_owner", "malformed"]
+    assert copy.digest() == state.digest()
+
+
+def test_a_snapshot_from_before_codes_still_restores_and_announces() -> None:
+    from apportion.core.cycle import decide
+    from apportion.core.state import StateSnapshot
+
+    state = world()
+    apply(state, sub(owner="nope"))
+    snap = state.snapshot()
+    old = msgspec.structs.replace(
+        snap, rejection_codes=msgspec.UNSET
+    )  # as an older version wrote it
+    restored = State.from_bytes(msgspec.msgpack.encode(old))
+    assert [(r, c) for r, _, c in restored.rejections] == [("req", msgspec.UNSET)]
+    (rejected,) = [d for d in decide(restored).decisions if isinstance(d, InputRejected)]
+    assert rejected.code is msgspec.UNSET and rejected.reason == state.rejections[0][1]
+    assert isinstance(snap, StateSnapshot)

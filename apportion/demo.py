@@ -13,6 +13,7 @@ rejected.
 from __future__ import annotations
 
 from apportion.core import ROOT, FairShareView, State, apply, queue_order
+from apportion.core.commands import submission
 from apportion.schemas.events import (
     ANY_GPU_TYPE,
     DAY_MS,
@@ -26,7 +27,6 @@ from apportion.schemas.events import (
     WorkloadFinished,
     WorkloadPlaced,
     WorkloadPreempted,
-    WorkloadSubmitted,
 )
 
 OPERATOR = "ops"
@@ -72,7 +72,7 @@ class _History:
         priority: int = 0,
     ) -> None:
         self.fold(
-            WorkloadSubmitted(
+            submission(
                 id=self._id(),
                 at_ms=self.t,
                 workload=wid,
@@ -237,6 +237,6 @@ def run_demo() -> None:
         print(
             "\nrejected inputs (they changed nothing; the next cycle announces each as InputRejected):"
         )
-        for ref, reason in state.rejections:
-            print(f"  {ref}: {reason}")
+        for ref, reason, code in state.rejections:
+            print(f"  {ref}: {reason} [{code}]")
     print(f"\nstate digest {state.digest()[:16]}  (same events -> same digest, on any machine)")

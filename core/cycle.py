@@ -227,8 +227,8 @@ class _Cycle:
     # ------------------------------------------------------------------
     def run(self, report_reservation: bool = False) -> CycleResult:
         state = self.state
-        for ref, reason in state.rejections:
-            self._emit(InputRejected, ref=ref, reason=reason)
+        for ref, reason, code in state.rejections:
+            self._emit(InputRejected, ref=ref, reason=reason, code=code)
         self._lose_down_nodes()
         self._drain()
         self._schedule_allocated()

@@ -37,6 +37,7 @@ from apportion.schemas.bounds import clip_reason
 from apportion.schemas.codec import encode
 from apportion.schemas.events import DecisionBatch
 from apportion.schemas.history import HistoryItem, InputItem
+from apportion.schemas.reasons import MALFORMED
 from msgspec import UNSET
 
 from .cycle import CycleResult, decide
@@ -80,7 +81,8 @@ def fold_item(state: State, item: HistoryItem) -> str | None:
             state.input_seq += 1
             if item.at_ms > state.now_ms:
                 state.now_ms = item.at_ms
-            rejections.append((item.ref, clip_reason(item.rejection or "malformed input")))
+            reason = clip_reason(item.rejection or "malformed input")
+            rejections.append((item.ref, reason, MALFORMED))
         return rejections[-1][1] if len(rejections) > before else None
     batch = item.batch
     basis = batch.basis

@@ -9,9 +9,11 @@ independent copy when one is needed.
 
 Inputs are validated here. An input that cannot apply (bad input, or a stale
 report racing a decision) changes nothing but the clock and the input sequence,
-and is recorded in :attr:`State.rejections`; the next scheduling cycle turns
-each into an :class:`~apportion.schemas.events.InputRejected` decision, whose
-fold clears it. Decisions come only from the scheduler: a decision that cannot
+and is recorded in :attr:`State.rejections` with its reason code and message
+(a :class:`~apportion.schemas.reasons.Refusal`, from the check functions
+``*_refusal`` that the command layer, :mod:`apportion.core.commands`, calls
+too); the next scheduling cycle turns each into an
+:class:`~apportion.schemas.events.InputRejected` decision, whose fold clears it. Decisions come only from the scheduler: a decision that cannot
 apply means the history is corrupt and raises :class:`CorruptHistory`.
 """
 
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import msgspec
+from apportion.schemas import reasons as R
 from apportion.schemas.bounds import clip_reason
 from apportion.schemas.events import (
     DAY_MS,
@@ -46,6 +49,8 @@ from apportion.schemas.events import (
     WorkloadStarted,
     WorkloadSubmitted,
 )
+from apportion.schemas.reasons import Refusal
+from msgspec import UNSET, UnsetType
 
 from .budget import ROOT, BudgetNode, BudgetTree, parent_of, path_error
 from .nodeindex import NodeIndex
@@ -54,6 +59,10 @@ from .protectionindex import ProtectionIndex
 from .rules.contract import is_allocated, protected_until
 from .rules.gpu_types import is_any, takes
 from .usage import MAX_LOOKBACK_MS, change_rates
+
+Rejection = tuple[str, str, str | UnsetType]
+"""``(input id, reason, code)`` of an input the fold refused, not yet announced
+(the code is unset only for a rejection restored from a snapshot made before codes)."""
 
 Status = Literal["pending", "running", "succeeded", "failed", "cancelled", "preempted", "rejected"]
 
@@ -170,6 +179,10 @@ class StateSnapshot(msgspec.Struct, kw_only=True):
     running: list[str]
     ended: list[tuple[str, str]]
     rejections: list[tuple[str, str]]
+    rejection_codes: list[str] | UnsetType = UNSET
+    """The codes of ``rejections``, in order; written only while there are some (so
+    a state without pending rejections encodes as it did before codes). ``""``: a
+    code not known (a rejection restored from an older snapshot)."""
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
@@ -216,8 +229,8 @@ class State:
         self.running: dict[str, Workload] = {}
         self.ended: dict[str, str] = {}
         """Status of every ended or rejected workload id."""
-        self.rejections: list[tuple[str, str]] = []
-        """``(input id, reason)`` not yet announced by an ``InputRejected`` decision."""
+        self.rejections: list[Rejection] = []
+        """``(input id, reason, code)`` not yet announced by an ``InputRejected`` decision."""
         # derived, rebuilt on restore:
         self.pools: dict[tuple[str, int], int] = {}
         """``(gpu_type, gpus_per_node) -> number of nodes``."""
@@ -226,7 +239,7 @@ class State:
         first read)."""
         self.node_index = NodeIndex()
         """Nodes by pool, health and free GPUs (:mod:`apportion.core.nodeindex`)."""
-        self.gang_errors: dict[tuple[str, int], str | None] = {}
+        self.gang_errors: dict[tuple[str, int], Refusal | None] = {}
         """Cache of :func:`_gang_error` by ``(gpu_type, gpus)``; cleared when pools change."""
         self.active_by_owner: dict[str, int] = {}
         """Live workloads per owner leaf."""
@@ -260,7 +273,12 @@ class State:
             pending=list(self.pending),
             running=list(self.running),
             ended=list(self.ended.items()),
-            rejections=list(self.rejections),
+            rejections=[(ref, reason) for ref, reason, _ in self.rejections],
+            rejection_codes=(
+                [code if isinstance(code, str) else "" for _, _, code in self.rejections]
+                if self.rejections
+                else UNSET
+            ),
         )
 
     def to_bytes(self) -> bytes:
@@ -284,7 +302,13 @@ class State:
         state.pending.update((i, state.workloads[i]) for i in snap.pending)
         state.running = {i: state.workloads[i] for i in snap.running}
         state.ended = dict(snap.ended)
-        state.rejections = [(ref, reason) for ref, reason in snap.rejections]
+        codes: list[str] = (
+            [] if isinstance(snap.rejection_codes, UnsetType) else snap.rejection_codes
+        )
+        state.rejections = [
+            (ref, reason, (codes[i] if i < len(codes) else "") or UNSET)
+            for i, (ref, reason) in enumerate(snap.rejections)
+        ]
         for n in state.nodes.values():
             _add_pool(state, n)
         for w in state.workloads.values():
@@ -361,8 +385,8 @@ def _end_stop(state: State, w: Workload) -> None:
         _end(state, w, "preempted")
 
 
-def _reject(state: State, event: Event, reason: str) -> None:
-    state.rejections.append((event.id, clip_reason(reason)))
+def _reject(state: State, event: Event, refusal: Refusal) -> None:
+    state.rejections.append((event.id, clip_reason(refusal.message), refusal.code))
 
 
 # -- hosts ----------------------------------------------------------------
@@ -408,30 +432,39 @@ def _not_operator(actor: str, what: str, agent: str = "the host's own agent") ->
     )
 
 
-def _node_registered(state: State, e: NodeRegistered) -> None:
-    _tick(state, e)
+def registration_refusal(state: State, e: NodeRegistered) -> Refusal | None:
+    """Why ``e`` cannot register its host, or ``None``; used by the fold and the
+    command layer (:mod:`apportion.core.commands`)."""
     if not e.node:
-        return _reject(state, e, "node name is empty")
+        return Refusal(R.INVALID_NAME, "node name is empty")
     if e.node in _DOT_NAMES:
-        return _reject(
-            state, e, f"node name {e.node!r} is not allowed (it names a folder on hosts)"
+        return Refusal(
+            R.INVALID_NAME, f"node name {e.node!r} is not allowed (it names a folder on hosts)"
         )
     if not may_manage_node(state, e.actor, e.node):
-        return _reject(state, e, _not_operator(e.actor, f"register node {e.node!r}"))
+        return Refusal(R.NOT_AUTHORISED, _not_operator(e.actor, f"register node {e.node!r}"))
     if e.gpus <= 0:
-        return _reject(state, e, f"node {e.node!r}: gpus must be positive, got {e.gpus}")
+        return Refusal(R.NOT_POSITIVE, f"node {e.node!r}: gpus must be positive, got {e.gpus}")
     if is_any(e.gpu_type):
-        return _reject(state, e, f"node {e.node!r}: gpu_type must name a real GPU type")
+        return Refusal(R.INVALID_GPU_TYPE, f"node {e.node!r}: gpu_type must name a real GPU type")
     known = state.nodes.get(e.node)
     if known is not None:
         if known.gpus == e.gpus and known.gpu_type == e.gpu_type:
-            return _reject(state, e, f"node {e.node!r} is already registered (no change)")
+            return Refusal(R.NO_CHANGE, f"node {e.node!r} is already registered (no change)")
         if known.workloads:
-            return _reject(
-                state,
-                e,
-                f"node {e.node!r} has running work; drain it before changing its GPUs",
+            return Refusal(
+                R.HAS_WORK, f"node {e.node!r} has running work; drain it before changing its GPUs"
             )
+    return None
+
+
+def _node_registered(state: State, e: NodeRegistered) -> None:
+    _tick(state, e)
+    problem = registration_refusal(state, e)
+    if problem:
+        return _reject(state, e, problem)
+    known = state.nodes.get(e.node)
+    if known is not None:
         _remove_pool(state, known)
         known.gpus, known.gpu_type, known.free = e.gpus, e.gpu_type, e.gpus
         _add_pool(state, known)
@@ -467,17 +500,29 @@ def _remove_pool(state: State, node: ClusterNode) -> None:
         index.remove_healthy(node.node, key, node.free)
 
 
-def _node_health_changed(state: State, e: NodeHealthChanged) -> None:
-    _tick(state, e)
+def health_refusal(state: State, e: NodeHealthChanged) -> Refusal | None:
+    """Why ``e`` cannot change its host's health, or ``None``; used by the fold and
+    the command layer."""
     node = state.nodes.get(e.node)
     if node is None:
-        return _reject(state, e, f"unknown node {e.node!r}")
+        return Refusal(R.UNKNOWN_NODE, f"unknown node {e.node!r}")
     if not may_manage_node(state, e.actor, e.node) and not (
         e.actor == SCHEDULER and e.state == "down"
     ):
-        return _reject(state, e, _not_operator(e.actor, f"change the health of node {e.node!r}"))
+        return Refusal(
+            R.NOT_AUTHORISED, _not_operator(e.actor, f"change the health of node {e.node!r}")
+        )
     if node.health == e.state:
-        return _reject(state, e, f"node {e.node!r} is already {e.state} (no change)")
+        return Refusal(R.NO_CHANGE, f"node {e.node!r} is already {e.state} (no change)")
+    return None
+
+
+def _node_health_changed(state: State, e: NodeHealthChanged) -> None:
+    _tick(state, e)
+    problem = health_refusal(state, e)
+    if problem:
+        return _reject(state, e, problem)
+    node = state.nodes[e.node]
     index, key = state.node_index, (node.gpu_type, node.gpus)
     if node.schedulable:
         index.remove_healthy(node.node, key, node.free)
@@ -492,80 +537,108 @@ def _node_health_changed(state: State, e: NodeHealthChanged) -> None:
 # -- budget and policy ------------------------------------------------------
 
 
-def _budget_set(state: State, e: BudgetSet) -> None:
-    _tick(state, e)
+def budget_set_refusal(state: State, e: BudgetSet) -> Refusal | None:
+    """Why ``e`` cannot set its budget node, or ``None``; used by the fold and the
+    command layer."""
     tree = state.budget
     problem = path_error(e.path)
     if problem:
-        return _reject(state, e, problem)
+        return Refusal(R.BAD_PATH, problem)
     if e.weight <= 0:
-        return _reject(
-            state, e, f"budget {e.path!r}: weight must be a positive integer, got {e.weight}"
+        return Refusal(
+            R.NOT_POSITIVE, f"budget {e.path!r}: weight must be a positive integer, got {e.weight}"
         )
     if not e.owner:
-        return _reject(state, e, f"budget {e.path!r}: owner is empty")
+        return Refusal(R.INVALID_NAME, f"budget {e.path!r}: owner is empty")
     if e.path != ROOT:
         parent = parent_of(e.path)
         if parent not in tree.nodes:
-            return _reject(
-                state, e, f"budget {e.path!r}: parent {parent!r} does not exist; create it first"
+            return Refusal(
+                R.UNKNOWN_PARENT,
+                f"budget {e.path!r}: parent {parent!r} does not exist; create it first",
             )
     if not tree.may_edit(e.actor, e.path):
         where = "the root" if e.path == ROOT else f"{parent_of(e.path)!r} or an ancestor"
-        return _reject(state, e, f"budget {e.path!r}: {e.actor!r} does not own {where}")
+        return Refusal(R.NOT_AUTHORISED, f"budget {e.path!r}: {e.actor!r} does not own {where}")
     if e.path not in tree.nodes and e.path != ROOT:
         parent = parent_of(e.path)
         if state.active_by_owner.get(parent, 0):
-            return _reject(
-                state,
-                e,
+            return Refusal(
+                R.HAS_WORK,
                 f"budget {e.path!r}: parent {parent!r} has pending or running work; a node with work cannot get children",
             )
-    tree.set_node(e.path, e.weight, e.owner)
+    return None
+
+
+def _budget_set(state: State, e: BudgetSet) -> None:
+    _tick(state, e)
+    problem = budget_set_refusal(state, e)
+    if problem:
+        return _reject(state, e, problem)
+    state.budget.set_node(e.path, e.weight, e.owner)
+    return None
+
+
+def budget_removal_refusal(state: State, e: BudgetRemoved) -> Refusal | None:
+    """Why ``e`` cannot remove its budget node, or ``None``; used by the fold and the
+    command layer."""
+    tree = state.budget
+    node = tree.nodes.get(e.path)
+    if e.path == ROOT:
+        return Refusal(R.ROOT_NOT_REMOVABLE, "the root of the budget tree cannot be removed")
+    if node is None:
+        return Refusal(R.UNKNOWN_BUDGET_NODE, f"unknown budget node {e.path!r}")
+    if not tree.may_edit(e.actor, e.path):
+        return Refusal(
+            R.NOT_AUTHORISED,
+            f"budget {e.path!r}: {e.actor!r} does not own {parent_of(e.path)!r} or an ancestor",
+        )
+    if node.children:
+        return Refusal(R.HAS_CHILDREN, f"budget {e.path!r} has children; remove them first")
+    active = state.active_by_owner.get(e.path, 0)
+    if active:
+        return Refusal(R.HAS_WORK, f"budget {e.path!r} has {active} pending or running workloads")
     return None
 
 
 def _budget_removed(state: State, e: BudgetRemoved) -> None:
     _tick(state, e)
-    tree = state.budget
-    node = tree.nodes.get(e.path)
-    if e.path == ROOT:
-        return _reject(state, e, "the root of the budget tree cannot be removed")
-    if node is None:
-        return _reject(state, e, f"unknown budget node {e.path!r}")
-    if not tree.may_edit(e.actor, e.path):
-        return _reject(
-            state,
-            e,
-            f"budget {e.path!r}: {e.actor!r} does not own {parent_of(e.path)!r} or an ancestor",
+    problem = budget_removal_refusal(state, e)
+    if problem:
+        return _reject(state, e, problem)
+    state.budget.remove_node(e.path)
+    return None
+
+
+def policy_refusal(state: State, e: PolicySet) -> Refusal | None:
+    """Why ``e`` cannot become the policy, or ``None``; used by the fold and the
+    command layer."""
+    if not state.budget.may_edit(e.actor, ROOT):
+        return Refusal(
+            R.NOT_AUTHORISED, f"policy: {e.actor!r} does not own the root of the budget tree"
         )
-    if node.children:
-        return _reject(state, e, f"budget {e.path!r} has children; remove them first")
-    active = state.active_by_owner.get(e.path, 0)
-    if active:
-        return _reject(state, e, f"budget {e.path!r} has {active} pending or running workloads")
-    tree.remove_node(e.path)
+    if not 0 < e.lookback_ms <= MAX_LOOKBACK_MS:
+        return Refusal(
+            R.OUT_OF_RANGE,
+            f"policy: lookback must be between 1 ms and 90 days, got {e.lookback_ms} ms",
+        )
+    if not 0 <= e.max_min_runtime_ms <= e.lookback_ms:
+        return Refusal(R.OUT_OF_RANGE, "policy: max_min_runtime must be between 0 and the lookback")
+    if not 0 <= e.preemption_margin_ppm < PPM:
+        return Refusal(R.OUT_OF_RANGE, "policy: preemption margin must be in [0, 1)")
+    if e.grace_ms > e.max_grace_ms:
+        return Refusal(
+            R.OUT_OF_RANGE,
+            f"policy: grace ({e.grace_ms} ms) must not exceed max_grace ({e.max_grace_ms} ms)",
+        )
     return None
 
 
 def _policy_set(state: State, e: PolicySet) -> None:
     _tick(state, e)
-    if not state.budget.may_edit(e.actor, ROOT):
-        return _reject(state, e, f"policy: {e.actor!r} does not own the root of the budget tree")
-    if not 0 < e.lookback_ms <= MAX_LOOKBACK_MS:
-        return _reject(
-            state, e, f"policy: lookback must be between 1 ms and 90 days, got {e.lookback_ms} ms"
-        )
-    if not 0 <= e.max_min_runtime_ms <= e.lookback_ms:
-        return _reject(state, e, "policy: max_min_runtime must be between 0 and the lookback")
-    if not 0 <= e.preemption_margin_ppm < PPM:
-        return _reject(state, e, "policy: preemption margin must be in [0, 1)")
-    if e.grace_ms > e.max_grace_ms:
-        return _reject(
-            state,
-            e,
-            f"policy: grace ({e.grace_ms} ms) must not exceed max_grace ({e.max_grace_ms} ms)",
-        )
+    problem = policy_refusal(state, e)
+    if problem:
+        return _reject(state, e, problem)
     state.policy = Policy(
         lookback_ms=e.lookback_ms,
         max_min_runtime_ms=e.max_min_runtime_ms,
@@ -587,37 +660,53 @@ _DOT_NAMES = frozenset({".", ".."})
 under its id on the hosts)."""
 
 
-def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
-    """Why ``e`` cannot be queued, or ``None``; used by the fold and the gateway.
+def submission_refusal(state: State, e: WorkloadSubmitted) -> Refusal | None:
+    """Why ``e`` cannot be queued, or ``None``; used by the fold and the command layer.
 
     Changes nothing but a cache of gang checks (derived, never snapshotted)."""
     if not e.workload:
-        return "workload id is empty"
+        return Refusal(R.INVALID_NAME, "workload id is empty")
     if e.workload in _DOT_NAMES:
-        return f"workload id {e.workload!r} is not allowed (it names a folder on hosts)"
+        return Refusal(
+            R.INVALID_NAME,
+            f"workload id {e.workload!r} is not allowed (it names a folder on hosts)",
+        )
     if e.workload in state.workloads or e.workload in state.ended:
-        return f"workload {e.workload!r} already exists; ids are never reused"
+        return Refusal(
+            R.DUPLICATE_ID, f"workload {e.workload!r} already exists; ids are never reused"
+        )
     budget = state.budget
     owner = budget.nodes.get(e.owner)
     if owner is None or e.owner == ROOT:
-        return f"unknown owner {e.owner!r}: submit to a leaf of the budget tree"
+        return Refusal(
+            R.UNKNOWN_OWNER, f"unknown owner {e.owner!r}: submit to a leaf of the budget tree"
+        )
     if owner.children:  # not budget.is_leaf(e.owner)
-        return f"owner {e.owner!r} is not a leaf of the budget tree (it has children)"
+        return Refusal(
+            R.NOT_A_LEAF, f"owner {e.owner!r} is not a leaf of the budget tree (it has children)"
+        )
     if not budget.owns(e.submitted_by, e.owner):
         who = e.submitted_by or "(no submitter)"
-        return (
-            f"{who} may not submit to {e.owner!r}: only its owner or the owner of a node above it"
+        return Refusal(
+            R.NOT_AUTHORISED,
+            f"{who} may not submit to {e.owner!r}: only its owner or the owner of a node above it",
         )
     if e.gpus <= 0:
-        return f"gpus must be positive, got {e.gpus}"
+        return Refusal(R.NOT_POSITIVE, f"gpus must be positive, got {e.gpus}")
     cap = state.policy.max_min_runtime_ms
     if not 0 <= e.min_runtime_ms <= cap:
-        return f"min_runtime must be between 0 and {cap // 60_000} min, got {e.min_runtime_ms} ms"
+        return Refusal(
+            R.OVER_CAP,
+            f"min_runtime must be between 0 and {cap // 60_000} min, got {e.min_runtime_ms} ms",
+        )
     if e.duration_ms is not None and e.duration_ms < 0:
-        return f"duration must not be negative, got {e.duration_ms} ms"
+        return Refusal(R.OUT_OF_RANGE, f"duration must not be negative, got {e.duration_ms} ms")
     grace_cap = state.policy.max_grace_ms
     if e.grace_ms is not None and not 0 <= e.grace_ms <= grace_cap:
-        return f"grace must be between 0 and {grace_cap // 1000} s (the policy's max_grace), got {e.grace_ms} ms"
+        return Refusal(
+            R.OVER_CAP,
+            f"grace must be between 0 and {grace_cap // 1000} s (the policy's max_grace), got {e.grace_ms} ms",
+        )
     key = (e.gpu_type, e.gpus)
     gang_errors = state.gang_errors
     if key in gang_errors:
@@ -626,25 +715,35 @@ def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
     return error
 
 
-def _gang_error(state: State, gpu_type: str, gpus: int) -> str | None:
+def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
+    """The message of :func:`submission_refusal` (for callers that want words only)."""
+    problem = submission_refusal(state, e)
+    return None if problem is None else problem.message
+
+
+def _gang_error(state: State, gpu_type: str, gpus: int) -> Refusal | None:
     """Why ``gpus`` GPUs of ``gpu_type`` is not a valid gang on the registered nodes."""
     pools = [(t, gpn, n) for (t, gpn), n in state.pools.items() if takes(gpu_type, t)]
     if not pools:
         known = sorted({t for t, _ in state.pools})
-        return f"no nodes of gpu_type {gpu_type!r} (known types: {', '.join(known) or 'none'})"
+        return Refusal(
+            R.UNKNOWN_GPU_TYPE,
+            f"no nodes of gpu_type {gpu_type!r} (known types: {', '.join(known) or 'none'})",
+        )
     for _, gpn, count in pools:
         if gpus <= gpn or (gpus % gpn == 0 and gpus <= gpn * count):
             return None
     sizes = ", ".join(f"{n} x {gpn} {t}" for t, gpn, n in sorted(pools))
-    return (
+    return Refusal(
+        R.INVALID_GANG,
         f"{gpus} GPUs is not a valid gang: at most one node's GPUs, or a multiple of "
-        f"the node size within one pool ({sizes})"
+        f"the node size within one pool ({sizes})",
     )
 
 
 def _workload_submitted(state: State, e: WorkloadSubmitted) -> None:
     _tick(state, e)
-    problem = submission_error(state, e)
+    problem = submission_refusal(state, e)
     if problem:
         return _reject(state, e, problem)
     w = Workload(
@@ -670,11 +769,20 @@ def _workload_submitted(state: State, e: WorkloadSubmitted) -> None:
     return None
 
 
-def _stale_reason(state: State, workload: str, what: str) -> str:
+def gone_refusal(state: State, workload: str) -> Refusal:
+    """Why a cancel or a report of ``workload``, which is not live, cannot apply: it
+    was never submitted, or it has ended. The fold prefixes what was asked and calls
+    an ended one's report stale (:func:`_stale_reason`)."""
     status = state.ended.get(workload)
     if status is None:
-        return f"{what}: unknown workload {workload!r}"
-    return f"{what}: workload {workload!r} already ended as {status} (stale report)"
+        return Refusal(R.UNKNOWN_WORKLOAD, f"unknown workload {workload!r}")
+    return Refusal(R.ALREADY_ENDED, f"workload {workload!r} already ended as {status}")
+
+
+def _stale_reason(state: State, workload: str, what: str) -> Refusal:
+    gone = gone_refusal(state, workload)
+    stale = " (stale report)" if gone.code == R.ALREADY_ENDED else ""
+    return Refusal(gone.code, f"{what}: {gone.message}{stale}")
 
 
 def cancel_authority_error(state: State, actor: str, w: Workload) -> str | None:
@@ -695,7 +803,7 @@ def _workload_cancelled(state: State, e: WorkloadCancelled) -> None:
         return _reject(state, e, _stale_reason(state, e.workload, "cancel"))
     problem = cancel_authority_error(state, e.actor, w)
     if problem:
-        return _reject(state, e, f"cancel: {problem}")
+        return _reject(state, e, Refusal(R.NOT_AUTHORISED, f"cancel: {problem}"))
     if w.status == "running":
         _end_run(state, w)
     else:
@@ -712,13 +820,21 @@ def _workload_finished(state: State, e: WorkloadFinished) -> None:
         return _reject(state, e, _stale_reason(state, e.workload, "finished"))
     if w.status != "running":
         return _reject(
-            state, e, f"finished: workload {e.workload!r} is {w.status}, not running (stale report)"
+            state,
+            e,
+            Refusal(
+                R.STALE_REPORT,
+                f"finished: workload {e.workload!r} is {w.status}, not running (stale report)",
+            ),
         )
     if e.attempt is not None and e.attempt != w.attempt:
         return _reject(
             state,
             e,
-            f"finished: report for attempt {e.attempt} of {e.workload!r}, which is on attempt {w.attempt} (stale report)",
+            Refusal(
+                R.STALE_REPORT,
+                f"finished: report for attempt {e.attempt} of {e.workload!r}, which is on attempt {w.attempt} (stale report)",
+            ),
         )
     if not is_operator(state, e.actor) and not any(
         e.actor == agent_of(s.node) for s in w.placement
@@ -726,8 +842,11 @@ def _workload_finished(state: State, e: WorkloadFinished) -> None:
         return _reject(
             state,
             e,
-            _not_operator(
-                e.actor, f"report the end of {e.workload!r}", "the agent of a host it runs on"
+            Refusal(
+                R.NOT_AUTHORISED,
+                _not_operator(
+                    e.actor, f"report the end of {e.workload!r}", "the agent of a host it runs on"
+                ),
             ),
         )
     if w.stopping is not None and e.outcome == "failed":
@@ -748,13 +867,25 @@ def _workload_started(state: State, e: WorkloadStarted) -> None:
         return _reject(
             state,
             e,
-            f"started: attempt {e.attempt} of {e.workload!r} is not its current run (stale report)",
+            Refusal(
+                R.STALE_REPORT,
+                f"started: attempt {e.attempt} of {e.workload!r} is not its current run (stale report)",
+            ),
         )
     if all(s.node != e.node for s in w.placement):
-        return _reject(state, e, f"started: {e.workload!r} is not placed on {e.node!r}")
+        return _reject(
+            state,
+            e,
+            Refusal(R.WRONG_NODE, f"started: {e.workload!r} is not placed on {e.node!r}"),
+        )
     if e.actor != agent_of(e.node) and not is_operator(state, e.actor):
         return _reject(
-            state, e, _not_operator(e.actor, f"report the start of {e.workload!r}", "its agent")
+            state,
+            e,
+            Refusal(
+                R.NOT_AUTHORISED,
+                _not_operator(e.actor, f"report the start of {e.workload!r}", "its agent"),
+            ),
         )
     return None
 
@@ -917,7 +1048,7 @@ def _node_drained(state: State, e: NodeDrained) -> None:
 
 def _input_rejected(state: State, e: InputRejected) -> None:
     _decision_time(state, e)
-    for i, (ref, _reason) in enumerate(state.rejections):
+    for i, (ref, _reason, _code) in enumerate(state.rejections):
         if ref == e.ref:
             del state.rejections[i]
             return

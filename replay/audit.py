@@ -15,6 +15,11 @@ each part's bytes are compared, counters and ``more`` included, so the parts
 together must be exactly the cycle's batch. A log that ends inside a cycle
 (read while its parts were being published) is checked up to its last part.
 
+A log recorded before reason codes has ``InputRejected`` decisions without a
+``code``: the recomputed decision's code is left out where the recorded one
+has none (:func:`as_recorded`; the code labels the rejection, the reason is
+still compared), so such a log still audits as reproduced.
+
 The first difference stops the audit: :class:`Divergence` names the batch, the
 input it is based on and the first decision (or wake-up time) that differs.
 
@@ -32,7 +37,7 @@ import msgspec
 from apportion.core.history import Decider, batch_part, decide_batch, fold_item
 from apportion.core.state import State
 from apportion.schemas.codec import encode
-from apportion.schemas.events import DecisionBatch
+from apportion.schemas.events import DecisionBatch, InputRejected
 from apportion.schemas.history import BatchItem
 
 from .eventlog import CanonicalLog
@@ -128,6 +133,28 @@ def first_difference(expected: DecisionBatch, recorded: DecisionBatch) -> tuple[
     return "batch", _text(expected), _text(recorded)
 
 
+def as_recorded(expected: DecisionBatch, recorded: DecisionBatch) -> DecisionBatch:
+    """``expected`` with the ``code`` of each ``InputRejected`` left out where the
+    recorded decision in its place is an ``InputRejected`` without one (a log made
+    before reason codes); else ``expected`` itself."""
+    if not any(
+        isinstance(r, InputRejected) and r.code is msgspec.UNSET for r in recorded.decisions
+    ):
+        return expected
+    decisions = (
+        tuple(
+            msgspec.structs.replace(e, code=msgspec.UNSET)
+            if isinstance(e, InputRejected)
+            and isinstance(r, InputRejected)
+            and r.code is msgspec.UNSET
+            else e
+            for e, r in zip(expected.decisions, recorded.decisions, strict=False)
+        )
+        + expected.decisions[len(recorded.decisions) :]
+    )
+    return msgspec.structs.replace(expected, decisions=decisions)
+
+
 def _part_text(batch: DecisionBatch) -> str:
     if not batch.is_part:
         return "a whole cycle"
@@ -189,6 +216,7 @@ def audit(
                     expected = batch_part(cycle, done, stop, cycle_start)
                 else:
                     expected = cycle
+                expected = as_recorded(expected, recorded_batch)
                 if encode(expected) != encode(recorded_batch):
                     what, e, r = first_difference(expected, recorded_batch)
                     div = Divergence(

@@ -108,8 +108,8 @@ def decide_baseline(state: State, limits: Mapping[str, int] | None = None) -> Cy
     def next_id() -> str:
         return f"baseline/{seq}/{len(out)}"
 
-    for ref, reason in state.rejections:
-        out.append(InputRejected(id=next_id(), at_ms=now, ref=ref, reason=reason))
+    for ref, reason, code in state.rejections:
+        out.append(InputRejected(id=next_id(), at_ms=now, ref=ref, reason=reason, code=code))
 
     gpus = FreeGPUs(state)
     free = gpus.free

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import duckdb
+from apportion.core import commands
 from apportion.core.cycle import CycleResult
 from apportion.core.cycle import decide as budget_decide
 from apportion.core.estimate import estimate_starts
@@ -170,7 +171,7 @@ def submission(row: TraceRow, at_ms: int, state: State) -> WorkloadSubmitted:
     """A trace row as submitted by the owner of its leaf (a row for a path that is
     not a node gets no submitter, and the fold says why it is refused)."""
     leaf = state.budget.nodes.get(row.owner)
-    return WorkloadSubmitted(
+    return commands.submission(
         id=f"{_SUBMIT_ID}{row.id}",
         at_ms=at_ms,
         workload=row.id,

@@ -63,6 +63,11 @@ EventId = Annotated[str, Meta(min_length=1, max_length=MAX_EVENT_ID_LEN, pattern
 """An event id (the dedup key) or a reference to one: 1 to 512 characters of the set and ``/``."""
 Reason = Annotated[str, Meta(max_length=MAX_REASON_LEN)]
 """Free text a person reads (the scheduler writes only printable text: :func:`clip_reason`)."""
+MAX_REASON_CODE_LEN = 64
+REASON_CODE_PATTERN = f"^[a-z][a-z0-9_]*{_END}"
+ReasonCode = Annotated[str, Meta(max_length=MAX_REASON_CODE_LEN, pattern=REASON_CODE_PATTERN)]
+"""``InputRejected.code``: a stable snake_case word (:mod:`apportion.schemas.reasons`);
+any such word decodes, so a log with codes added later still reads."""
 
 MAX_ARGS = 256
 """Arguments of a workload's ``command``."""

@@ -42,6 +42,7 @@ from .bounds import (
     Ppm,
     Priority,
     Reason,
+    ReasonCode,
     TimeMs,
     Weight,
 )
@@ -258,10 +259,13 @@ class NodeDrained(Event, frozen=True, kw_only=True, tag="NodeDrained"):
 
 
 class InputRejected(Event, frozen=True, kw_only=True, tag="InputRejected"):
-    """An input that changed nothing: ``ref`` is its id, ``reason`` says why."""
+    """An input that changed nothing: ``ref`` is its id, ``reason`` says why and
+    ``code`` is the stable reason code (:mod:`apportion.schemas.reasons`; unset in
+    a history recorded before codes, and then not encoded)."""
 
     ref: EventId
     reason: Reason
+    code: ReasonCode | msgspec.UnsetType = msgspec.UNSET
 
 
 Input = (

@@ -1,6 +1,7 @@
-"""Clients: :class:`EventClient` publishes input events straight onto the log
-(for services: executors, health monitors, job front ends); :class:`GatewayClient`
-talks HTTP to the gateway (the CLI uses it; standard library only).
+"""The gateway's client: :class:`GatewayClient` talks HTTP to the gateway (the CLI
+uses it; standard library only). Services that publish inputs straight onto the
+log (executors, health monitors) use :class:`apportion.services.bus.EventLog`
+with the events of :mod:`apportion.core.commands`.
 
 :class:`GatewayClient` sends a bearer token (``Authorization: Bearer ...``): the
 one given, else the first of ``$APPORTION_TOKEN``, ``$APPORTION_TOKEN_FILE``,

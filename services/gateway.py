@@ -2,8 +2,9 @@
 
 It keeps its own folded state (a :class:`~apportion.services.canonical.Follower`
 of the canonical history), validates requests with the same schemas and
-``core.state.submission_error`` the fold uses, answers 4xx with
-``{"error": reason}``, and publishes inputs with ``Nats-Msg-Id``. Its state
+checks the fold uses (through the command layer, :mod:`apportion.core.commands`),
+answers 4xx with ``{"error": reason, "code": code}``, and publishes inputs with
+``Nats-Msg-Id``. Its state
 trails the scheduler by one cycle, so a request validated here may still be
 rejected by the scheduler (an ``InputRejected`` decision) when two requests race.
 
@@ -36,13 +37,17 @@ in the body is ignored. A gateway made with ``auth=None`` (``serve gateway
 --no-auth``, ``up --no-auth``) authenticates nobody and takes the actor from
 the body, as before; it logs a warning when it starts.
 
-Every error is JSON ``{"error": reason}``: 400 for a request that does not
-decode or breaks a bound of the schemas (the reason names the field and the
-bound), 401 (no or an unknown credential), 403 (the principal lacks the
-authority the fold checks), 404 (also an unknown path), 405, 409, 413 for a
-body over :data:`MAX_BODY_BYTES`, 500 for a bug (logged; the gateway keeps serving) and
-504 when NATS does not acknowledge a publish in time: it may still be stored,
-and a retry of the same request (the same workload id) is stored once.
+Every error is JSON ``{"error": reason, "code": code}``: ``code`` is a stable
+reason code (:mod:`apportion.schemas.reasons`, docs/reasons.md) and the status
+comes from it through one table, :data:`HTTP_STATUS`: 400 for a request that
+does not decode or breaks a bound of the schemas (the reason names the field
+and the bound) or a value the fold refuses, 401 (no or an unknown credential),
+403 (the principal lacks the authority the fold checks), 404 (an unknown
+workload, or an unknown path), 405, 409 (the state has moved on: an id already
+used, a workload already ended), 413 for a body over :data:`MAX_BODY_BYTES`,
+500 for a bug (logged; the gateway keeps serving) and 504 when NATS does not
+acknowledge a publish in time: it may still be stored, and a retry of the same
+request (the same workload id) is stored once.
 """
 
 from __future__ import annotations
@@ -55,8 +60,10 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 from aiohttp import web
+from apportion.core import commands
 from apportion.core.estimate import Estimates, estimate_starts
-from apportion.core.state import State, apply, cancel_authority_error, submission_error
+from apportion.core.state import State
+from apportion.schemas import reasons as R
 from apportion.schemas.bounds import (
     MAX_ARGS,
     MAX_ENV,
@@ -71,13 +78,8 @@ from apportion.schemas.bounds import (
     Weight,
     plain_bound,
 )
-from apportion.schemas.events import (
-    ANY_GPU_TYPE,
-    BudgetRemoved,
-    BudgetSet,
-    WorkloadCancelled,
-    WorkloadSubmitted,
-)
+from apportion.schemas.events import ANY_GPU_TYPE
+from apportion.schemas.reasons import Refusal
 from msgspec import Meta
 
 from . import logs
@@ -144,21 +146,81 @@ class BudgetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     remove: list[Path] = msgspec.field(default_factory=list)
 
 
-class _HttpError(Exception):
-    """Answer ``status`` with ``{"error": reason}`` (raised by handlers, turned into
-    a response by the error middleware)."""
+HTTP_STATUS: dict[str, int] = {
+    # the fold's codes (docs/reasons.md)
+    R.MALFORMED: 400,
+    R.INVALID_NAME: 400,
+    R.BAD_PATH: 400,
+    R.NOT_POSITIVE: 400,
+    R.INVALID_GPU_TYPE: 400,
+    R.OUT_OF_RANGE: 400,
+    R.OVER_CAP: 400,
+    R.UNKNOWN_OWNER: 400,
+    R.NOT_A_LEAF: 400,
+    R.UNKNOWN_GPU_TYPE: 400,
+    R.INVALID_GANG: 400,
+    R.UNKNOWN_WORKLOAD: 404,
+    R.UNKNOWN_NODE: 404,
+    R.UNKNOWN_BUDGET_NODE: 404,
+    R.UNKNOWN_PARENT: 400,
+    R.NOT_AUTHORISED: 403,
+    R.DUPLICATE_ID: 409,
+    R.ALREADY_ENDED: 409,
+    R.STALE_REPORT: 409,
+    R.WRONG_NODE: 409,
+    R.NO_CHANGE: 409,
+    R.HAS_WORK: 409,
+    R.HAS_CHILDREN: 409,
+    R.ROOT_NOT_REMOVABLE: 400,
+    # the gateway's own
+    R.EMPTY_REQUEST: 400,
+    R.NOT_AUTHENTICATED: 401,
+    R.NO_SUCH_PATH: 404,
+    R.METHOD_NOT_ALLOWED: 405,
+    R.TOO_LARGE: 413,
+    R.HTTP_ERROR: 400,
+    R.INTERNAL_ERROR: 500,
+    R.UNACKNOWLEDGED: 504,
+}
+"""The HTTP status of every reason code: the only place a refusal's status comes from."""
 
-    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None) -> None:
+_HTTP_CODES = {404: R.NO_SUCH_PATH, 405: R.METHOD_NOT_ALLOWED, 413: R.TOO_LARGE}
+"""The code of an error aiohttp raised itself (before a handler ran), by its status;
+any other status keeps aiohttp's own with :data:`~apportion.schemas.reasons.HTTP_ERROR`."""
+
+
+class _HttpError(Exception):
+    """Answer ``{"error": reason, "code": code}`` with the code's status (raised by
+    handlers, turned into a response by the error middleware)."""
+
+    def __init__(self, code: str, reason: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(reason)
-        self.status = status
+        self.code = code
+        self.status = HTTP_STATUS[code]
         self.reason = reason
         self.headers = headers
 
 
 def _error(
-    status: int, reason: str, *, headers: dict[str, str] | None = None, **extra: Any
+    code: str,
+    reason: str,
+    *,
+    status: int | None = None,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
 ) -> web.Response:
-    return web.json_response({"error": reason, **extra}, status=status, headers=headers)
+    """The error body of ``code`` with its status (:data:`HTTP_STATUS`; ``status``
+    only for an error of aiohttp's own that no code names)."""
+    return web.json_response(
+        {"error": reason, "code": code, **extra},
+        status=HTTP_STATUS[code] if status is None else status,
+        headers=headers,
+    )
+
+
+def _refused(refusal: Refusal) -> web.Response:
+    """A request the command layer refused: its code, status and message."""
+    return _error(refusal.code, refusal.message)
 
 
 _PRINCIPAL_KEY: Any = (
@@ -177,14 +239,14 @@ def needs_credential(method: str, path: str) -> bool:
 
 async def _body(request: web.Request, type_: Any) -> Any:
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise _HttpError(413, f"request body over {MAX_BODY_BYTES} bytes")
+        raise _HttpError(R.TOO_LARGE, f"request body over {MAX_BODY_BYTES} bytes")
     data = await request.read()  # chunked bodies: aiohttp stops at client_max_size (413)
     try:
         return msgspec.json.decode(data or b"{}", type=type_)
     except msgspec.ValidationError as exc:
-        raise _HttpError(400, f"invalid request: {plain_bound(str(exc))}") from None
+        raise _HttpError(R.MALFORMED, f"invalid request: {plain_bound(str(exc))}") from None
     except msgspec.DecodeError as exc:
-        raise _HttpError(400, f"request body is not JSON: {exc}") from None
+        raise _HttpError(R.MALFORMED, f"request body is not JSON: {exc}") from None
 
 
 class _Unacknowledged(Exception):
@@ -350,22 +412,29 @@ class Gateway:
     async def _errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        """Every error as JSON ``{"error": ...}``; a bug is a logged 500, never a stop."""
+        """Every error as JSON ``{"error": ..., "code": ...}``; a bug is a logged 500,
+        never a stop."""
         try:
             return await handler(request)
         except _HttpError as exc:
-            return _error(exc.status, exc.reason, headers=exc.headers)
+            return _error(exc.code, exc.reason, headers=exc.headers)
         except web.HTTPException as exc:  # aiohttp's own: unknown path, method, body size
             if exc.status < 400:
                 raise
-            return _error(exc.status, _http_reason(request, exc))
+            code = _HTTP_CODES.get(exc.status)
+            reason = _http_reason(request, exc)
+            if code is None:
+                return _error(R.HTTP_ERROR, reason, status=exc.status)
+            return _error(code, reason)
         except _Unacknowledged as exc:
             self.logger.warning("publish not acknowledged", path=request.path, error=str(exc))
             extra: dict[str, Any] = {"workload": exc.workload} if exc.workload else {}
-            return _error(504, PUBLISH_UNACKNOWLEDGED.format(cause=exc), **extra)
+            return _error(R.UNACKNOWLEDGED, PUBLISH_UNACKNOWLEDGED.format(cause=exc), **extra)
         except Exception as exc:
             self.logger.exception("request failed", method=request.method, path=request.path)
-            return _error(500, f"internal error ({type(exc).__name__}); see the gateway's log")
+            return _error(
+                R.INTERNAL_ERROR, f"internal error ({type(exc).__name__}); see the gateway's log"
+            )
 
     # -- identity -------------------------------------------------------
     @web.middleware
@@ -385,7 +454,9 @@ class Gateway:
                 if exc.error:
                     challenge += f', error="{exc.error}"'
                 raise _HttpError(
-                    401, f"not authenticated: {exc.reason}", {"WWW-Authenticate": challenge}
+                    R.NOT_AUTHENTICATED,
+                    f"not authenticated: {exc.reason}",
+                    {"WWW-Authenticate": challenge},
                 ) from None
         return await handler(request)
 
@@ -401,8 +472,8 @@ class Gateway:
     async def submit(self, request: web.Request) -> web.Response:
         body: SubmitRequest = await _body(request, SubmitRequest)
         workload = body.id or f"w-{uuid.uuid4().hex[:12]}"
-        event = WorkloadSubmitted(
-            id=f"submit-{workload}",
+        event = commands.submission(
+            id=commands.submit_id(workload),
             at_ms=self.state.now_ms,
             workload=workload,
             owner=body.owner,
@@ -418,9 +489,9 @@ class Gateway:
             image=body.image,
             grace_ms=body.grace_ms,
         )
-        problem = submission_error(self.state, event)
-        if problem:
-            return _error(_refusal_status(problem), problem)
+        checked = commands.submit(self.state, event)
+        if isinstance(checked, Refusal):
+            return _refused(checked)
         ack = await _published(self.log.publish_input(event), workload)
         self.logger.info("submitted", workload=workload, seq=ack.seq, duplicate=ack.duplicate)
         return web.json_response(
@@ -430,26 +501,12 @@ class Gateway:
     async def cancel(self, request: web.Request) -> web.Response:
         workload = request.match_info["id"]
         body: CancelRequest = await _body(request, CancelRequest)
-        status = self.state.status_of(workload)
-        if status is None:
-            return _error(404, f"unknown workload {workload!r}")
-        w = self.state.workloads.get(workload)
-        if w is None:
-            return _error(409, f"workload {workload!r} already ended as {status}")
         actor = self._actor(request, body.actor)
-        problem = cancel_authority_error(self.state, actor, w)
-        if problem:  # the fold's rule, asked early for a 403; the fold has the final word
-            return _error(403, problem)
-        ack = await _published(
-            self.log.publish_input(
-                WorkloadCancelled(
-                    id=f"cancel-{workload}",
-                    at_ms=self.state.now_ms,
-                    workload=workload,
-                    actor=actor,
-                )
-            )
-        )
+        # the fold's rules, asked early for a 404, 409 or 403; the fold has the final word
+        event = commands.cancel(self.state, workload, actor, self.state.now_ms)
+        if isinstance(event, Refusal):
+            return _refused(event)
+        ack = await _published(self.log.publish_input(event))
         return web.json_response(
             {"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202
         )
@@ -474,7 +531,7 @@ class Gateway:
             "rejected" if workload in self.history.rejected else None
         )
         if status is None:
-            return _error(404, f"unknown workload {workload!r}")
+            return _error(R.UNKNOWN_WORKLOAD, f"unknown workload {workload!r}")
         return web.json_response({"workload": workload, "status": status})
 
     async def queue(self, request: web.Request) -> web.Response:
@@ -491,7 +548,7 @@ class Gateway:
         est = await self.estimates()
         out = explain(self.state, self.history, workload, now_ms=self.now_ms(), estimates=est)
         if out is None:
-            return _error(404, f"unknown workload {workload!r}")
+            return _error(R.UNKNOWN_WORKLOAD, f"unknown workload {workload!r}")
         return web.json_response(out)
 
     async def get_budget(self, request: web.Request) -> web.Response:
@@ -501,33 +558,20 @@ class Gateway:
         body: BudgetRequest = await _body(request, BudgetRequest)
         actor = self._actor(request, body.actor)
         if not actor:
-            return _error(400, "invalid request: give 'actor' (this gateway does not authenticate)")
-        trial = self.state.copy()
-        events: list[Any] = []
-        for n in body.set:
-            events.append(
-                BudgetSet(
-                    id=f"budget-{uuid.uuid4().hex}",
-                    at_ms=trial.now_ms,
-                    path=n.path,
-                    weight=n.weight,
-                    owner=n.owner,
-                    actor=actor,
-                )
+            return _error(
+                R.MALFORMED, "invalid request: give 'actor' (this gateway does not authenticate)"
             )
-        for path in body.remove:
-            events.append(
-                BudgetRemoved(
-                    id=f"budget-{uuid.uuid4().hex}", at_ms=trial.now_ms, path=path, actor=actor
-                )
-            )
-        if not events:
-            return _error(400, "nothing to change: give 'set' and/or 'remove'")
-        for e in events:
-            apply(trial, e)
-            if trial.rejections:
-                return _error(_refusal_status(trial.rejections[-1][1]), trial.rejections[-1][1])
-        acks = await _published(self.log.publish_inputs(events))
+        events = commands.budget(
+            self.state,
+            actor,
+            [(n.path, n.weight, n.owner) for n in body.set],
+            body.remove,
+            self.state.now_ms,
+            lambda: f"budget-{uuid.uuid4().hex}",
+        )
+        if isinstance(events, Refusal):
+            return _refused(events)
+        acks = await _published(self.log.publish_inputs(list(events)))
         return web.json_response({"published": len(acks), "last_seq": acks[-1].seq}, status=202)
 
     async def status(self, request: web.Request) -> web.Response:
@@ -560,16 +604,6 @@ class Gateway:
         return web.json_response(openapi_document())
 
 
-def _refusal_status(reason: str) -> int:
-    """The status of an input the fold would refuse: 409 for a used id, 403 when the
-    actor lacks the authority, else 400."""
-    if "already exists" in reason:
-        return 409
-    if "does not own" in reason or "may not" in reason:
-        return 403
-    return 400
-
-
 def _http_reason(request: web.Request, exc: web.HTTPException) -> str:
     """One line for an error aiohttp raised before a handler ran."""
     if exc.status == 404:
@@ -594,10 +628,15 @@ def openapi_document() -> dict[str, Any]:
     components["Error"] = {
         "type": "object",
         "properties": {
-            "error": {"type": "string"},
+            "error": {"type": "string", "description": "what went wrong, in words"},
+            "code": {
+                "type": "string",
+                "enum": list(R.CODES),
+                "description": "the stable reason code (docs/reasons.md)",
+            },
             "workload": {"type": "string", "description": "504 of a submit: the id to retry with"},
         },
-        "required": ["error"],
+        "required": ["error", "code"],
     }
     publishing = {"413": err, "504": err}
     unauthenticated = {
@@ -677,7 +716,14 @@ def openapi_document() -> dict[str, Any]:
                 "post": {
                     "summary": "Set and remove budget nodes",
                     "requestBody": body(budget),
-                    "responses": {"202": accepted, "400": err, "403": err, **publishing},
+                    "responses": {
+                        "202": accepted,
+                        "400": err,
+                        "403": err,
+                        "404": err,
+                        "409": err,
+                        **publishing,
+                    },
                 },
             },
             "/v1/usage/history": {

@@ -19,6 +19,7 @@ from typing import Any
 from apportion.core.budget import ROOT
 from apportion.core.rules.classes import team_of
 from apportion.core.state import State
+from apportion.schemas import reasons as R
 from apportion.schemas.events import InputRejected, WorkloadPreempted
 from apportion.schemas.history import BatchItem, HistoryItem
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
@@ -29,12 +30,27 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 REJECTION_CLASSES = ("malformed", "stale", "authority", "duplicate", "invalid")
 
 
-def rejection_class(reason: str) -> str:
-    """The class of an ``InputRejected`` reason (a small, fixed label set):
+_CLASS_OF_CODE = {
+    R.MALFORMED: "malformed",
+    R.STALE_REPORT: "stale",
+    R.ALREADY_ENDED: "stale",
+    R.NO_CHANGE: "stale",
+    R.NOT_AUTHORISED: "authority",
+    R.DUPLICATE_ID: "duplicate",
+}
+
+
+def rejection_class(reason: str, code: str | None = None) -> str:
+    """The class of an ``InputRejected`` (a small, fixed label set):
     ``malformed`` (bytes or a version that did not decode), ``stale`` (a report
     that raced a decision, a repeat), ``authority`` (the actor may not),
     ``duplicate`` (a workload id used before), ``invalid`` (anything else: an
-    unknown owner, a bound, not a valid gang ...)."""
+    unknown owner, a bound, not a valid gang ...).
+
+    From its reason ``code``; a decision recorded before codes has none, and is
+    classed by the words of its reason as it always was."""
+    if code is not None:
+        return _CLASS_OF_CODE.get(code, "invalid")
     if reason.startswith("malformed") or "decode" in reason:
         return "malformed"
     if "stale report" in reason or "(no change)" in reason or "already ended" in reason:
@@ -132,7 +148,8 @@ class GatewayMetrics:
                 if isinstance(d, WorkloadPreempted):
                     self.preemptions.labels(d.reason).inc()
                 elif isinstance(d, InputRejected):
-                    self.rejections.labels(rejection_class(d.reason)).inc()
+                    code = d.code if isinstance(d.code, str) else None
+                    self.rejections.labels(rejection_class(d.reason, code)).inc()
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.latency.labels(route, method, str(status)).observe(seconds)

@@ -41,6 +41,7 @@ from apportion.schemas.events import (
     WorkloadStarted,
     WorkloadSubmitted,
 )
+from apportion.schemas.reasons import CODES
 
 ADMIN = "admin"
 """Owner of the root in every scenario (so it may edit anything)."""
@@ -55,7 +56,10 @@ class Scenario:
         self.events: list[Event] = []
         self.state = State()
         self._expect: tuple[str, ...] | None = None
+        self._expect_code: str | None = None
         self.reason = ""
+        self.code: object = None
+        """The reason code of the last rejection :meth:`rejects` announced."""
         if root_owner:
             self.apply(
                 BudgetSet(id=self._id(), at_ms=0, path="", weight=1, owner=root_owner, actor="")
@@ -73,6 +77,7 @@ class Scenario:
         ``ClockTicked`` with the same id and time instead, plus the rejection
         record."""
         expect, self._expect = self._expect, None
+        expect_code, self._expect_code = self._expect_code, None
         before = len(self.state.rejections)
         twin = self.state.copy() if expect is not None else None
         self.events.append(event)
@@ -82,20 +87,26 @@ class Scenario:
             assert not rejected, f"unexpected rejection: {self.state.rejections[-1]}"
             return self
         assert rejected, f"{type(event).__name__} {event.id} was accepted; expected a rejection"
-        ref, reason = self.state.rejections[-1]
+        ref, reason, code = self.state.rejections[-1]
         assert ref == event.id
         for word in expect:
             assert word in reason, f"{word!r} not in {reason!r}"
+        assert isinstance(code, str) and code in CODES, code
+        if expect_code is not None:
+            assert code == expect_code, f"code {code!r}, expected {expect_code!r} ({reason!r})"
         assert twin is not None
         apply(twin, ClockTicked(id=event.id, at_ms=event.at_ms))
-        twin.rejections.append((ref, reason))
+        twin.rejections.append((ref, reason, code))
         assert twin.digest() == self.state.digest(), "a rejected input changed the state"
         self.reason = reason
+        self.code = code
         return self
 
-    def rejects(self, *words: str) -> Scenario:
-        """The next input must be rejected, change nothing, and give a reason containing ``words``."""
+    def rejects(self, *words: str, code: str | None = None) -> Scenario:
+        """The next input must be rejected, change nothing, and give a reason containing
+        ``words`` (and, if given, the reason code ``code``; always one of the codes)."""
         self._expect = words
+        self._expect_code = code
         return self
 
     def at(self, t_ms: int) -> Scenario:

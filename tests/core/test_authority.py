@@ -112,6 +112,7 @@ def test_dot_ids_are_refused_because_executors_use_ids_as_folder_names() -> None
             ],
             state,
         )
-    reasons = [reason for _, reason in state.rejections]
+    reasons = [reason for _, reason, _ in state.rejections]
     assert len(reasons) == 4 and all("not allowed" in r for r in reasons)
+    assert {code for _, _, code in state.rejections} == {"invalid_name"}
     assert not state.pending and set(state.nodes) == {"n1"} and not state.workloads

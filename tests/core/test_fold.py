@@ -331,7 +331,8 @@ def test_resize_idle_node_and_accepted_policy() -> None:
 def test_rejection_is_cleared_by_its_input_rejected_decision() -> None:
     s = team().rejects().cancel("ghost")
     ref = s.last.id
-    assert [r for r, _ in s.state.rejections] == [ref]
+    assert [r for r, _, _ in s.state.rejections] == [ref]
+    assert s.code == "unknown_workload"
     s.announce(ref)
     assert s.state.rejections == [] and s.state.decisions_folded == 1
 

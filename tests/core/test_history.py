@@ -55,7 +55,11 @@ def test_an_undecodable_input_moves_the_clock_and_is_rejected() -> None:
     state = fold_history(_cluster())
     why = fold_item(state, malformed_item(5, 99, "seq:5", "invalid JSON"))
     assert why == "malformed input: invalid JSON"
-    assert (state.input_seq, state.now_ms, state.rejections) == (5, 99, [("seq:5", why)])
+    assert (state.input_seq, state.now_ms, state.rejections) == (
+        5,
+        99,
+        [("seq:5", why, "malformed")],
+    )
 
 
 def test_items_out_of_order_are_refused_and_change_nothing() -> None:

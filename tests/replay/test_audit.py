@@ -113,6 +113,29 @@ def _write(path: Path, lines: list[dict]) -> Path:
     return path
 
 
+def test_a_log_recorded_before_reason_codes_still_audits(tmp_path):
+    lines = _lines("handmade")
+    stripped = 0
+    for x in lines:
+        for d in x.get("batch", {}).get("decisions", []):
+            if d["kind"] == "InputRejected":
+                del d["code"]
+                stripped += 1
+    assert stripped == 11
+    result = audit(open_log(_write(tmp_path / "before-codes.jsonl", lines)))
+    assert result.ok, result.verdict()
+    # the reason is still compared
+    rejected = next(
+        d
+        for x in lines
+        for d in x.get("batch", {}).get("decisions", [])
+        if d["kind"] == "InputRejected"
+    )
+    rejected["reason"] = "another reason"
+    result = audit(open_log(_write(tmp_path / "altered.jsonl", lines)))
+    assert not result.ok and "another reason" in result.divergence.recorded
+
+
 def test_one_altered_decision_fails_the_audit_at_that_batch(tmp_path):
     lines = _lines("handmade")
     batches = [i for i, x in enumerate(lines) if "batch" in x]

@@ -1,5 +1,6 @@
-"""The gateway's errors on a real nats-server: every error is JSON ``{"error": ...}``,
-bad requests never get a 5xx, a bug is a logged 500 that does not stop the
+"""The gateway's errors on a real nats-server: every error is JSON ``{"error": ...,
+"code": ...}`` with the status of its reason code, each kind of refusal has its
+code, bad requests never get a 5xx, a bug is a logged 500 that does not stop the
 gateway, and a NATS outage is a 504 after which a retry with the same id is
 stored once."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -22,11 +24,12 @@ import pytest
 from apportion.schemas.bounds import MAX_DURATION_MS, MAX_GPUS
 from apportion.schemas.events import DAY_MS, WorkloadSubmitted
 from apportion.schemas.history import InputItem
+from apportion.schemas.reasons import CODES
 from apportion.services import gateway as gateway_module
 from apportion.services.bus import JetStreamLog, connect
 from apportion.services.canonical import read_history
 from apportion.services.client import GatewayClient, GatewayError
-from apportion.services.gateway import MAX_BODY_BYTES
+from apportion.services.gateway import HTTP_STATUS, MAX_BODY_BYTES
 from apportion.services.stack import free_port, nats_server_binary, stop_process
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -170,6 +173,9 @@ async def test_bad_requests_get_a_json_error_and_never_a_5xx(
             assert status < 500, (method, path, body[:200] if body else body, answer)
             if status >= 400:
                 assert isinstance(answer, dict) and isinstance(answer.get("error"), str)
+                code = answer.get("code")
+                assert code in CODES, answer
+                assert status == HTTP_STATUS[code] or code == "http_error", (status, answer)
 
         await asyncio.to_thread(fuzz)
         assert {400, 404, 405, 413} <= set(seen), seen  # the fuzz reached each kind of error
@@ -236,6 +242,7 @@ async def test_a_bug_in_a_handler_is_a_logged_500_and_the_gateway_keeps_serving(
         auth = creds.headers()
         status, body = await asyncio.to_thread(http, "GET", f"{url}/v1/queue", None, auth)
         assert status == 500 and "RuntimeError" in body["error"]
+        assert body["code"] == "internal_error"
         status, body = await asyncio.to_thread(http, "GET", f"{url}/v1/status")
         assert status == 200
         status, body = await asyncio.to_thread(
@@ -246,6 +253,151 @@ async def test_a_bug_in_a_handler_is_a_logged_500_and_the_gateway_keeps_serving(
             auth,
         )
         assert status == 202 and body["workload"] == "after"
+
+
+# -- reason codes --------------------------------------------------------------------
+
+
+def test_every_code_has_one_status_and_the_doc_gives_it() -> None:
+    assert set(HTTP_STATUS) == set(CODES)
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "reasons.md").read_text()
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \| (\d{3}) \|", docs, flags=re.MULTILINE)
+    assert len(rows) == len(CODES) and dict(rows) == {c: str(s) for c, s in HTTP_STATUS.items()}
+
+
+async def test_each_kind_of_refusal_has_its_status_and_code(
+    jlog: JetStreamLog, creds: Credentials
+) -> None:
+    async with (
+        gateway_on(jlog, creds.authenticator) as gateway,
+        aiohttp.ClientSession() as session,
+    ):
+        url = gateway.url
+
+        async def call(
+            method: str, path: str, as_: str | None = "ops", **kw: Any
+        ) -> tuple[int, dict[str, Any]]:
+            headers = creds.headers(as_) if as_ else {}
+            async with session.request(method, f"{url}{path}", headers=headers, **kw) as r:
+                assert r.content_type == "application/json"
+                return r.status, await r.json()
+
+        def submit(**over: Any) -> dict[str, Any]:
+            return {"json": {**good_submit, **over}}
+
+        def budget(**body: Any) -> dict[str, Any]:
+            return {"json": body}
+
+        async def check(case: tuple[str, str, str | None, dict[str, Any], str, str]) -> None:
+            method, path, as_, kw, code, words = case
+            status, body = await call(method, path, as_, **kw)
+            assert (status, body.get("code")) == (HTTP_STATUS[code], code), (case, status, body)
+            assert words in body["error"], (case, body)
+
+        status, body = await call("POST", "/v1/workloads", **submit(id="dup"))
+        assert status == 202, body
+        status, body = await call("POST", "/v1/workloads", **submit(id="busy", owner="llm/b"))
+        assert status == 202, body
+        await eventually(
+            lambda: {"dup", "busy"} <= set(gateway.state.workloads), what="both folded"
+        )
+        P, W, B = "POST", "/v1/workloads", "/v1/budget"
+        cases: list[tuple[str, str, str | None, dict[str, Any], str, str]] = [
+            (P, W, "ops", {"data": b"{not json"}, "malformed", "not JSON"),
+            (P, W, "ops", submit(gpus="x"), "malformed", "invalid request"),
+            (P, W, "ops", submit(colour="red"), "malformed", "invalid request"),
+            (P, W, "ops", submit(gpus=MAX_GPUS + 1), "malformed", "$.gpus"),
+            (P, W, "ops", submit(id=".."), "invalid_name", "is not allowed"),
+            (P, W, "ops", submit(owner="nope"), "unknown_owner", "unknown owner 'nope'"),
+            (P, W, "ops", submit(owner="llm"), "not_a_leaf", "not a leaf"),
+            (P, W, "mallory", submit(), "not_authorised", "mallory may not submit"),
+            (P, W, "ops", submit(gpus=0), "not_positive", "gpus must be positive"),
+            (P, W, "ops", submit(min_runtime_ms=10 * 3_600_000), "over_cap", "min_runtime"),
+            (P, W, "ops", submit(grace_ms=3_600_000), "over_cap", "grace must be between"),
+            (P, W, "ops", submit(gpu_type="a100"), "unknown_gpu_type", "no nodes of gpu_type"),
+            (P, W, "ops", submit(gpus=12), "invalid_gang", "not a valid gang"),
+            (P, W, "ops", submit(id="dup"), "duplicate_id", "already exists"),
+            (P, f"{W}/ghost/cancel", "ops", {"json": {}}, "unknown_workload", "unknown workload"),
+            (P, f"{W}/dup/cancel", "mallory", {"json": {}}, "not_authorised", "may not cancel"),
+            ("GET", f"{W}/ghost", "ops", {}, "unknown_workload", "unknown workload 'ghost'"),
+            ("GET", "/v1/explain/ghost", "ops", {}, "unknown_workload", "unknown workload"),
+            (P, B, "ops", budget(), "empty_request", "nothing to change"),
+            (
+                P,
+                B,
+                "mallory",
+                budget(set=[{"path": "llm/c", "weight": 1, "owner": "m"}]),
+                "not_authorised",
+                "'mallory' does not own",
+            ),
+            (
+                P,
+                B,
+                "ops",
+                budget(set=[{"path": "llm/_x", "weight": 1, "owner": "m"}]),
+                "bad_path",
+                "bad budget path",
+            ),
+            (
+                P,
+                B,
+                "ops",
+                budget(set=[{"path": "llm/c", "weight": 0, "owner": "m"}]),
+                "not_positive",
+                "weight must be a positive",
+            ),
+            (
+                P,
+                B,
+                "ops",
+                budget(set=[{"path": "llm/c", "weight": 1, "owner": ""}]),
+                "invalid_name",
+                "owner is empty",
+            ),
+            (
+                P,
+                B,
+                "ops",
+                budget(set=[{"path": "x/y", "weight": 1, "owner": "m"}]),
+                "unknown_parent",
+                "does not exist",
+            ),
+            (
+                P,
+                B,
+                "ops",
+                budget(set=[{"path": "llm/b/sub", "weight": 1, "owner": "m"}]),
+                "has_work",
+                "has pending or running work",
+            ),
+            (P, B, "ops", budget(remove=["zzz"]), "unknown_budget_node", "unknown budget node"),
+            (P, B, "ops", budget(remove=["llm"]), "has_children", "has children"),
+            (P, B, "ops", budget(remove=["llm/b"]), "has_work", "pending or running workloads"),
+            (P, B, "ops", budget(remove=[""]), "root_not_removable", "cannot be removed"),
+            # the second edit relies on the first, and is refused for itself
+            (
+                P,
+                B,
+                "ops",
+                budget(set=[{"path": "ml", "weight": 1, "owner": "m"}], remove=["ml", "ml"]),
+                "unknown_budget_node",
+                "unknown budget node 'ml'",
+            ),
+            ("GET", "/v1/queue", None, {}, "not_authenticated", "not authenticated"),
+            ("GET", "/v1/nope", "ops", {}, "no_such_path", "no such path"),
+            ("PUT", "/v1/queue", "ops", {}, "method_not_allowed", "not allowed"),
+            (P, W, "ops", {"data": b"x" * (MAX_BODY_BYTES + 1)}, "too_large", "request body over"),
+        ]
+        for case in cases:
+            await check(case)
+        status, body = await call("POST", f"{W}/dup/cancel", "ops", json={})
+        assert status == 202, body
+        await eventually(lambda: "dup" in gateway.state.ended, what="cancel folded")
+        await check((P, f"{W}/dup/cancel", "ops", {"json": {}}, "already_ended", "already ended"))
+        await check((P, W, "ops", submit(id="dup"), "duplicate_id", "already exists"))
+        # nothing refused was published: the cluster, two submissions and one cancel
+        inputs = [i for i in await read_history(jlog, 10.0) if isinstance(i, InputItem)]
+        assert len(inputs) == len(small_cluster()) + 3
 
 
 # -- a NATS outage ------------------------------------------------------------------
@@ -304,6 +456,7 @@ async def test_an_outage_is_a_504_and_a_retry_with_the_same_id_is_stored_once(
             )
             assert status == 504 and "may still be stored" in answer["error"], answer
             assert answer["workload"] == "during" and "same" in answer["error"]
+            assert answer["code"] == "unacknowledged"
             status, answer = await asyncio.to_thread(http, "GET", f"{url}/v1/nope", None, auth)
             assert status == 404 and "error" in answer
 
@@ -334,7 +487,7 @@ async def test_an_outage_is_a_504_and_a_retry_with_the_same_id_is_stored_once(
                     break
             assert status in (202, 409), answer
             if status == 409:
-                assert "already exists" in answer["error"]
+                assert "already exists" in answer["error"] and answer["code"] == "duplicate_id"
             await eventually(
                 lambda: {"during", made} <= set(gateway.state.workloads), what="both folded"
             )

@@ -144,3 +144,19 @@ def test_rejection_classes() -> None:
     assert rejection_class("budget 'x': 'b' does not own 'llm' or an ancestor") == "authority"
     assert rejection_class("workload 'w' already exists; ids are never reused") == "duplicate"
     assert rejection_class("unknown owner 'x': submit to a leaf of the budget tree") == "invalid"
+
+
+def test_rejection_classes_from_codes_agree_with_the_words() -> None:
+    """A decision with a code is classed by its code; on every rejection of the
+    handmade golden log that gives the class its words gave."""
+    golden = Path(__file__).resolve().parents[1] / "golden" / "handmade.jsonl"
+    seen = set()
+    for line in golden.read_text().splitlines():
+        for d in json.loads(line).get("batch", {}).get("decisions", []):
+            if d["kind"] == "InputRejected":
+                cls = rejection_class(d["reason"], d["code"])
+                assert cls == rejection_class(d["reason"]), d
+                seen.add(cls)
+    assert {"malformed", "authority", "invalid", "stale"} <= seen
+    assert rejection_class("x", "duplicate_id") == "duplicate"
+    assert rejection_class("x", "wrong_node") == "invalid"

@@ -53,37 +53,18 @@ from .dashboard_views import (
     budget_html,
     cluster_data,
     cluster_html,
-    page,
     queue_data,
     queue_html,
     render,
     submit_data,
-    timeline_svg,
     usage_data,
-    usage_history_html,
     usage_html,
     workload_data,
-    workload_html,
 )
 from .usage_history import hours_in, usage_over_time
 
 if TYPE_CHECKING:
     from .gateway import Gateway
-
-__all__ = [
-    "COOKIE",
-    "Dashboard",
-    "TimelineHistory",
-    "add_dashboard",
-    "budget_html",
-    "cluster_html",
-    "page",
-    "queue_html",
-    "timeline_svg",
-    "usage_history_html",
-    "usage_html",
-    "workload_html",
-]
 
 COOKIE = "apportion_token"
 """The login cookie: the bearer token (or, without auth, the name acted as)."""
@@ -112,19 +93,7 @@ class Dashboard:
     # identity
     def principal(self, request: web.Request) -> str | None:
         """Who the login cookie stands for, checked now; ``None`` if nobody."""
-        value = request.cookies.get(COOKIE)
-        if not value:
-            return None
-        auth = self.gw.auth
-        if auth is None:
-            try:
-                return check_principal(value)
-            except ValueError:
-                return None
-        try:
-            return auth.authenticate({"Authorization": f"Bearer {value}"})
-        except AuthError:
-            return None
+        return self._check_token(request.cookies.get(COOKIE, ""))
 
     def _require(self, request: web.Request) -> str:
         who = self.principal(request)
@@ -226,6 +195,7 @@ class Dashboard:
         raise resp
 
     def _check_token(self, token: str) -> str | None:
+        """Who ``token`` stands for (without auth: the name it is), or ``None``."""
         if not token:
             return None
         if self.gw.auth is None:

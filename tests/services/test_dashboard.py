@@ -18,8 +18,8 @@ from apportion.core.state import State
 from apportion.schemas.history import BatchItem, input_item
 from apportion.services.auth import revoke_tokens
 from apportion.services.bus import JetStreamLog
-from apportion.services.dashboard import (
-    COOKIE,
+from apportion.services.dashboard import COOKIE
+from apportion.services.dashboard_views import (
     TimelineHistory,
     budget_html,
     cluster_html,
@@ -140,7 +140,7 @@ def test_the_pages_render_from_the_state() -> None:
 
 
 def test_text_from_the_log_is_escaped() -> None:
-    from apportion.services.dashboard import page
+    from apportion.services.dashboard_views import page
 
     # the templates escape: a body given as text is shown as text
     out = page("<x>", "queue", "<script>alert(1)</script>", principal="a&b")
@@ -377,7 +377,7 @@ async def test_without_auth_the_login_names_the_actor(jlog: JetStreamLog) -> Non
 
 
 def test_the_usage_page_charts_owed_and_delivered_per_team() -> None:
-    from apportion.services.dashboard import usage_history_html
+    from apportion.services.dashboard_views import usage_history_html
 
     f = cluster_with_a_preemption()
     gw = SimpleNamespace(state=f.state, history=f.history, auth=None, url=None)
@@ -406,3 +406,23 @@ def test_the_usage_page_charts_owed_and_delivered_per_team() -> None:
     assert usage_history_html(gw, 6, "nope").count("usage-history user") == 0  # type: ignore[arg-type]
     # the page has it under the usage chart
     assert '<svg id="usage-history-llm"' in usage_html(gw, 6)  # type: ignore[arg-type]
+
+
+def test_the_templates_layout_is_taken_out() -> None:
+    """The loader drops the templates' indentation; a line break next to a tag goes,
+    one inside running text (or before a tag that follows text) is a space."""
+    from apportion.services.dashboard_views import compact
+
+    source = """
+    <p>
+      a team is
+      <b>owed</b> its share,
+      {% if x %}
+        <i>{{ x }}</i>
+      {% endif %}
+    </p>
+    """
+    assert (
+        compact(source)
+        == "<p>a team is <b>owed</b> its share,{% if x %}<i>{{ x }}</i>{% endif %}</p>"
+    )

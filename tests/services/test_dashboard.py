@@ -4,8 +4,10 @@ browser test is test_dashboard_browser.py)."""
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.parse
+from html.parser import HTMLParser
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +18,8 @@ from apportion.core.state import State
 from apportion.schemas.history import BatchItem, input_item
 from apportion.services.auth import revoke_tokens
 from apportion.services.bus import JetStreamLog
-from apportion.services.dashboard import (
-    COOKIE,
+from apportion.services.dashboard import COOKIE
+from apportion.services.dashboard_views import (
     TimelineHistory,
     budget_html,
     cluster_html,
@@ -138,10 +140,129 @@ def test_the_pages_render_from_the_state() -> None:
 
 
 def test_text_from_the_log_is_escaped() -> None:
-    from apportion.services.dashboard import esc, page
+    from apportion.services.dashboard_views import page
 
-    out = page("<x>", "queue", esc("<script>alert(1)</script>"), principal="a&b")
+    # the templates escape: a body given as text is shown as text
+    out = page("<x>", "queue", "<script>alert(1)</script>", principal="a&b")
     assert "<script>alert" not in out and "&lt;script&gt;" in out and "a&amp;b" in out
+
+
+BAD = '<script>alert("x")</script>\'&'
+"""A name that would run a script, end an attribute or start an entity if it were not escaped."""
+BAD_SEGMENT = '<script>alert("x")\'&'
+"""The same as a budget path segment (no ``/``)."""
+
+
+class Parsed(HTMLParser):
+    """A page as a browser's parser reads it: its elements, text and attribute values."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.scripts: list[dict[str, str | None]] = []
+        self.shown: list[str] = []
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "script":
+            self.scripts.append(dict(attrs))
+        self.shown += [v for _, v in attrs if v]
+
+    def handle_data(self, data: str) -> None:
+        self.shown.append(data)
+
+
+def hostile_names() -> Folded:
+    """A budget leaf, its owner, a node and workloads named :data:`BAD`. The API's
+    schemas refuse such names; the pages must not trust that: they are put in the state
+    past those checks (the fold itself takes them)."""
+    from apportion.schemas.events import NodeRegistered
+    from apportion.schemas.history import InputItem
+
+    f = Folded()
+    for e in small_cluster():
+        f.feed(at(e, T0))
+    f.state.budget.set_node("llm/" + BAD_SEGMENT, 2, "o" + BAD)
+    unchecked = [
+        NodeRegistered(id="n", at_ms=T0, node="n" + BAD, gpus=4, gpu_type="h100", actor="ops"),
+        submit("w" + BAD, owner="llm/" + BAD_SEGMENT, gpus=4, min_runtime_ms=HOUR),
+        submit("q" + BAD, owner="llm/" + BAD_SEGMENT, gpus=16, min_runtime_ms=HOUR),
+    ]
+    for i, e in enumerate(unchecked, 1):
+        f.seq += 1
+        item = InputItem(seq=f.seq, at_ms=T0 + i, ref=e.id, event=e)
+        fold_item(f.state, item)
+        f.history.record([item])
+        batch, _ = decide_batch(f.state)
+        f.batches += 1
+        b = BatchItem(seq=f.batches, batch=batch)
+        fold_item(f.state, b)
+        f.history.record([b])
+    assert {"w" + BAD, "q" + BAD} <= set(f.state.workloads) and "n" + BAD in f.state.nodes
+    return f
+
+
+async def test_names_with_markup_are_escaped_on_every_page() -> None:
+    """Every page and every live part that shows a hostile budget path, owner, node or
+    workload id shows it as text: the parser finds it whole in the text or an
+    attribute value, and no script but the dashboard's own."""
+    from aiohttp.test_utils import make_mocked_request
+    from apportion.services.dashboard import Dashboard
+
+    f = hostile_names()
+    path, owner, running, pending = "llm/" + BAD_SEGMENT, "o" + BAD, "w" + BAD, "q" + BAD
+
+    async def no_estimates() -> None:
+        return None
+
+    gw = SimpleNamespace(
+        state=f.state,
+        history=f.history,
+        auth=None,
+        url=None,
+        logger=SimpleNamespace(info=print, exception=print),
+        estimates=no_estimates,
+    )
+    d = Dashboard(gw)  # type: ignore[arg-type]
+    pages = {
+        # path -> (handler, match_info, the names it shows)
+        "/ui/": (d.cluster, {}, ["n" + BAD, running]),
+        "/ui/queue": (d.queue, {}, [running, pending, path]),
+        "/ui/usage": (d.usage, {}, [path, owner]),
+        "/ui/usage?team=llm": (d.usage, {}, [path, owner]),
+        "/ui/budget": (d.budget, {}, [path, owner]),
+        "/ui/workload/w": (d.workload, {"id": running}, [running, path]),
+        "/ui/workload/q": (d.workload, {"id": pending}, [pending, path]),
+        "/ui/workload/x": (d.workload, {"id": "x" + BAD}, ["x" + BAD]),
+        "/ui/login?next=" + urllib.parse.quote(BAD): (d.login_form, {}, [BAD]),
+        "/ui/queue?error=" + urllib.parse.quote(BAD): (d.queue, {}, [BAD]),
+    }
+    live = {
+        "cluster": ["n" + BAD, running],
+        "queue": [running, pending, path],
+        "usage&team=llm": [path, owner],
+        "budget": [path, owner],
+        "workload&id=" + urllib.parse.quote(running): [running, path],
+        "workload&id=" + urllib.parse.quote("x" + BAD): ["x" + BAD],
+    }
+    for which, names in live.items():
+        pages["/ui/live?page=" + which] = (d.live, {}, names)
+    for url, (handler, match, names) in pages.items():
+        headers = {"Cookie": "apportion_token=ops"}
+        resp = await handler(make_mocked_request("GET", url, headers=headers, match_info=match))
+        assert resp.text is not None
+        text = resp.text if "/live" not in url else json.loads(resp.text)["html"]
+        page = Parsed(text)
+        own = [{"src": "/ui/static/dashboard.js", "defer": None}] if "/live" not in url else []
+        assert page.scripts == own, url
+        for name in names:
+            assert any(name in s for s in page.shown), (url, name)
+        assert 'alert("x")' not in text and "alert(&#34;x&#34;)" in text, url
+    # the budget page's forms carry the names as their values (the ops own the root)
+    page = Parsed(
+        (await d.budget(make_mocked_request("GET", "/ui/budget", headers=headers))).text or ""
+    )
+    assert path in page.shown and owner in page.shown
 
 
 # -- against a real gateway ----------------------------------------------------------
@@ -256,7 +377,7 @@ async def test_without_auth_the_login_names_the_actor(jlog: JetStreamLog) -> Non
 
 
 def test_the_usage_page_charts_owed_and_delivered_per_team() -> None:
-    from apportion.services.dashboard import usage_history_html
+    from apportion.services.dashboard_views import usage_history_html
 
     f = cluster_with_a_preemption()
     gw = SimpleNamespace(state=f.state, history=f.history, auth=None, url=None)
@@ -285,3 +406,23 @@ def test_the_usage_page_charts_owed_and_delivered_per_team() -> None:
     assert usage_history_html(gw, 6, "nope").count("usage-history user") == 0  # type: ignore[arg-type]
     # the page has it under the usage chart
     assert '<svg id="usage-history-llm"' in usage_html(gw, 6)  # type: ignore[arg-type]
+
+
+def test_the_templates_layout_is_taken_out() -> None:
+    """The loader drops the templates' indentation; a line break next to a tag goes,
+    one inside running text (or before a tag that follows text) is a space."""
+    from apportion.services.dashboard_views import compact
+
+    source = """
+    <p>
+      a team is
+      <b>owed</b> its share,
+      {% if x %}
+        <i>{{ x }}</i>
+      {% endif %}
+    </p>
+    """
+    assert (
+        compact(source)
+        == "<p>a team is <b>owed</b> its share,{% if x %}<i>{{ x }}</i>{% endif %}</p>"
+    )

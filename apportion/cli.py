@@ -24,7 +24,7 @@ class UserError(click.ClickException):
 
     exit_code = 2
 
-    def show(self, file=None) -> None:  # noqa: ANN001
+    def show(self, file=None) -> None:
         click.echo(f"apportion: {self.format_message()}", err=True)
 
 

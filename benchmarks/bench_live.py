@@ -27,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apportion.services.runner import serve_process  # noqa: E402 - importable target for spawn
+from apportion.services.runner import serve_process  # an importable target for spawn
 
 NODES = 128
 GPUS_PER_NODE = 8

@@ -160,7 +160,7 @@ async def _takeover(url: str, n: int) -> dict[str, float]:
         t0 = time.perf_counter()
         await cold.recover()
         out[key] = time.perf_counter() - t0
-        await cold._forget()  # noqa: SLF001
+        await cold._forget()
     await nc.close()
     return out
 

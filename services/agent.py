@@ -244,7 +244,7 @@ class Agent:
     async def _publish(self, event: Input, what: str) -> bool:
         try:
             await asyncio.wait_for(self.log.publish_input(event), PUBLISH_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - retried on the next round
+        except Exception as exc:  # retried on the next round
             self.logger.warning(f"{what} publish failed; retrying", error=error_text(exc))
             return False
         return True

@@ -117,7 +117,7 @@ class HostHealth:
 
         try:
             sub = await nc.subscribe(subjects.heartbeats, cb=heard)
-        except Exception as exc:  # noqa: BLE001 - no gang addresses then; heartbeats still go
+        except Exception as exc:  # no gang addresses then; heartbeats still go
             self.logger.error("cannot hear the other hosts' heartbeats", error=error_text(exc))
             sub = None
         try:
@@ -132,7 +132,7 @@ class HostHealth:
                 }
                 try:
                     await nc.publish(subjects.heartbeat(self.node), json.dumps(payload).encode())
-                except Exception as exc:  # noqa: BLE001 - a reconnect; the next one may pass
+                except Exception as exc:  # a reconnect; the next one may pass
                     self.logger.warning("heartbeat failed", error=error_text(exc))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.heartbeat_s)

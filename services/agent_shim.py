@@ -98,7 +98,7 @@ def main() -> int:
         os.dup2(fd, std)
     try:
         return run(attempt_dir)
-    except BaseException as exc:  # noqa: BLE001 - record something: the agent waits for `exit`
+    except BaseException as exc:  # record something: the agent waits for `exit`
         with open(attempt_dir / OUTPUT, "ab") as out:
             out.write(f"[apportion {_stamp()}] supervisor failed: {exc!r}\n".encode())
         if not (attempt_dir / EXIT).exists():

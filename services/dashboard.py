@@ -86,7 +86,7 @@ class Dashboard:
         state, off the event loop); ``None`` if they failed (a page without them)."""
         try:
             return await self.gw.estimates()
-        except Exception:  # noqa: BLE001 - a page without estimates beats no page
+        except Exception:  # a page without estimates beats no page
             self.gw.logger.exception("dashboard: estimates failed")
             return None
 

@@ -247,7 +247,7 @@ class Executor:
         event = finished(key, entry.run.node, self.clock(), with_exit=False)
         try:
             ack = await self.log.publish_input(event)
-        except Exception as exc:  # noqa: BLE001 - keep emulating; the report can be retried
+        except Exception as exc:  # keep emulating; the report can be retried
             self.logger.warning("finish publish failed", workload=workload, error=str(exc))
             self.metrics.ended("report_failed")
             return

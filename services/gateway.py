@@ -336,7 +336,7 @@ class Gateway:
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
-        server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
+        server = site._server  # aiohttp exposes the bound port only here
         sockets = getattr(server, "sockets", None)  # an asyncio.Server once started
         bound = sockets[0].getsockname()[1] if sockets else port
         self.url = f"http://{host}:{bound}"

@@ -52,7 +52,7 @@ def check_projection(projection: Projection) -> None:
         con.execute(f'SELECT sum(hash(COLUMNS(*))) FROM "{table}"').fetchall()
     try:
         state = projection.saved_state()
-    except Exception as exc:  # noqa: BLE001 - a saved state that does not decode, however it fails
+    except Exception as exc:  # a saved state that does not decode, however it fails
         raise ProjectionCorrupt(
             f"its saved state does not decode ({type(exc).__name__}: {exc})"
         ) from None

@@ -111,7 +111,7 @@ def load_snapshot(raw: bytes) -> tuple[SchedulerSnapshot, State]:
     try:
         snap = _snap_decoder.decode(raw)
         state = State.from_bytes(snap.state)
-    except Exception as exc:  # noqa: BLE001 - any failure to rebuild the state means: do not use it
+    except Exception as exc:  # any failure to rebuild the state means: do not use it
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
         raise SnapshotInvalid(f"does not decode ({type(exc).__name__}: {first})") from None
     digest = state.digest()

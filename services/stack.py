@@ -376,7 +376,7 @@ class Stack:
         finally:
             try:
                 await asyncio.wait_for(nc.drain(), 5)
-            except (TimeoutError, Exception):  # noqa: BLE001 - a server already gone
+            except (TimeoutError, Exception):  # a server already gone
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(nc.close(), 5)
             if watchdog is not None:

@@ -79,7 +79,7 @@ async def test_an_oversized_cycle_is_split_and_every_reader_folds_it(
     again = Scheduler(jlog)
     await again.recover()
     assert again.state is not None and again.state.digest() == digest
-    await again._forget()  # noqa: SLF001
+    await again._forget()
     await follower.close()
     # and the audit recomputes the cycle and compares every part, bit for bit
     out = await asyncio.to_thread(audit_live, nats_server.url, cluster)

@@ -107,7 +107,7 @@ async def failover_at(
     await cold.recover()
     assert cold.recovered_from == "snapshot" and cold.state is not None
     assert cold.state.digest() == digest
-    await cold._forget()  # noqa: SLF001
+    await cold._forget()
 
 
 async def test_a_standby_takes_over_a_large_state(

@@ -145,7 +145,7 @@ async def test_accounts_enforce_roles(secure_server: int) -> None:
         await s.recover()
         assert await s.cycle() is not None
         await s.save_snapshot()
-        await s._tail.close()  # noqa: SLF001
+        await s._tail.close()
         inputs, decisions = await _stored(conns["scheduler"], "INPUTS_demo"), 1
         for role, nc in conns.items():
             # reads: every role, by direct get

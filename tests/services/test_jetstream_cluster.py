@@ -121,7 +121,7 @@ async def publish_retrying(log: JetStreamLog, event: Input, attempts: int = 120)
         try:
             await log.publish_input(event)
             return
-        except Exception:  # noqa: BLE001 - timeouts, no responders, 'no leader' API errors
+        except Exception:  # timeouts, no responders, 'no leader' API errors
             if attempt == attempts - 1:
                 raise
             await asyncio.sleep(0.25)

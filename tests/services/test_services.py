@@ -175,7 +175,7 @@ async def test_restart_from_snapshot_reaches_the_full_fold_digest(jlog: JetStrea
     history = await read_history(jlog, 10.0)
     assert second.state.digest() == fold_history(history).digest()
     assert second.state.input_seq == await jlog.last_input_seq()
-    await second._tail.close()  # noqa: SLF001
+    await second._tail.close()
 
 
 async def test_a_second_scheduler_is_fenced(jlog: JetStreamLog) -> None:
@@ -187,18 +187,18 @@ async def test_a_second_scheduler_is_fenced(jlog: JetStreamLog) -> None:
     await jlog.publish_inputs(events)
     for s in (a, b):
         while s.state.input_seq < len(events):
-            for item in await s._tail.take(100, 10.0):  # noqa: SLF001
+            for item in await s._tail.take(100, 10.0):
                 fold_item(s.state, item)
     batch = await a.cycle()
     assert batch is not None and any(isinstance(d, WorkloadPlaced) for d in batch.decisions)
     with pytest.raises(Fenced):
         await b.cycle()
     assert await jlog.last_batch_seq() == 1
-    await b._tail.close()  # noqa: SLF001
+    await b._tail.close()
     await b.recover()
     assert b.state.digest() == a.state.digest()
     for s in (a, b):
-        await s._tail.close()  # noqa: SLF001
+        await s._tail.close()
 
 
 async def test_standby_takes_over_when_the_leader_stops(jlog: JetStreamLog) -> None:

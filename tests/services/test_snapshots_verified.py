@@ -94,7 +94,7 @@ async def test_a_bad_snapshot_means_a_full_fold_to_the_same_state(
     assert clean.state is not None
     digest = clean.state.digest()
     assert digest == fold_history(await read_history(jlog, 10.0)).digest()
-    await clean._forget()  # noqa: SLF001
+    await clean._forget()
 
     if damage == "ahead":
         damaged = _ahead(raw, await read_history(jlog, 10.0))
@@ -111,7 +111,7 @@ async def test_a_bad_snapshot_means_a_full_fold_to_the_same_state(
     again = await _recovered(jlog, snapshots)
     assert again.recovered_from == "log" and again.snapshots_rejected == 1
     assert again.state is not None and again.state.digest() == digest
-    await again._forget()  # noqa: SLF001
+    await again._forget()
 
     # a scheduler started on the damaged snapshot leads, schedules, and saves a good one
     live = Scheduler(jlog, snapshots)

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
 from apportion.core.state import State
 from apportion.replay.run import load_inputs
 from apportion.replay.simulator import run_simulation

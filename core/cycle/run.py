@@ -21,6 +21,7 @@ from .reservation import Reserver
 from .result import CycleResult
 from .roomy import RoomyNodes
 from .scratch import Scratch
+from .subtrees import CycleOutranking
 from .unallocated import place_unallocated
 from .wakeup import next_wakeup
 
@@ -29,9 +30,10 @@ class Cycle:
     """One scheduling cycle over ``state`` (read only).
 
     ``skip_doomed=False`` walks step 3 without passing over doomed shapes and whole
-    budget nodes (:mod:`.doomed`, :mod:`.prune`); ``roomy``, ``pool_bound`` and
-    ``whole_nodes`` choose the implementations of those shortcuts (tests pass
-    checked and plain variants). The decisions are the same either way."""
+    budget nodes (:mod:`.doomed`, :mod:`.prune`); ``roomy``, ``pool_bound``,
+    ``whole_nodes`` and ``outranking`` choose the implementations of the other
+    shortcuts (tests pass checked and plain variants). The decisions are the same
+    either way."""
 
     def __init__(
         self,
@@ -41,8 +43,9 @@ class Cycle:
         roomy: Callable[[Scratch], RoomyNodes] = RoomyNodes,
         pool_bound: Callable[[Scratch], PoolBound] = PoolBound,
         whole_nodes: Callable[[Scratch, Reserver], WholeNodes] = WholeNodes,
+        outranking: Callable[[Scratch], CycleOutranking] = CycleOutranking,
     ) -> None:
-        s = self.scratch = Scratch(state, roomy)
+        s = self.scratch = Scratch(state, roomy, outranking)
         self.memo = FailureMemo(s)
         self.pool_bound = pool_bound(s)
         self.preemption = Preemption(s, self.pool_bound)

@@ -39,7 +39,12 @@ NEVER = 1 << 62
 class Scratch:
     """Scratch state of one cycle. Reads ``state``, writes only its own fields."""
 
-    def __init__(self, state: State, roomy: Callable[[Scratch], RoomyNodes] = RoomyNodes) -> None:
+    def __init__(
+        self,
+        state: State,
+        roomy: Callable[[Scratch], RoomyNodes] = RoomyNodes,
+        outranking: Callable[[Scratch], CycleOutranking] = CycleOutranking,
+    ) -> None:
         self.state = state
         self.t = state.now_ms
         self.decisions: list[Decision] = []
@@ -72,7 +77,7 @@ class Scratch:
         self.freed = 0  # bumps on every preemption (the only way GPUs come free in a cycle)
         self.walk: FairShareWalk | None = None  # step 3's walk, when it skips (shortcuts)
         self._pool_sets: dict[Pool, frozenset[str]] = {}
-        self.outranking = CycleOutranking(self)
+        self.outranking = outranking(self)
         self.victims = VictimIndex(self)
         self.roomy = roomy(self)
 

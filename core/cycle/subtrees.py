@@ -14,8 +14,10 @@ are keyed by what the answer depends on:
   it (:mod:`.memo`, :mod:`.doomed`) stay valid;
 - whether a leaf lies in some victim subtrees is kept per subtrees object.
 
-``tests/cycle/test_skip_doomed.py`` (shortcuts on and off) and every golden
-log (``tests/replay/test_audit.py``) run through these caches.
+Guarded by ``tests/cycle/test_outranking_caches.py``: every answer during random
+cycles is checked against the rule computed afresh, and the decisions against a
+cycle without the caches. ``tests/core/test_outranking.py`` checks the rule
+level by level against the first level where two paths part.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ class FairShareWalk:
         self.doomed: Callable[[str, Shape], object] | None = None
         self.prune: Callable[[str], bool] | None = None
         """If set, asked before the walk enters a budget node: True passes over
-        everything under it, as if exhausted (the cycle's ``_prunable``)."""
+        everything under it, as if exhausted (the cycle's ``Pruning.prunable``, core/cycle/prune.py)."""
         self.current: str | None = None  # the leaf being walked
         self.version: dict[str, int] = {}
         self.heaps: dict[str, list[tuple[SiblingKey, int]]] = {}

@@ -27,11 +27,16 @@ def clearly_below_pair(
 
     Two ratios inside the margin of each other (including two zero ratios) are
     never "clearly" ordered, so near-equal teams do not preempt each other back
-    and forth. The scheduling cycle applies it level by level
-    (:meth:`apportion.core.cycle._Cycle.victim_subtrees`) and decides every
-    preemption of allocated work through :meth:`apportion.core.cycle._Cycle.may_preempt`.
+    and forth. :mod:`apportion.core.rules.outranking` applies it level by level
+    (victim subtrees) and decides every preemption of allocated work with it.
     """
     return cand_usage * victim_weight * PPM < victim_usage * cand_weight * (PPM - margin_ppm)
+
+
+def below_pair(a_usage: int, a_weight: int, b_usage: int, b_weight: int) -> bool:
+    """``a_usage / a_weight < b_usage / b_weight``, by cross-multiplication (no
+    margin: :func:`clearly_below_pair` with a zero margin)."""
+    return a_usage * b_weight < b_usage * a_weight
 
 
 def sibling_scales(weights: dict[str, int]) -> dict[str, int]:

@@ -56,15 +56,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from apportion.core.budget import ancestors_of
 from apportion.core.cycle import Reservation, decide
 from apportion.core.history import fold_item
 from apportion.core.ordering import FairShareView, queue_order
 from apportion.core.placement import FreeGPUs
-from apportion.core.ratio import clearly_below_pair
 from apportion.core.rules.classes import team_of
 from apportion.core.rules.contract import is_allocated, is_protected, may_use_reserved
 from apportion.core.rules.gpu_types import is_any
+from apportion.core.rules.outranking import Outranking, Standing
 from apportion.core.state import State, Workload
 from apportion.schemas.events import HOUR_MS
 from apportion.schemas.history import BatchItem, HistoryItem
@@ -200,24 +199,12 @@ class Diagnosis:
         return out
 
 
-def _rank_against(view: FairShareView, margin_ppm: int, cand: Workload, victim: Workload) -> int:
-    """How ``cand`` ranks against a running ``victim`` by the preemption rule: 2 if it
-    outranks it clearly (at the first level where their paths part, the
-    candidate's ratio is below ``(1 - margin)`` times the victim's; inside one
-    leaf, a strictly higher priority), 3 if its ratio is lower but inside the
-    margin, 4 if it is not lower (the victim's side is more under-served over the
-    lookback window)."""
-    if cand.owner == victim.owner:
-        return 2 if cand.priority > victim.priority else 4
-    a = [*ancestors_of(cand.owner)[1:], cand.owner]
-    b = [*ancestors_of(victim.owner)[1:], victim.owner]
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            ux, wx, uy, wy = view.usage[x], view.weight[x], view.usage[y], view.weight[y]
-            if clearly_below_pair(ux, wx, uy, wy, margin_ppm):
-                return 2
-            return 3 if ux * wy < uy * wx else 4
-    return 4
+_STANDING_LEVEL = {Standing.OUTRANKS: 2, Standing.INSIDE_MARGIN: 3, Standing.NOT_LOWER: 4}
+"""A block's level by how the candidate stands against a running allocated workload
+(:meth:`~apportion.core.rules.outranking.Outranking.standing`, the rule the cycle
+preempts by): 2 if it outranks it clearly, 3 if its ratio is lower but inside the
+margin, 4 if it is not lower (the victim's side is more under-served over the
+lookback window)."""
 
 
 class _Moment:
@@ -227,6 +214,9 @@ class _Moment:
         self.state = state
         self.t = state.now_ms
         self.view = FairShareView(state)
+        self.outranking = Outranking(
+            state.budget, self.view.usage, self.view.weight, state.policy.preemption_margin_ppm
+        )
         self.free = FreeGPUs(state)
         self._reservation: Reservation | None = None
         self._reservation_known = False
@@ -326,7 +316,6 @@ class _Moment:
         if have >= want:
             return 0
         running = self.state.running
-        margin = self.state.policy.preemption_margin_ppm
         levels = []
         for wid, gpus in node.workloads.items():
             v = running[wid]
@@ -337,7 +326,7 @@ class _Moment:
             elif is_protected(v, self.t):
                 level = 5
             else:
-                level = _rank_against(self.view, margin, w, v)
+                level = _STANDING_LEVEL[self.outranking.standing(w, v)]
             levels.append((level, gpus))
         for level, gpus in sorted(levels):
             have += gpus

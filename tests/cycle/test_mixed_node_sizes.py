@@ -1,8 +1,9 @@
 """A failure to place says nothing about a request a pool takes that the failed one did not.
 
 The cycle skips, without a search, work that cannot be placed because a smaller
-request of the same kind just failed (core/cycle.py: ``_try``'s memo, the
-doomed shapes of deep queues, the unallocated pass). "At least as many GPUs
+request of the same kind just failed (core/cycle/: the failure memo of
+``memo.py``, the doomed shapes of deep queues of ``doomed.py``, the unallocated
+pass of ``unallocated.py``). "At least as many GPUs
 fails too" holds pool by pool only where both requests are possible: on nodes
 of 4 and 8 GPUs, 6 GPUs fit one 8-GPU node but no 4-GPU gang, while 8 GPUs also
 fit two whole 4-GPU nodes. These tests fail if the skipping forgets that.
@@ -63,12 +64,14 @@ def test_a_deep_queue_passed_over_by_shape_still_places_what_another_pool_takes(
     """``six`` and 40 more 6-GPU workloads of the leaf, then ``eight``: the walk
     passes over the 6-GPU shape once it failed (a deep queue), but not over
     8 GPUs, which two whole 4-GPU nodes take."""
-    from apportion.core.cycle import _DOOM_FROM, _Cycle
+    from apportion.core.cycle import Cycle
+    from apportion.core.cycle.doomed import DOOM_FROM
 
     s = _busy_big_node_and_free_small_ones(HOUR)
-    for i in range(_DOOM_FROM + 8):
+    for i in range(DOOM_FROM + 8):
         submit(s, f"six-{i:02d}", "a", 6, HOUR, gpu_type="any", at_ms=s.now_ms)
-    cycle = _Cycle(s)
+    cycle = Cycle(s)
     result = cycle.run()
-    assert cycle.walk is not None and "a" in cycle.walk.merged  # walked by shape
+    walk = cycle.scratch.walk
+    assert walk is not None and "a" in walk.merged  # walked by shape
     assert placed(result) == {"eight": ("small002", "small003")}

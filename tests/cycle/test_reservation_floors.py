@@ -1,20 +1,23 @@
 """A gang's reservation looks only at the nodes that can come whole soonest.
 
-``_Cycle._earliest_whole`` visits a pool's nodes by their floor (the latest end
-of a protection or notice on the node, :meth:`_Cycle._release_floors`) and stops
-at a floor later than the ``k``-th earliest time a node comes whole for the
-candidate (core/cycle.py). These tests check it, at every call made by real
-cycles over random histories, against the plain computation over every node of
-the pool, and check that the cycles make the same decisions, wake-ups and
-reservations as with the plain one.
+``WholeNodes.earliest_whole`` (core/cycle/floors.py) visits a pool's nodes by
+their floor (the latest end of a protection or notice on the node,
+``WholeNodes.release_floors``) and stops at a floor later than the ``k``-th
+earliest time a node comes whole for the candidate. These tests check it, at
+every call made by real cycles over random histories, against the plain
+computation over every node of the pool, and check that the cycles make the
+same decisions, wake-ups and reservations as with the plain one.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from apportion.core import State, apply
-from apportion.core.cycle import CycleResult, Workload, _Cycle, step
+from apportion.core.cycle import Cycle, CycleResult, step
+from apportion.core.cycle.floors import WholeNodes
+from apportion.core.state import Workload
 from hypothesis import HealthCheck, given, settings
 
 from .builders import HOUR, MIN, Cluster, health, placed, submit, tick
@@ -24,44 +27,47 @@ STOPPED_EARLY: list[bool] = []
 """Whether each checked call left nodes of the pool unvisited."""
 
 
-def _plain(cycle: _Cycle, c: Workload, key: tuple[str, int], memo: dict[Any, bool]) -> list:
-    subtrees = cycle.victim_subtrees(c.owner)
-    return sorted(
-        (cycle._release_time(c, n, subtrees, memo, None), n) for n in cycle.pool_nodes[key]
-    )
+def _plain(whole: WholeNodes, c: Workload, key: tuple[str, int], memo: dict[Any, bool]) -> list:
+    subtrees = whole.s.outranking.victim_subtrees(c.owner)
+    release_time = whole.reserver.release_time
+    return sorted((release_time(c, n, subtrees, memo, None), n) for n in whole.s.pool_nodes[key])
 
 
-class _CheckedCycle(_Cycle):
-    def _earliest_whole(self, c, key, k, subtrees, memo):  # type: ignore[no-untyped-def]
-        ready = super()._earliest_whole(c, key, k, subtrees, memo)
+class _CheckedWholeNodes(WholeNodes):
+    def earliest_whole(self, c, key, k, subtrees, memo):  # type: ignore[no-untyped-def]
+        ready = super().earliest_whole(c, key, k, subtrees, memo)
         plain = _plain(self, c, key, memo)
         start = plain[k - 1][0]
         assert ready[k - 1][0] == start, (key, k, ready[:k], plain[:k])
         assert [r for r in ready if r[0] <= start] == [r for r in plain if r[0] <= start]
         assert all(r in plain for r in ready)
-        floors = dict((n, f) for f, n in self._release_floors(key))
+        floors = dict((n, f) for f, n in self.release_floors(key))
         assert all(floors[n] <= at for at, n in plain), "a floor above a release time"
         STOPPED_EARLY.append(len(ready) < len(plain))
         return ready
 
 
-class _PlainCycle(_Cycle):
+class _PlainWholeNodes(WholeNodes):
     """The reservation over every node of the pool."""
 
-    def _earliest_whole(self, c, key, k, subtrees, memo):  # type: ignore[no-untyped-def]
+    def earliest_whole(self, c, key, k, subtrees, memo):  # type: ignore[no-untyped-def]
         return _plain(self, c, key, memo)
+
+
+_CHECKED = partial(Cycle, whole_nodes=_CheckedWholeNodes)
+_PLAIN = partial(Cycle, whole_nodes=_PlainWholeNodes)
 
 
 def _checked_step(state: State) -> CycleResult:
     """One cycle through the checked reservation, its decisions folded (as ``step``)."""
-    result = alike(state, _CheckedCycle, _PlainCycle, report_reservation=True)
+    result = alike(state, _CHECKED, _PLAIN, report_reservation=True)
     for d in result.decisions:
         apply(state, d)
     return result
 
 
 def _checked_equals_plain(state: State) -> Decided:
-    return decided(alike(state, _CheckedCycle, _PlainCycle, _Cycle, report_reservation=True))
+    return decided(alike(state, _CHECKED, _PLAIN, Cycle, report_reservation=True))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

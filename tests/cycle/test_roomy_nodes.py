@@ -1,9 +1,9 @@
 """The cycle's per-pool list of nodes by free plus unallocated GPUs is its definition.
 
-``_Cycle._roomy_nodes`` lists ``(-(free + unallocated GPUs), node)`` for the nodes
-of a pool that have any (core/cycle.py), built once per cycle and kept up to
-date as the cycle places and preempts. These tests check every list handed out
-during real cycles over random histories against the list computed afresh
+``RoomyNodes.nodes`` (core/cycle/roomy.py) lists ``(-(free + unallocated GPUs),
+node)`` for the nodes of a pool that have any, built once per cycle and kept up
+to date as the cycle places and preempts. These tests check every list handed
+out during real cycles over random histories against the list computed afresh
 from the cycle's free and unallocated GPUs, and every node chosen for
 unallocated victims alone (whose candidates come from that list) against the
 cheapest over every node of the pool.
@@ -11,10 +11,13 @@ cheapest over every node of the pool.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from apportion.core import State
-from apportion.core.cycle import Workload, _Cycle
+from apportion.core.cycle import Cycle
+from apportion.core.cycle.roomy import RoomyNodes
+from apportion.core.state import Workload
 from hypothesis import HealthCheck, given, settings
 
 from .test_skip_doomed import Decided, alike, decided, histories, run_history
@@ -25,21 +28,21 @@ CHEAPEST: list[bool] = []
 """Whether each checked search for unallocated victims alone found a node."""
 
 
-class _CheckedCycle(_Cycle):
-    def _roomy_nodes(self, key: tuple[str, int]) -> list[tuple[int, str]]:
-        ranked = super()._roomy_nodes(key)
-        free, unalloc = self.free, self.node_unalloc
-        everything = sorted((-(free[n] + unalloc.get(n, 0)), n) for n in self.pool_nodes[key])
+class _CheckedRoomyNodes(RoomyNodes):
+    def nodes(self, key: tuple[str, int]) -> list[tuple[int, str]]:
+        ranked = super().nodes(key)
+        free, unalloc = self.s.free, self.s.victims.node_unalloc
+        everything = sorted((-(free[n] + unalloc.get(n, 0)), n) for n in self.s.pool_nodes[key])
         assert ranked == [entry for entry in everything if entry[0]], key
         SIZES.append(len(ranked))
         return ranked
 
-    def _cheapest_unallocated(self, c: Workload, key: tuple[str, int], g: int) -> str | None:
-        name = super()._cheapest_unallocated(c, key, g)
+    def cheapest_unallocated(self, c: Workload, key: tuple[str, int], g: int) -> str | None:
+        name = super().cheapest_unallocated(c, key, g)
         options = []
-        for n in self.pool_nodes[key]:
-            cost = self._unallocated_cost(n, g)
-            if cost is not None and self._may_use(c, n):
+        for n in self.s.pool_nodes[key]:
+            cost = self.unallocated_cost(n, g)
+            if cost is not None and self.s.may_use(c, n):
                 options.append((cost, n))
         assert name == (min(options)[1] if options else None), (c.id, key, g)
         CHEAPEST.append(name is not None)
@@ -47,7 +50,7 @@ class _CheckedCycle(_Cycle):
 
 
 def _checked(state: State) -> Decided:
-    return decided(alike(state, _CheckedCycle, _Cycle))
+    return decided(alike(state, partial(Cycle, roomy=_CheckedRoomyNodes), Cycle))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,8 +1,8 @@
 """Passing over what cannot be placed changes no decision.
 
 A cycle may skip, without a search, the rest of a leaf's queue whose shape
-cannot be placed (core/cycle.py, ``_doom``; ``FairShareWalk.skip_doomed``), and
-a whole budget node whose pending work all lacks room (``_prunable``;
+cannot be placed (core/cycle/doomed.py; ``FairShareWalk.skip_doomed``), and
+a whole budget node whose pending work all lacks room (core/cycle/prune.py;
 ``FairShareWalk.prune``). These tests run the same cycles with the skipping on
 and off, over random histories with deep leaf queues, and require identical
 decisions and wake-ups at every step.
@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from apportion.core import State, apply, fold
-from apportion.core.cycle import _DOOM_FROM, CycleResult, _Cycle
+from apportion.core.cycle import Cycle, CycleResult
+from apportion.core.cycle.doomed import DOOM_FROM
 from apportion.schemas.events import (
     BudgetSet,
     ClockTicked,
@@ -73,10 +74,15 @@ Decided = tuple[tuple[Decision, ...], int | None]
 """A cycle's decisions and wake-up."""
 
 
-def alike(state: State, *kinds: type[_Cycle], report_reservation: bool = False) -> CycleResult:
-    """One cycle of each of ``kinds`` (variants of the cycle, checked or plain) on
-    ``state``, unchanged: they must give the same result, which is returned."""
-    first, *rest = (kind(state).run(report_reservation) for kind in kinds)
+Variant = Callable[[State], Cycle]
+"""A cycle on a state, e.g. ``partial(Cycle, pool_bound=Checked)``."""
+
+
+def alike(state: State, *variants: Variant, report_reservation: bool = False) -> CycleResult:
+    """One cycle of each of ``variants`` (of the cycle, with checked or plain
+    shortcuts) on ``state``, unchanged: they must give the same result, which is
+    returned."""
+    first, *rest = (variant(state).run(report_reservation) for variant in variants)
     for other in rest:
         assert other == first
     return first
@@ -87,11 +93,12 @@ def decided(result: CycleResult) -> Decided:
 
 
 def _decide(state: State, skip: bool) -> Decided:
-    cycle = _Cycle(state, skip_doomed=skip)
+    cycle = Cycle(state, skip_doomed=skip)
     result = cycle.run()
     if skip:
-        SKIPPED.append(len(cycle.walk.merged) if cycle.walk is not None else 0)
-        PRUNED.append(len(cycle.pruned))
+        walk = cycle.scratch.walk
+        SKIPPED.append(len(walk.merged) if walk is not None else 0)
+        PRUNED.append(len(cycle.pruning.pruned))
     return result.decisions, result.next_wakeup_ms
 
 
@@ -113,7 +120,7 @@ histories = st.fixed_dictionaries(
         "reservations": st.booleans(),
         "grace": st.sampled_from([0, 0, 5 * MIN]),
         "first": st.lists(submission, min_size=10, max_size=30),
-        "deep": st.lists(submission, min_size=2 * _DOOM_FROM, max_size=3 * _DOOM_FROM),
+        "deep": st.lists(submission, min_size=2 * DOOM_FROM, max_size=3 * DOOM_FROM),
         "steps": st.lists(
             st.tuples(
                 st.sampled_from(["finish", "tick", "submit", "drain", "down"]),
@@ -291,8 +298,8 @@ def test_a_workload_with_runs_stopping_for_it_is_never_passed_over() -> None:
     assert preempted(first) == {"u": "unallocated"} and s.running["u"].stopping is not None
     submit(s, "huge", "big", 16, HOUR, at_ms=s.now_ms + MIN)
     submit(s, "small", "e", 2, HOUR)
-    cycle = _Cycle(s)
+    cycle = Cycle(s)
     result = cycle.run()
     assert placed(result) == {}  # h001's free GPUs stay held for w
-    assert cycle.held == {"h002": "w"}
-    assert result.decisions == _Cycle(s, skip_doomed=False).run().decisions
+    assert cycle.scratch.held == {"h002": "w"}
+    assert result.decisions == Cycle(s, skip_doomed=False).run().decisions

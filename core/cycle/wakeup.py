@@ -1,0 +1,52 @@
+"""After the steps: the next wake-up.
+
+The earliest future time at which a decision could change with no new input:
+a protection expiry on a draining node, or anywhere while allocated work waits
+(blocked, or a fair-share victim waiting to be replaced; work placed in this
+cycle included); the reservation start; the end of a preemption notice (always:
+the fold ends the stop there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ..rules.contract import is_allocated, protected, protected_until
+from ..state import Workload
+
+if TYPE_CHECKING:
+    from .scratch import Scratch
+
+
+def next_wakeup(s: Scratch) -> int | None:
+    """The next wake-up (module docstring); ``None`` if none."""
+    t = s.t
+    state = s.state
+    waiting = s.blocked or any(
+        r == "fairshare" and is_allocated(state.running[w]) for w, r in s.gone.items()
+    )
+    out = s.reservation.start_ms if s.reservation else None
+    if waiting:
+        watched: Iterable[Workload] = state.running.values()
+    else:  # only protections on draining nodes can change a decision
+        running = state.running
+        watched = [running[wid] for n in s.draining_nodes for wid in state.nodes[n].workloads]
+    for w in protected(watched, t):
+        if w.id in s.gone:
+            continue
+        if out is None or w.protected_until_ms < out:
+            out = w.protected_until_ms
+    # runs stopping with notice end at their deadline (the fold ends them there)
+    ends = list(s.noticed.values())
+    ends += [u for u, wid in state.stop_deadlines if wid not in s.gone][:1]
+    for until in ends:
+        if out is None or until < out:
+            out = until
+    if waiting:
+        for entries in s.added.values():
+            for v, _ in entries:
+                end = protected_until(t, v.min_runtime_ms)
+                if is_allocated(v) and (out is None or end < out):
+                    out = end
+    return out

@@ -77,7 +77,7 @@ BIG_GANG_MIN, BIG_GANG_MAX = Fraction(1, 3), Fraction(1, 2)
 """The big team's gangs: whole nodes, from a third to half of the cluster's GPUs."""
 WEIGHT_SCALE = 100
 """With a big team, program weights are scaled by this so that the big team's
-integer weight gives it its share to within half a percent of a point."""
+integer weight gives it its share to within half a point."""
 
 
 class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -199,7 +199,7 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
     weeks = days // 7 + 2
     activity: dict[str, list[float]] = {}
     for t in teams:
-        if t == BIG_TEAM:  # sustained: never bursty (and no draw, so the others are as without it)
+        if t == BIG_TEAM:  # sustained load: never bursty
             activity[t] = [1.0] * weeks
             continue
         if rng.random() < k.bursty:

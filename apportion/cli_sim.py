@@ -593,21 +593,34 @@ def diagnose_cmd(log, nats_url, cluster_name, team, from_day, to_day, as_json, p
 
 @main.command("outcomes")
 @click.option("--quick", is_flag=True, help="two 2-day cells (a smoke run)")
+@click.option(
+    "--big", is_flag=True, help="only the big-team cells (big_team=0.3, load 3.5; --quick: one)"
+)
+@click.option(
+    "--days", type=click.IntRange(1, 365), default=None, help="every cell for DAYS days instead"
+)
 @click.option("--workers", type=click.IntRange(1, 64), default=None, help="processes [cores]")
 @click.option("--json", "as_json", is_flag=True, help="every cell's KPIs and causes as JSON")
 @_knob_option
-def outcomes_cmd(quick, workers, as_json, knobs) -> None:
+def outcomes_cmd(quick, big, days, workers, as_json, knobs) -> None:
     """The family scenario over a grid of loads and seeds, budget vs baseline, one row a cell."""
+    import dataclasses
     import time
 
-    from apportion.replay.outcomes import DEFAULT_GRID, QUICK_GRID, run_grid, table
+    from apportion.replay.outcomes import BIG_CELLS, DEFAULT_GRID, QUICK_GRID, run_grid, table
 
     t0 = time.perf_counter()
     with _user_errors():
         from apportion.replay.family import parse_knobs
 
         parse_knobs(list(knobs))  # one clear line for a bad knob, before any cell runs
-    results = run_grid(QUICK_GRID if quick else DEFAULT_GRID, workers, tuple(knobs))
+    if big:  # --quick: its first cell (seed 1, margin 0) for 2 days
+        cells = (dataclasses.replace(BIG_CELLS[0], days=2),) if quick else BIG_CELLS
+    else:
+        cells = QUICK_GRID if quick else DEFAULT_GRID
+    if days is not None:
+        cells = tuple(dataclasses.replace(c, days=days) for c in cells)
+    results = run_grid(cells, workers, tuple(knobs))
     if as_json:
         click.echo(json.dumps(results))
         return

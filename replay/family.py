@@ -5,7 +5,8 @@ of programs, teams and users with unequal weights, bursty teams, multi-day
 training gangs sized against the teams' shares, contracts of a few minutes to
 8 hours, debug work, squatters (long protected sessions that hold GPUs), free
 filler work and hosts that drain or fail. Every knob has a default; the grid of
-``make outcomes`` varies ``load`` and the seed.
+``make outcomes`` varies ``load`` and the seed, and its big-team cells set
+``big_team`` and ``margin``.
 
 Knobs (:class:`Knobs`; ``apportion trace generate --scenario family --set KEY=VALUE``):
 
@@ -39,6 +40,13 @@ knob                default   meaning
 ``drain_rate``      0.015     hosts that degrade per host-day; one in ten goes
                               ``down`` (2-6 h), the rest drain (6-16 h repair)
 ``margin``          0         the cluster's preemption margin (policy)
+``big_team``        0         0: off. Else the global share of one more team,
+                              ``big/team`` (its own program, 3 levels like the
+                              rest, :data:`BIG_TEAM`), whose allocated work is all
+                              gangs of a third to half of the cluster (whole nodes,
+                              any type, at most the largest pool); the other
+                              programs keep their relative weights in the rest of
+                              the tree, and the big team is never bursty
 ==================  ========  ====================================================
 
 Legacy columns for the baseline priority policy follow the ``ai2`` scenario:
@@ -63,6 +71,13 @@ if TYPE_CHECKING:
 
 NODE_GPUS = 8
 TYPES = ("h100", "a100")  # common, scarce
+BIG_TEAM = "big/team"
+"""The team the ``big_team`` knob adds (program ``big``, users ``big/team/u<j>``)."""
+BIG_GANG_MIN, BIG_GANG_MAX = Fraction(1, 3), Fraction(1, 2)
+"""The big team's gangs: whole nodes, from a third to half of the cluster's GPUs."""
+WEIGHT_SCALE = 100
+"""With a big team, program weights are scaled by this so that the big team's
+integer weight gives it its share to within half a point."""
 
 
 class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -84,6 +99,7 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     debug: float = 2.0
     drain_rate: float = 0.015
     margin: float = 0.0
+    big_team: float = 0.0
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first knob out of its range."""
@@ -98,6 +114,8 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be between 0 and 1")
         if not 0 <= self.margin < 1:
             raise ValueError("margin must be in [0, 1)")
+        if not 0 <= self.big_team < 1:
+            raise ValueError("big_team must be in [0, 1) (0: no big team)")
         for name in ("load", "arrival", "gang_factor", "free", "debug", "drain_rate"):
             if not 0 <= getattr(self, name) <= 100:
                 raise ValueError(f"{name} must be between 0 and 100")
@@ -154,6 +172,18 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
         team_of_program[programs[i % k.programs]].append(f"{programs[i % k.programs]}/t{i}")
     users: dict[str, list[str]] = {}
     ptotal = sum(pweights.values())
+    if k.big_team:
+        # the big team's program weighs big_team / (1 - big_team) of the others together
+        pweights = {p: w * WEIGHT_SCALE for p, w in pweights.items()}
+        big_weight = max(1, round(k.big_team / (1 - k.big_team) * ptotal * WEIGHT_SCALE))
+        ptotal = sum(pweights.values()) + big_weight
+        big_program = BIG_TEAM.split("/")[0]
+        budget.append((big_program, big_weight, f"{big_program}-lead"))
+        budget.append((BIG_TEAM, 1, "big-lead"))
+        shares[BIG_TEAM] = Fraction(big_weight, ptotal)
+        users[BIG_TEAM] = [f"{BIG_TEAM}/u{j}" for j in range(k.users)]
+        for u in users[BIG_TEAM]:
+            budget.append((u, 1, u.replace("/", "-")))
     for p in programs:
         budget.append((p, pweights[p], f"{p}-lead"))
         tweights = {t: rng.randint(1, 4) for t in team_of_program[p]}
@@ -169,6 +199,9 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
     weeks = days // 7 + 2
     activity: dict[str, list[float]] = {}
     for t in teams:
+        if t == BIG_TEAM:  # sustained load: never bursty
+            activity[t] = [1.0] * weeks
+            continue
         if rng.random() < k.bursty:
             first = rng.random() < 0.5
             activity[t] = [1.6 if (w % 2 == 0) == first else 0.4 for w in range(weeks)]
@@ -227,7 +260,27 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
         )
         return gpus, duration
 
+    largest_pool_nodes = max(c for _, c, _, _ in pools)
+    big_sizes = [
+        n * NODE_GPUS
+        for n in range(
+            max(1, math.ceil(BIG_GANG_MIN * nodes)),
+            min(largest_pool_nodes, math.floor(BIG_GANG_MAX * nodes)) + 1,
+        )
+    ] or [largest_pool_nodes * NODE_GPUS]
+
+    def big_gang(team: str, submit: int) -> tuple[int, int]:
+        gpus = rng.choice(big_sizes)
+        duration = _lognormal_ms(rng, 10 * HOUR_MS, 0.7, 2 * HOUR_MS, 48 * HOUR_MS)
+        lp: LegacyPriority = "high" if rng.random() < 0.15 else "normal"
+        made.add(
+            "train", rng.choice(users[team]), submit, gpus, duration, contract(), legacy_priority=lp
+        )
+        return gpus, duration
+
     def allocated(team: str, submit: int) -> tuple[int, int]:
+        if team == BIG_TEAM:
+            return big_gang(team, submit)
         return training(team, submit) if rng.random() < 0.6 else mid(team, submit)
 
     # 1. the backlog at time 0: each team's share of load x capacity, in GPUs outstanding

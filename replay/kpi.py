@@ -19,6 +19,26 @@ Definitions (choices of our own are marked *):
   min(allocated GPU-hours it ran in the hour, owed). ``delivery_ratio`` =
   sum delivered / sum owed over all teams and hours; ``team_delivery`` per team
   (``null`` for a team never owed anything).
+- **weeks** (``windows_7d``): the horizon cut into consecutive 7-day windows
+  from ``start``, each hour in one; *a last partial week counts if it has at
+  least a day (the first always). Per team and week, owed_w = sum of its hourly
+  owed, delivered_w = min(sum of its allocated GPU-hours run, owed_w) (a surplus
+  hour repays a short one of the same week): ``team_delivery_weeks``,
+  ``team_delivery_week_min`` (the worst week), ``delivery_ratio_weeks``.
+  *``team_delivery_7d_sliding_min`` / ``worst_sliding_7d``: the same ratio over
+  7-day windows starting at every whole hour. ``delivery_ratio_7d`` and
+  ``team_delivery_7d`` keep their older meaning: overlapping windows starting
+  every day (a middle day counted in up to 7 of them).
+- **starved_teams**: teams with a week under 95% of what they were owed (the
+  hourly owed is already capped at the share, so demand above the share excuses
+  nothing); ``starved_teams_by_demand`` keeps the older rule (a daily-start
+  window with average demand at or below the share).
+- **largest_team**: the largest global share and its delivery figures.
+- **never placed**: large (``gpus >= 64``) and small allocated (``gpus < 64``,
+  ``min_runtime > 0``) workloads submitted in ``[start, end)``, not rejected nor
+  cancelled unplaced before ``end``, with no placement before ``end``: counts,
+  shares by count and by GPUs, and ``never_placed_gpu_ratio`` (large GPU share /
+  small allocated GPU share).
 - **unallocated_fraction** = GPU-hours of unallocated runs / all GPU-hours run.
 - **waits**: each queue episode that ended in a placement before ``end``
   (submit or requeue -> placement); p50/p90 over all, over debug workloads
@@ -191,6 +211,25 @@ SELECT (SELECT COUNT(*) FROM s),
        AVG(CASE WHEN actual_ms > estimated_start_ms THEN 1.0 ELSE 0.0 END)
 FROM c
 """,
+    "never_placed": f"""
+WITH sub AS (
+    SELECT x.gpus, {large_sql("x.gpus")} AS large, {allocated_sql("x.min_runtime_ms")} AS alloc,
+           (x.first_placed_ms IS NULL OR x.first_placed_ms >= $end) AS never
+    FROM workloads x
+    WHERE x.submitted_ms >= $start AND x.submitted_ms < $end AND x.status <> 'rejected'
+      AND NOT (x.status = 'cancelled' AND x.ended_ms < $end
+               AND (x.first_placed_ms IS NULL OR x.first_placed_ms >= $end))),
+kept AS (
+    SELECT * FROM sub WHERE large OR alloc)
+SELECT COUNT(*) FILTER (WHERE large), COUNT(*) FILTER (WHERE large AND never),
+       SUM(gpus) FILTER (WHERE large), SUM(gpus) FILTER (WHERE large AND never),
+       COUNT(*) FILTER (WHERE NOT large), COUNT(*) FILTER (WHERE NOT large AND never),
+       SUM(gpus) FILTER (WHERE NOT large), SUM(gpus) FILTER (WHERE NOT large AND never)
+FROM kept
+""",
+    "team_shares": """
+SELECT t.team, b.global_share FROM kpi_teams t JOIN budget b ON b.path = t.team
+""",
     "demand_ratio": f"""
 SELECT (SELECT SUM((LEAST(COALESCE(ended_ms, $end), $end) - GREATEST(submitted_ms, $start)) * gpus)
           FROM workloads WHERE {allocated_sql()} AND status <> 'rejected'
@@ -218,14 +257,20 @@ class TeamHour(NamedTuple):
 WINDOW_7D_H = 7 * 24
 WINDOW_5D_H = 5 * 24
 STARVED_BELOW = 0.95
+MIN_PARTIAL_WEEK_H = 24
+"""A last, partial week of the horizon counts if it has at least this many hours."""
 
 
 def _ratio(delivered: float, owed: float) -> float | None:
     return _r(delivered / owed) if owed > 0 else None
 
 
-def delivery_kpis(hourly: list[TeamHour], hours: int) -> dict[str, Any]:
-    """The delivery KPIs from per-team, per-hour figures (see the module docstring)."""
+def delivery_kpis(
+    hourly: list[TeamHour], hours: int, shares: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """The delivery KPIs from per-team, per-hour figures (see the module docstring);
+    ``shares`` (team: global share) picks the largest team (without it: the
+    largest sum of ``share_ms``)."""
     by_team: dict[str, list[TeamHour]] = {}
     for row in hourly:
         by_team.setdefault(row.team, []).append(row)
@@ -252,10 +297,10 @@ def delivery_kpis(hourly: list[TeamHour], hours: int) -> dict[str, Any]:
             w_owed[t] = w_owed.get(t, 0.0) + owed
             w_delivered[t] = w_delivered.get(t, 0.0) + min(ran, owed)
             if owed > 0 and demand <= share and ran < STARVED_BELOW * owed:
-                starved[t] = None
+                starved[t] = None  # the rule before owed-based starvation (by demand)
     out["delivery_ratio_7d"] = _ratio(sum(w_delivered.values()), sum(w_owed.values()))
     out["team_delivery_7d"] = {t: _ratio(w_delivered[t], w_owed[t]) for t in sorted(by_team)}
-    out["starved_teams"] = list(starved)
+    out["starved_teams_by_demand"] = list(starved)
     # drift: delivery and the worst team in each 5-day window (hourly, as above)
     windows = []
     for s0 in range(0, hours, WINDOW_5D_H):
@@ -279,7 +324,122 @@ def delivery_kpis(hourly: list[TeamHour], hours: int) -> dict[str, Any]:
             }
         )
     out["windows_5d"] = windows
+    out.update(_week_kpis(by_team, hours))
+    out.update(_sliding_kpis(by_team, hours))
+    out["largest_team"] = _largest_team(by_team, out, shares)
     return out
+
+
+def _week_bounds(hours: int) -> list[tuple[int, int]]:
+    """The weeks of a horizon of ``hours``: consecutive 7-day windows from its
+    start; a last partial one is kept if it has at least a day (the first one
+    always, so a horizon under a day has one)."""
+    bounds = []
+    for s0 in range(0, max(1, hours), WINDOW_7D_H):
+        e0 = min(s0 + WINDOW_7D_H, hours)
+        if s0 == 0 or e0 - s0 >= MIN_PARTIAL_WEEK_H:
+            bounds.append((s0, e0))
+    return bounds
+
+
+def _week_kpis(by_team: dict[str, list[TeamHour]], hours: int) -> dict[str, Any]:
+    """Delivery over the weeks (non-overlapping 7-day windows): each hour in one
+    window, a surplus hour repays a short one of the same window."""
+    teams = sorted(by_team)
+    windows = []
+    delivered = dict.fromkeys(teams, 0.0)
+    owed = dict.fromkeys(teams, 0.0)
+    week_min: dict[str, float | None] = dict.fromkeys(teams)
+    starved: list[str] = []
+    for s0, e0 in _week_bounds(hours):
+        per_team: dict[str, tuple[float, float]] = {}
+        for t in teams:
+            part = by_team[t][s0:e0]
+            o = sum(r.owed_ms for r in part)
+            d = min(sum(r.ran_ms for r in part), o)
+            per_team[t] = (d, o)
+            delivered[t] += d
+            owed[t] += o
+            if o > 0:
+                ratio = _r(d / o)
+                prev = week_min[t]
+                week_min[t] = ratio if prev is None else min(prev, ratio)
+                if d < STARVED_BELOW * o and t not in starved:
+                    starved.append(t)
+        ratios = {t: d / o for t, (d, o) in per_team.items() if o > 0}
+        worst = min(ratios, key=lambda t: (ratios[t], t)) if ratios else None
+        windows.append(
+            {
+                "start_day": s0 // 24,
+                "days": _r((e0 - s0) / 24, 3),
+                "delivery_ratio": _ratio(
+                    sum(d for d, _ in per_team.values()), sum(o for _, o in per_team.values())
+                ),
+                "team_delivery": {t: _ratio(*per_team[t]) for t in teams},
+                "worst_team": worst,
+                "worst_team_ratio": _r(ratios[worst]) if worst is not None else None,
+            }
+        )
+    return {
+        "windows_7d": windows,
+        "delivery_ratio_weeks": _ratio(sum(delivered.values()), sum(owed.values())),
+        "team_delivery_weeks": {t: _ratio(delivered[t], owed[t]) for t in teams},
+        "team_delivery_week_min": week_min,
+        "starved_teams": sorted(starved),
+    }
+
+
+def _sliding_kpis(by_team: dict[str, list[TeamHour]], hours: int) -> dict[str, Any]:
+    """The worst 7-day window starting at any whole hour (one window of the whole
+    horizon when it is shorter than 7 days), per team and over all teams."""
+    span = min(WINDOW_7D_H, hours)
+    team_min: dict[str, float | None] = {}
+    worst: dict[str, Any] | None = None
+    for t in sorted(by_team):
+        rows = by_team[t][:hours]
+        owed_sum = [0.0]
+        ran_sum = [0.0]
+        for r in rows:
+            owed_sum.append(owed_sum[-1] + r.owed_ms)
+            ran_sum.append(ran_sum[-1] + r.ran_ms)
+        best: tuple[float, int] | None = None
+        for s0 in range(0, max(1, len(rows) - span + 1)):
+            e0 = min(s0 + span, len(rows))
+            o = owed_sum[e0] - owed_sum[s0]
+            if o <= 0:
+                continue
+            ratio = min(ran_sum[e0] - ran_sum[s0], o) / o
+            if best is None or ratio < best[0]:
+                best = (ratio, s0)
+        team_min[t] = None if best is None else _r(best[0])
+        if best is not None and (worst is None or best[0] < worst["_ratio"]):
+            worst = {"team": t, "start_hour": best[1], "ratio": _r(best[0]), "_ratio": best[0]}
+    if worst is not None:
+        del worst["_ratio"]
+    return {"team_delivery_7d_sliding_min": team_min, "worst_sliding_7d": worst}
+
+
+def _largest_team(
+    by_team: dict[str, list[TeamHour]], out: dict[str, Any], shares: dict[str, float] | None
+) -> dict[str, Any] | None:
+    """The team with the largest global share (ties: the first path) and its delivery."""
+    if not by_team:
+        return None
+
+    def size(t: str) -> float:
+        if shares is not None and t in shares:
+            return shares[t]
+        return sum(r.share_ms for r in by_team[t])
+
+    team = min(by_team, key=lambda t: (-size(t), t))
+    return {
+        "team": team,
+        "global_share": _r(shares.get(team)) if shares is not None else None,
+        "delivery": out["team_delivery"][team],
+        "delivery_weeks": out["team_delivery_weeks"][team],
+        "week_min": out["team_delivery_week_min"][team],
+        "sliding_7d_min": out["team_delivery_7d_sliding_min"][team],
+    }
 
 
 def _q(con: duckdb.DuckDBPyConnection, sql: str, start: int, end: int) -> list[tuple]:
@@ -309,7 +469,9 @@ def compute_kpis(
         TeamHour(team, int(h), float(share), float(demand), float(ran))
         for team, h, share, demand, ran in _q(con, KPI_SQL["delivery"], start_ms, end_ms)
     ]
-    delivery = delivery_kpis(hourly, round((end_ms - start_ms) / HOUR_MS))
+    shares = {t: float(g) for t, g in _q(con, KPI_SQL["team_shares"], start_ms, end_ms)}
+    delivery = delivery_kpis(hourly, round((end_ms - start_ms) / HOUR_MS), shares)
+    never = _never_placed(_q(con, KPI_SQL["never_placed"], start_ms, end_ms)[0])
     unalloc = _q(con, KPI_SQL["unallocated_fraction"], start_ms, end_ms)[0][0]
     p50, p90, dbg, large, dbg_alloc = _q(con, KPI_SQL["waits"], start_ms, end_ms)[0]
     large_censored = _q(con, KPI_SQL["large_waits_censored"], start_ms, end_ms)[0][0]
@@ -357,4 +519,44 @@ def compute_kpis(
         "estimate_abs_error_p50_s": _r(est_p50, 1),
         "estimate_abs_error_p90_s": _r(est_p90, 1),
         "estimate_late_fraction": _r(est_late),
+        "starved_teams_by_demand": delivery["starved_teams_by_demand"],
+        "windows_7d": delivery["windows_7d"],
+        "delivery_ratio_weeks": delivery["delivery_ratio_weeks"],
+        "team_delivery_weeks": delivery["team_delivery_weeks"],
+        "team_delivery_week_min": delivery["team_delivery_week_min"],
+        "team_delivery_7d_sliding_min": delivery["team_delivery_7d_sliding_min"],
+        "worst_sliding_7d": delivery["worst_sliding_7d"],
+        "largest_team": delivery["largest_team"],
+        **never,
+    }
+
+
+def _never_placed(row: tuple) -> dict[str, Any]:
+    """The never-placed keys from the ``never_placed`` query's one row."""
+    (
+        n_large,
+        never_large,
+        gpus_large,
+        never_gpus_large,
+        n_small,
+        never_small,
+        gpus_small,
+        never_gpus_small,
+    ) = (0 if v is None else int(v) for v in row)
+    large_w = _r(never_gpus_large / gpus_large) if gpus_large else None
+    small_w = _r(never_gpus_small / gpus_small) if gpus_small else None
+    return {
+        "large_submitted": n_large,
+        "large_never_placed": never_large,
+        "large_never_placed_fraction": _r(never_large / n_large) if n_large else None,
+        "large_never_placed_gpu_fraction": large_w,
+        "small_allocated_submitted": n_small,
+        "small_allocated_never_placed": never_small,
+        "small_allocated_never_placed_fraction": _r(never_small / n_small) if n_small else None,
+        "small_allocated_never_placed_gpu_fraction": small_w,
+        "never_placed_gpu_ratio": (
+            _r(never_gpus_large * gpus_small / (gpus_large * never_gpus_small), 3)
+            if gpus_large and never_gpus_small
+            else None
+        ),
     }

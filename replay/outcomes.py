@@ -7,7 +7,10 @@ baseline, computes the KPIs of both, and diagnoses the budget run
 the worst cell (lowest 7-day delivery of the worst team) last.
 
 The default grid: loads 1.5, 2.5 and 4 with seeds 1-3 for 10 days, plus one
-30-day cell at load 4. Cells run in parallel processes (one per core).
+30-day cell at load 4, plus the big-team cells (:data:`BIG_CELLS`): the
+``big_team`` knob (one team with 30% of the tree whose work is gangs of a third
+to half of the cluster) at load 3.5, seeds 1-3, with margin 0 and with margin
+0.05, for 10 days. Cells run in parallel processes (one per core).
 """
 
 from __future__ import annotations
@@ -34,10 +37,31 @@ class Cell:
     load: float
     seed: int
     days: int
+    knobs: tuple[str, ...] = ()
+    """Family knobs (``KEY=VALUE``) of this cell beside its load."""
+
+    def label(self) -> str:
+        """The cell's own knobs, short: ``big 0.3 m 0.05``; ``-`` for none."""
+        short = {"big_team": "big", "margin": "m"}
+        parts = []
+        for pair in self.knobs:
+            key, _, value = pair.partition("=")
+            parts.append(f"{short.get(key, key)} {value}")
+        return " ".join(parts) or "-"
 
 
-DEFAULT_GRID = tuple(Cell(load, seed, 10) for load in (1.5, 2.5, 4.0) for seed in (1, 2, 3)) + (
-    Cell(4.0, 1, 30),
+BIG_TEAM_SHARE = 0.3
+BIG_CELLS = tuple(
+    Cell(3.5, seed, 10, (f"big_team={BIG_TEAM_SHARE}", f"margin={margin}"))
+    for margin in (0, 0.05)
+    for seed in (1, 2, 3)
+)
+"""The big-team cells: one team with 30% of the tree and gangs of a third to half
+of the cluster, at load 3.5, with margin 0 and with margin 0.05."""
+DEFAULT_GRID = (
+    tuple(Cell(load, seed, 10) for load in (1.5, 2.5, 4.0) for seed in (1, 2, 3))
+    + (Cell(4.0, 1, 30),)
+    + BIG_CELLS
 )
 QUICK_GRID = (Cell(1.5, 1, 2), Cell(4.0, 1, 2))
 
@@ -53,12 +77,24 @@ def _collector(items: list[HistoryItem]) -> Observer:
 
 def run_cell(cell: Cell, knobs: tuple[str, ...] = ()) -> dict[str, Any]:
     """Both policies on one cell: KPIs, and the budget run's diagnosis. ``knobs``
-    (``KEY=VALUE``) apply to every cell on top of its load."""
+    (``KEY=VALUE``) apply to every cell on top of its load and its own knobs."""
     t0 = time.process_time()
     inp = load_inputs(
-        None, None, None, cell.seed, cell.days, "family", [f"load={cell.load}", *knobs]
+        None,
+        None,
+        None,
+        cell.seed,
+        cell.days,
+        "family",
+        [f"load={cell.load}", *cell.knobs, *knobs],
     )
-    out: dict[str, Any] = {"load": cell.load, "seed": cell.seed, "days": cell.days}
+    out: dict[str, Any] = {
+        "load": cell.load,
+        "seed": cell.seed,
+        "days": cell.days,
+        "knobs": list(cell.knobs),
+        "label": cell.label(),
+    }
     for policy in ("budget", "priority"):
         items: list[HistoryItem] = []
         sink = _collector(items) if policy == "budget" else None
@@ -103,6 +139,33 @@ def _worst_team(k: dict[str, Any], key: str = "team_delivery_7d") -> float | Non
     return min(values) if values else None
 
 
+def _worst_week(k: dict[str, Any]) -> float | None:
+    """The worst team's worst week (non-overlapping 7-day window)."""
+    return _worst_team(k, "team_delivery_week_min")
+
+
+def _worst_sliding(k: dict[str, Any]) -> float | None:
+    w = k["worst_sliding_7d"]
+    return None if w is None else w["ratio"]
+
+
+def _largest(k: dict[str, Any], key: str) -> float | None:
+    t = k["largest_team"]
+    return None if t is None else t[key]
+
+
+def _never(k: dict[str, Any], cls: str) -> str:
+    """``"35.0% (12/40)"``: the GPU-weighted never-placed share, count of all."""
+    frac = k[f"{cls}_never_placed_gpu_fraction"]
+    if frac is None:
+        return "-"
+    return f"{100 * frac:.1f}% ({k[f'{cls}_never_placed']}/{k[f'{cls}_submitted']})"
+
+
+def _ratio_x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def _worst_window(k: dict[str, Any]) -> float | None:
     values = [w["worst_team_ratio"] for w in k["windows_5d"] if w["worst_team_ratio"] is not None]
     return min(values) if values else None
@@ -117,11 +180,12 @@ def _hours(s: float | None) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """One row per cell, the worst cell (its worst team over 7-day windows) last."""
+    """One row per cell, the worst cell (its worst team's worst week) last."""
     head = [
         "load",
         "seed",
         "days",
+        "knobs",
         "occupancy",
         "deliv 1h",
         "deliv 7d",
@@ -131,6 +195,13 @@ def table(results: list[dict[str, Any]]) -> str:
         "worst 5d win",
         "dbg-alloc p90",
         "large p90*",
+        "worst wk",
+        "worst slide",
+        "big team",
+        "big wk",
+        "large unplaced",
+        "small unplaced",
+        "lg/sm",
         "| base deliv",
         "base worst 5d",
         "base large p90*",
@@ -138,7 +209,7 @@ def table(results: list[dict[str, Any]]) -> str:
     rows = []
 
     def worst_key(r: dict[str, Any]) -> float:
-        v = _worst_team(r["budget"])
+        v = _worst_week(r["budget"])
         return 2.0 if v is None else v
 
     for r in sorted(results, key=lambda r: -worst_key(r)):
@@ -148,6 +219,7 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"{r['load']:g}x",
                 str(r["seed"]),
                 str(r["days"]),
+                r.get("label", "-"),
                 _pct(b["occupancy"]),
                 _pct(b["delivery_ratio"]),
                 _pct(b["delivery_ratio_7d"]),
@@ -159,6 +231,13 @@ def table(results: list[dict[str, Any]]) -> str:
                 if b["debug_allocated_wait_p90_s"] is None
                 else f"{b['debug_allocated_wait_p90_s']:.0f} s",
                 _hours(b["large_wait_p90_censored_s"]),
+                _pct(_worst_week(b)),
+                _pct(_worst_sliding(b)),
+                _pct(_largest(b, "delivery_weeks")),
+                _pct(_largest(b, "week_min")),
+                _never(b, "large"),
+                _never(b, "small_allocated"),
+                _ratio_x(b["never_placed_gpu_ratio"]),
                 "| " + _pct(p["delivery_ratio"]),
                 _pct(_worst_window(p)),
                 _hours(p["large_wait_p90_censored_s"]),

@@ -118,8 +118,19 @@ def test_outcomes_quick_grid_has_both_policies_and_sane_figures():
             assert k["delivery_ratio_7d"] >= k["delivery_ratio"] - 1e-9
         assert set(r["causes"]) == set(CAUSES)
         assert 0 <= r["controlled_loss"] <= 1 - r["budget"]["delivery_ratio"] + 1e-3
+        b = r["budget"]
+        assert b["delivery_ratio_weeks"] >= b["delivery_ratio"] - 1e-9
+        assert b["largest_team"]["team"] in b["team_delivery"]
+        assert 0 <= b["large_never_placed_gpu_fraction"] <= 1
+        assert set(b["starved_teams"]) == {
+            t for t, v in b["team_delivery_week_min"].items() if v is not None and v < 0.95
+        }
     text = table(results).splitlines()
-    assert text[0].split()[:3] == ["load", "seed", "days"] and len(text) == 2 + len(results)
+    assert text[0].split()[:4] == ["load", "seed", "days", "knobs"] and len(text) == 2 + len(
+        results
+    )
+    for column in ("worst wk", "worst slide", "big team", "large unplaced", "lg/sm"):
+        assert column in text[0]
 
 
 def test_diagnose_cli_table_json_and_errors(tmp_path):

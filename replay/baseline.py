@@ -30,7 +30,7 @@ Rules, in the order the cycle applies them:
    (the event schema has no ``priority`` reason); non-preemptible work is
    never preempted except by a node going down.
 
-Placements follow the contract (:mod:`apportion.core.contract`) only as the
+Placements follow the contract (:mod:`apportion.core.rules.contract`) only as the
 fold requires it: ``allocated`` and ``protected_until`` are recorded, but this
 policy ignores protection and charges.
 

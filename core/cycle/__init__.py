@@ -25,7 +25,7 @@ changes ``state`` (docs/cycle.md; one module each):
       reserve for it the nodes that become free or preemptible earliest
       (:mod:`.reservation`); later (lower-ranked) work may use a reserved node
       only if it will be preemptible before the reservation starts
-      (:func:`~apportion.core.contract.may_use_reserved`).
+      (:func:`~apportion.core.rules.contract.may_use_reserved`).
 
 4. **Unallocated work** (:mod:`.unallocated`, ``min_runtime == 0``) by submit
    time, then id: placed if it fits; it never preempts.
@@ -44,7 +44,7 @@ cycles with and without it: :mod:`.memo`, :mod:`.doomed`, :mod:`.prune`,
 :mod:`.subtrees`.
 
 The contract (allocated, protected, the reservation gate) is
-:mod:`apportion.core.contract`. Requeued work from steps 1-2 joins the walk of
+:mod:`apportion.core.rules.contract`. Requeued work from steps 1-2 joins the walk of
 step 3/4 in the same cycle; a victim of a fair-share preemption waits for the
 next cycle (so one cycle never moves the same workload twice).
 

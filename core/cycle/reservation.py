@@ -7,7 +7,7 @@ A gang of ``k`` nodes starts when its ``k``-th node comes whole, and of the
 nodes whole by then it holds the ``k`` that come whole last (ties by node id):
 the start is the same, and nodes that free sooner stay open to protected work
 meanwhile. Until the start, later work may use a reserved node only if it will
-be preemptible by then (:func:`~apportion.core.contract.may_use_reserved`, the
+be preemptible by then (:func:`~apportion.core.rules.contract.may_use_reserved`, the
 gate of :meth:`~.scratch.Scratch.may_use`).
 
 It is computed only when it changes a decision (:meth:`Reserver.settle`, before

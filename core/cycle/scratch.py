@@ -103,7 +103,7 @@ class Scratch:
         return pool
 
     def may_use(self, w: Workload, name: str) -> bool:
-        """The reservation gate on node ``name`` (:func:`~apportion.core.contract.may_use_reserved`)."""
+        """The reservation gate on node ``name`` (:func:`~apportion.core.rules.contract.may_use_reserved`)."""
         held = self.held.get(name)
         if held is not None and held != w.id:
             return False

@@ -89,15 +89,19 @@ async def test_the_process_and_the_simulated_runtime_follow_one_reconcile(
         for i, h in enumerate(hosts)
     }
     ledgers = {h: pure.Ledger([h]) for h in hosts}
-    for h in hosts:
-        # each agent keeps a ledger of its own host: the same history
-        f = Follower(log)
-        await _follow(log, f, ledgers[h])
-        await f.close()
 
-    await executor_port.reconcile_once(sim, state, ledger, state.now_ms)
-    for h in hosts:
-        await executor_port.reconcile_once(procs[h], state, ledgers[h], state.now_ms)
+    async def reconcile_all() -> None:
+        """Each agent keeps a ledger of its own host (the same history); then the
+        emulator and every agent run the one reconcile."""
+        for h in hosts:
+            f = Follower(log)
+            await _follow(log, f, ledgers[h])
+            await f.close()
+        await executor_port.reconcile_once(sim, state, ledger, state.now_ms)
+        for h in hosts:
+            await executor_port.reconcile_once(procs[h], state, ledgers[h], state.now_ms)
+
+    await reconcile_all()
     assert [host for host, _ in calls] == [None, *hosts]
     # the emulator holds each run once; the agents hold one rank of it per host
     assert {k for k, _ in sim.held()} == {("w1", 1), ("g", 1)}
@@ -120,13 +124,7 @@ async def test_the_process_and_the_simulated_runtime_follow_one_reconcile(
     await log.publish_input(WorkloadCancelled(id="cancel-w1", at_ms=0, workload="w1", actor="ops"))
     await _decide(log, scheduler)
     await _follow(log, follower, ledger)
-    for h in hosts:
-        f = Follower(log)
-        await _follow(log, f, ledgers[h])
-        await f.close()
-    await executor_port.reconcile_once(sim, state, ledger, state.now_ms)
-    for h in hosts:
-        await executor_port.reconcile_once(procs[h], state, ledgers[h], state.now_ms)
+    await reconcile_all()
     w1_host = next(h for h in hosts if ("w1", 1) in procs[h].runs)
     gone = {host: plan.gone for host, plan in calls}
     assert gone[None] == gone[w1_host] == (("w1", 1),)

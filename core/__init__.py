@@ -6,18 +6,10 @@ iteration over unordered sets in anything that decides. Imports only
 """
 
 from .budget import ROOT, BudgetTree, ancestors_of, parent_of
+from .fold import apply, fold
 from .ordering import FairShareView, queue_order
-from .state import (
-    ClusterNode,
-    CorruptHistory,
-    Policy,
-    State,
-    StateSnapshot,
-    Workload,
-    apply,
-    fold,
-    submission_error,
-)
+from .refusals import submission_error
+from .state import ClusterNode, CorruptHistory, Policy, State, StateSnapshot, Workload
 from .usage import ChargeSeries
 
 __all__ = [

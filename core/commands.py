@@ -3,8 +3,8 @@
 Pure (it imports only :mod:`apportion.schemas` and the core): whoever takes a
 request - the gateway, the CLI's direct paths, the simulator - builds the
 input here and asks here whether the folded state would take it. The answer
-comes from the very checks the fold runs (:func:`apportion.core.state.submission_refusal`,
-:func:`~apportion.core.state.cancel_authority_error`, the budget, health and
+comes from the very checks the fold runs (:func:`apportion.core.refusals.submission_refusal`,
+:func:`~apportion.core.rules.authority.cancel_authority_error`, the budget, health and
 policy checks, ...): one definition, so a request refused here is exactly one
 the fold would refuse, with the same :class:`~apportion.schemas.reasons.Refusal`
 code. (The state a caller asks may trail the log: an accepted request can still
@@ -36,18 +36,18 @@ from apportion.schemas.events import (
 )
 from apportion.schemas.reasons import Refusal
 
-from .state import (
-    State,
-    apply,
+from .fold import apply
+from .refusals import (
     budget_removal_refusal,
     budget_set_refusal,
-    cancel_authority_error,
     gone_refusal,
     health_refusal,
     policy_refusal,
     registration_refusal,
     submission_refusal,
 )
+from .rules.authority import cancel_authority_error
+from .state import State
 
 __all__ = [
     "Refusal",

@@ -40,7 +40,9 @@ from apportion.schemas.events import (
 )
 
 from .cycle import step
-from .state import State, apply, run_ended
+from .fold import apply
+from .rules.authority import run_ended
+from .state import State
 
 DEFAULT_HORIZON_MS = 7 * DAY_MS
 """How far ahead the simulation looks (a week: the default lookback window)."""

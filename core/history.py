@@ -41,7 +41,8 @@ from apportion.schemas.reasons import MALFORMED
 from msgspec import UNSET
 
 from .cycle import CycleResult, decide
-from .state import CorruptHistory, State, apply
+from .fold import apply
+from .state import CorruptHistory, State
 
 Decider = Callable[[State], CycleResult]
 

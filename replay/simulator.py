@@ -56,7 +56,8 @@ from apportion.core.history import (
     fold_item,
     observe_all,
 )
-from apportion.core.state import State, agent_of, run_ended
+from apportion.core.rules.authority import agent_of, run_ended
+from apportion.core.state import State
 from apportion.schemas.events import (
     DAY_MS,
     ClockTicked,

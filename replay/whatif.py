@@ -38,8 +38,9 @@ from typing import Any
 import duckdb
 import msgspec
 from apportion.core.budget import ROOT
+from apportion.core.fold import fold
 from apportion.core.history import fold_history
-from apportion.core.state import State, fold
+from apportion.core.state import State
 from apportion.schemas.events import (
     BudgetRemoved,
     BudgetSet,

@@ -59,7 +59,7 @@ from apportion.core.reconcile import (
     start_report_due,
     started_id,
 )
-from apportion.core.state import agent_of
+from apportion.core.rules.authority import agent_of
 from apportion.schemas.events import (
     Input,
     NodeHealthChanged,

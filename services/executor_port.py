@@ -34,7 +34,8 @@ from apportion.core.reconcile import (
     outcome_of,
     reconcile,
 )
-from apportion.core.state import State, agent_of
+from apportion.core.rules.authority import agent_of
+from apportion.core.state import State
 from apportion.schemas.events import WorkloadFinished
 
 

@@ -430,7 +430,7 @@ class Stack:
         """The cluster's first ``agent_count`` nodes (they get an agent each); every
         other node is marked ``down`` (by its agent's name: no agent runs it), so
         nothing waits on a host that runs nothing."""
-        from apportion.core.state import agent_of
+        from apportion.core.rules.authority import agent_of
         from apportion.schemas.events import NodeHealthChanged, NodeRegistered
 
         nodes = [e for e in self.spec.events if isinstance(e, NodeRegistered)]

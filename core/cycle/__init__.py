@@ -55,7 +55,8 @@ decisions on any machine.
 
 from __future__ import annotations
 
-from ..state import State, apply
+from ..fold import apply
+from ..state import State
 from .result import CycleResult, Reservation
 from .run import Cycle
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 from apportion.core import commands
+from apportion.core.fold import apply
 from apportion.core.history import fold_item
-from apportion.core.state import State, apply
+from apportion.core.state import State
 from apportion.schemas.bounds import MAX_GPUS
 from apportion.schemas.events import (
     HOUR_MS,

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import msgspec
 from apportion.core.cycle import decide
-from apportion.core.state import State, apply
+from apportion.core.fold import apply
+from apportion.core.state import State
 from apportion.replay.baseline import decide_baseline, default_limits
 from apportion.schemas.events import (
     BudgetSet,

@@ -1,0 +1,262 @@
+"""Why an input cannot apply: each check returns a
+:class:`~apportion.schemas.reasons.Refusal` (a stable reason code and a message
+a person can act on) or ``None``. The fold (:mod:`apportion.core.fold`) records a
+refusal as a rejected input; the command layer (:mod:`apportion.core.commands`)
+asks the same checks before publishing, so a front end refuses exactly what the
+fold would."""
+
+from __future__ import annotations
+
+from apportion.schemas import reasons as R
+from apportion.schemas.events import (
+    PPM,
+    BudgetRemoved,
+    BudgetSet,
+    NodeHealthChanged,
+    NodeRegistered,
+    PolicySet,
+    WorkloadSubmitted,
+)
+from apportion.schemas.reasons import Refusal
+
+from .budget import ROOT, parent_of, path_error
+from .rules.authority import (
+    may_manage_node,
+    not_operator,
+)
+from .rules.gpu_types import is_any, takes
+from .state import (
+    SCHEDULER,
+    State,
+)
+from .usage import MAX_LOOKBACK_MS
+
+
+def registration_refusal(state: State, e: NodeRegistered) -> Refusal | None:
+    """Why ``e`` cannot register its host, or ``None``; used by the fold and the
+    command layer (:mod:`apportion.core.commands`)."""
+    if not e.node:
+        return Refusal(R.INVALID_NAME, "node name is empty")
+    if e.node in _DOT_NAMES:
+        return Refusal(
+            R.INVALID_NAME, f"node name {e.node!r} is not allowed (it names a folder on hosts)"
+        )
+    if not may_manage_node(state, e.actor, e.node):
+        return Refusal(R.NOT_AUTHORISED, not_operator(e.actor, f"register node {e.node!r}"))
+    if e.gpus <= 0:
+        return Refusal(R.NOT_POSITIVE, f"node {e.node!r}: gpus must be positive, got {e.gpus}")
+    if is_any(e.gpu_type):
+        return Refusal(R.INVALID_GPU_TYPE, f"node {e.node!r}: gpu_type must name a real GPU type")
+    known = state.nodes.get(e.node)
+    if known is not None:
+        if known.gpus == e.gpus and known.gpu_type == e.gpu_type:
+            return Refusal(R.NO_CHANGE, f"node {e.node!r} is already registered (no change)")
+        if known.workloads:
+            return Refusal(
+                R.HAS_WORK, f"node {e.node!r} has running work; drain it before changing its GPUs"
+            )
+    return None
+
+
+def health_refusal(state: State, e: NodeHealthChanged) -> Refusal | None:
+    """Why ``e`` cannot change its host's health, or ``None``; used by the fold and
+    the command layer."""
+    node = state.nodes.get(e.node)
+    if node is None:
+        return Refusal(R.UNKNOWN_NODE, f"unknown node {e.node!r}")
+    if not may_manage_node(state, e.actor, e.node) and not (
+        e.actor == SCHEDULER and e.state == "down"
+    ):
+        return Refusal(
+            R.NOT_AUTHORISED, not_operator(e.actor, f"change the health of node {e.node!r}")
+        )
+    if node.health == e.state:
+        return Refusal(R.NO_CHANGE, f"node {e.node!r} is already {e.state} (no change)")
+    return None
+
+
+# -- budget and policy ------------------------------------------------------
+
+
+def budget_set_refusal(state: State, e: BudgetSet) -> Refusal | None:
+    """Why ``e`` cannot set its budget node, or ``None``; used by the fold and the
+    command layer."""
+    tree = state.budget
+    problem = path_error(e.path)
+    if problem:
+        return Refusal(R.BAD_PATH, problem)
+    if e.weight <= 0:
+        return Refusal(
+            R.NOT_POSITIVE, f"budget {e.path!r}: weight must be a positive integer, got {e.weight}"
+        )
+    if not e.owner:
+        return Refusal(R.INVALID_NAME, f"budget {e.path!r}: owner is empty")
+    if e.path != ROOT:
+        parent = parent_of(e.path)
+        if parent not in tree.nodes:
+            return Refusal(
+                R.UNKNOWN_PARENT,
+                f"budget {e.path!r}: parent {parent!r} does not exist; create it first",
+            )
+    if not tree.may_edit(e.actor, e.path):
+        where = "the root" if e.path == ROOT else f"{parent_of(e.path)!r} or an ancestor"
+        return Refusal(R.NOT_AUTHORISED, f"budget {e.path!r}: {e.actor!r} does not own {where}")
+    if e.path not in tree.nodes and e.path != ROOT:
+        parent = parent_of(e.path)
+        if state.active_by_owner.get(parent, 0):
+            return Refusal(
+                R.HAS_WORK,
+                f"budget {e.path!r}: parent {parent!r} has pending or running work; a node with work cannot get children",
+            )
+    return None
+
+
+def budget_removal_refusal(state: State, e: BudgetRemoved) -> Refusal | None:
+    """Why ``e`` cannot remove its budget node, or ``None``; used by the fold and the
+    command layer."""
+    tree = state.budget
+    node = tree.nodes.get(e.path)
+    if e.path == ROOT:
+        return Refusal(R.ROOT_NOT_REMOVABLE, "the root of the budget tree cannot be removed")
+    if node is None:
+        return Refusal(R.UNKNOWN_BUDGET_NODE, f"unknown budget node {e.path!r}")
+    if not tree.may_edit(e.actor, e.path):
+        return Refusal(
+            R.NOT_AUTHORISED,
+            f"budget {e.path!r}: {e.actor!r} does not own {parent_of(e.path)!r} or an ancestor",
+        )
+    if node.children:
+        return Refusal(R.HAS_CHILDREN, f"budget {e.path!r} has children; remove them first")
+    active = state.active_by_owner.get(e.path, 0)
+    if active:
+        return Refusal(R.HAS_WORK, f"budget {e.path!r} has {active} pending or running workloads")
+    return None
+
+
+def policy_refusal(state: State, e: PolicySet) -> Refusal | None:
+    """Why ``e`` cannot become the policy, or ``None``; used by the fold and the
+    command layer."""
+    if not state.budget.may_edit(e.actor, ROOT):
+        return Refusal(
+            R.NOT_AUTHORISED, f"policy: {e.actor!r} does not own the root of the budget tree"
+        )
+    if not 0 < e.lookback_ms <= MAX_LOOKBACK_MS:
+        return Refusal(
+            R.OUT_OF_RANGE,
+            f"policy: lookback must be between 1 ms and 90 days, got {e.lookback_ms} ms",
+        )
+    if not 0 <= e.max_min_runtime_ms <= e.lookback_ms:
+        return Refusal(R.OUT_OF_RANGE, "policy: max_min_runtime must be between 0 and the lookback")
+    if not 0 <= e.preemption_margin_ppm < PPM:
+        return Refusal(R.OUT_OF_RANGE, "policy: preemption margin must be in [0, 1)")
+    if e.grace_ms > e.max_grace_ms:
+        return Refusal(
+            R.OUT_OF_RANGE,
+            f"policy: grace ({e.grace_ms} ms) must not exceed max_grace ({e.max_grace_ms} ms)",
+        )
+    return None
+
+
+# -- workloads ----------------------------------------------------------------
+
+
+_DOT_NAMES = frozenset({".", ".."})
+"""Ids an executor cannot use as a folder name (a workload's or a node's files live
+under its id on the hosts)."""
+
+
+def submission_refusal(state: State, e: WorkloadSubmitted) -> Refusal | None:
+    """Why ``e`` cannot be queued, or ``None``; used by the fold and the command layer.
+
+    Changes nothing but a cache of gang checks (derived, never snapshotted)."""
+    if not e.workload:
+        return Refusal(R.INVALID_NAME, "workload id is empty")
+    if e.workload in _DOT_NAMES:
+        return Refusal(
+            R.INVALID_NAME,
+            f"workload id {e.workload!r} is not allowed (it names a folder on hosts)",
+        )
+    if e.workload in state.workloads or e.workload in state.ended:
+        return Refusal(
+            R.DUPLICATE_ID, f"workload {e.workload!r} already exists; ids are never reused"
+        )
+    budget = state.budget
+    owner = budget.nodes.get(e.owner)
+    if owner is None or e.owner == ROOT:
+        return Refusal(
+            R.UNKNOWN_OWNER, f"unknown owner {e.owner!r}: submit to a leaf of the budget tree"
+        )
+    if owner.children:  # not budget.is_leaf(e.owner)
+        return Refusal(
+            R.NOT_A_LEAF, f"owner {e.owner!r} is not a leaf of the budget tree (it has children)"
+        )
+    if not budget.owns(e.submitted_by, e.owner):
+        who = e.submitted_by or "(no submitter)"
+        return Refusal(
+            R.NOT_AUTHORISED,
+            f"{who} may not submit to {e.owner!r}: only its owner or the owner of a node above it",
+        )
+    if e.gpus <= 0:
+        return Refusal(R.NOT_POSITIVE, f"gpus must be positive, got {e.gpus}")
+    cap = state.policy.max_min_runtime_ms
+    if not 0 <= e.min_runtime_ms <= cap:
+        return Refusal(
+            R.OVER_CAP,
+            f"min_runtime must be between 0 and {cap // 60_000} min, got {e.min_runtime_ms} ms",
+        )
+    if e.duration_ms is not None and e.duration_ms < 0:
+        return Refusal(R.OUT_OF_RANGE, f"duration must not be negative, got {e.duration_ms} ms")
+    grace_cap = state.policy.max_grace_ms
+    if e.grace_ms is not None and not 0 <= e.grace_ms <= grace_cap:
+        return Refusal(
+            R.OVER_CAP,
+            f"grace must be between 0 and {grace_cap // 1000} s (the policy's max_grace), got {e.grace_ms} ms",
+        )
+    key = (e.gpu_type, e.gpus)
+    gang_errors = state.gang_errors
+    if key in gang_errors:
+        return gang_errors[key]
+    gang_errors[key] = error = _gang_error(state, e.gpu_type, e.gpus)
+    return error
+
+
+def submission_error(state: State, e: WorkloadSubmitted) -> str | None:
+    """The message of :func:`submission_refusal` (for callers that want words only)."""
+    problem = submission_refusal(state, e)
+    return None if problem is None else problem.message
+
+
+def _gang_error(state: State, gpu_type: str, gpus: int) -> Refusal | None:
+    """Why ``gpus`` GPUs of ``gpu_type`` is not a valid gang on the registered nodes."""
+    pools = [(t, gpn, n) for (t, gpn), n in state.pools.items() if takes(gpu_type, t)]
+    if not pools:
+        known = sorted({t for t, _ in state.pools})
+        return Refusal(
+            R.UNKNOWN_GPU_TYPE,
+            f"no nodes of gpu_type {gpu_type!r} (known types: {', '.join(known) or 'none'})",
+        )
+    for _, gpn, count in pools:
+        if gpus <= gpn or (gpus % gpn == 0 and gpus <= gpn * count):
+            return None
+    sizes = ", ".join(f"{n} x {gpn} {t}" for t, gpn, n in sorted(pools))
+    return Refusal(
+        R.INVALID_GANG,
+        f"{gpus} GPUs is not a valid gang: at most one node's GPUs, or a multiple of "
+        f"the node size within one pool ({sizes})",
+    )
+
+
+def gone_refusal(state: State, workload: str) -> Refusal:
+    """Why a cancel or a report of ``workload``, which is not live, cannot apply: it
+    was never submitted, or it has ended. The fold prefixes what was asked and calls
+    an ended one's report stale (:func:`stale_refusal`)."""
+    status = state.ended.get(workload)
+    if status is None:
+        return Refusal(R.UNKNOWN_WORKLOAD, f"unknown workload {workload!r}")
+    return Refusal(R.ALREADY_ENDED, f"workload {workload!r} already ended as {status}")
+
+
+def stale_refusal(state: State, workload: str, what: str) -> Refusal:
+    gone = gone_refusal(state, workload)
+    stale = " (stale report)" if gone.code == R.ALREADY_ENDED else ""
+    return Refusal(gone.code, f"{what}: {gone.message}{stale}")

@@ -69,7 +69,13 @@ the part. The **holders** are the runs *at the blocking level* on those nodes
 (those a node's clearing takes at that level), not every run on them: work
 past its contract is therefore never named under level 5. At level 5 the part
 is split over the holder runs in proportion to their GPUs on those nodes, each
-run ``contracts`` or ``admission`` by its placement:
+run ``contracts`` or ``admission`` by its placement (below). Inside level 5 an
+admission run is cheaper to clear than a contract (undoing a choice of the
+scheduler comes before a fairly placed contract): a node's runs are taken
+admission first, and among nodes of one level those whose clearing takes fewer
+GPUs of ``contracts`` come first (then by name). So a workload that one node
+would hold, had the scheduler not admitted the work on it, is ``admission``;
+a gang whose nodes hold both is split by their GPUs.
 
 - at each decision batch, before folding it, every allocated ``WorkloadPlaced``
   is recorded with the teams with pending allocated work whose standing was

@@ -9,45 +9,105 @@ and, after every decision batch, looks at each team the way the KPIs do:
 - **shortfall** = owed - ran, when positive.
 
 The state does not change between two batches (nothing happens without an
-input), so each shortfall holds until the next batch. For a team with a
-shortfall, the first of its pending allocated workloads in scheduling order
-(the one the next cycle tries first: its *head*) is examined, and the
-shortfall is attributed to why that workload is not running:
+input), so each shortfall holds until the next batch.
+
+**Per workload.** A team's shortfall is split over its pending allocated
+workloads in scheduling order (the order the next cycle tries them): each
+explains at most its own GPUs, in order, until the shortfall is used up (a
+team short of 20 GPUs with pending jobs of 16, 8 and 8 GPUs: the first explains
+16, the second 4, the third nothing). Each part gets the causes of why *that*
+workload is not running:
 
 ==================  =========================================================  ==========
-cause               the head workload ...                                      controlled
+cause               the workload ...                                           controlled
 ==================  =========================================================  ==========
 ``fragmentation``   has enough free GPUs of its type, but not on one node /    scheduler
-                    on whole nodes
+                    on whole nodes (bounded: see below)
 ``reservation``     would fit, but the nodes are held by a reservation for     scheduler
-                    another workload
+                    another workload (bounded)
 ``type_full``       asks for a GPU type that is full, while another type has   scheduler*
-                    room for it
+                    room for it (bounded)
 ``unallocated``     is blocked by free (zero-min-runtime) work it could        scheduler
                     preempt
 ``margin``          is blocked by others' work past its contract that it       scheduler
                     does not outrank by the preemption margin
-``contracts``       is blocked by others' work still inside its contract       price
-                    (protected): the price of the scheduling contract
+``admission``       is blocked by others' work inside its contract that the    scheduler
+                    scheduler placed *while this workload was already waiting*,
+                    for a team that was then *less under-served* than this
+                    workload's team (a choice of the scheduler)
+``contracts``       is blocked by others' work inside its contract placed       price
+                    before this workload was pending, or for a team at least
+                    as under-served as this one then: the price of the
+                    scheduling contract
 ``own_work``        is blocked by its own team's running work (a gang larger   price
                     than what the team's share leaves free)
 ``nodes_down``      needs more nodes of its type than are healthy now (hosts    price
                     down or draining)
-``window``          is blocked by work of teams that are more under-served      price
-                    over the lookback window (this team used more than its
-                    share earlier: fair share is kept over the window, not
-                    hour by hour)
-``other``           none of the above (a cause not named yet)                  scheduler
+``window``          is blocked by work past its contract of teams that are      price
+                    more under-served over the lookback window (this team used
+                    more than its share earlier: fair share is kept over the
+                    window, not hour by hour)
+``other``           none of the above (a cause not named yet, or it fits now)  scheduler
 ==================  =========================================================  ==========
 
 (*) typed work that cannot run elsewhere is a price, untyped work that fills
 the scarce type is the scheduler's choice; the report names both.
 
-When the capacity is held by several kinds of work, the shortfall is split in
-proportion to the GPUs each kind holds on the nodes the workload could use.
-Holders are named per team ("who had it"). Per hour the causes are scaled to
-the hourly shortfall the ``delivery_ratio`` KPI counts (owed and delivered per
-hour, delivered capped at owed), so the table adds up to the KPI.
+**The level explanation.** Each running workload on a node the waiting workload
+``w`` could use gets a *level*: what it would take to move it: 1 free work, 2
+allocated work past its contract that ``w`` clearly outranks, 3 work past its
+contract that ``w``'s side is lower than but inside the margin, 4 work past its
+contract whose side is not lower (``window``), 5 others' work inside its
+contract, 6 the team's own work (:meth:`Outranking.standing` at the first level
+where the budget paths part, the rule the cycle preempts by). A node's level is
+the lowest level at which enough of its GPUs come free for ``w`` (its free GPUs
+first, then its runs by level); the cheapest set of nodes that would hold ``w``
+(nodes the reservation keeps ``w`` off left out, as the cycle does) has the
+level of its hardest node: the **blocking level**, whose cause
+(``unallocated``/``other``/``margin``/``window``/level 5/``own_work``) explains
+the part. The **holders** are the runs *at the blocking level* on those nodes
+(those a node's clearing takes at that level), not every run on them: work
+past its contract is therefore never named under level 5. At level 5 the part
+is split over the holder runs in proportion to their GPUs on those nodes, each
+run ``contracts`` or ``admission`` by its placement (below). Inside level 5 an
+admission run is cheaper to clear than a contract (undoing a choice of the
+scheduler comes before a fairly placed contract): a node's runs are taken
+admission first, and among nodes of one level those whose clearing takes fewer
+GPUs of ``contracts`` come first (then by name). So a workload that one node
+would hold, had the scheduler not admitted the work on it, is ``admission``;
+a gang whose nodes hold both is split by their GPUs.
+
+- at each decision batch, before folding it, every allocated ``WorkloadPlaced``
+  is recorded with the teams with pending allocated work whose standing was
+  then *strictly lower* than the placed team's (more under-served: at the first
+  level where their budget paths part, ratio ``(usage + committed) / weight``
+  of the fair-share view of that state, compared exactly by
+  :func:`~apportion.core.ratio.below_pair`);
+- a holder run is ``admission`` for ``w`` when ``w``'s team is among those and
+  ``w`` itself was pending at that batch (its current queue episode, from its
+  submission or requeue, began at an earlier item of the history; an episode
+  started by an input the fold did not tie to ``w`` counts when it began at an
+  earlier millisecond); else ``contracts`` (also for runs placed before the
+  history began). Equal standing is ``contracts``: the scheduler did not
+  prefer a less under-served team.
+
+**Bounded by idle capacity.** ``fragmentation``, ``type_full`` and
+``reservation`` say capacity sat idle, so they may explain only GPUs that were
+idle at that moment: free GPUs on healthy nodes of ``w``'s types
+(``fragmentation``), of the other types (``type_full``), or on the nodes the
+reservation holds (``reservation``). Every moment keeps one ledger of idle GPUs
+per node; the teams' parts are visited in the global scheduling order, and each
+such part takes ``min(its GPUs, idle GPUs left in its set)`` from the ledger;
+the rest of the part goes to the level explanation of ``w`` (what holds the
+other GPUs it needs). So, at any moment, these three causes together never
+exceed the idle GPUs, and no idle GPU is counted twice. (A workload that fits
+now takes its idle GPUs too, under ``other``.)
+
+Per hour the causes are scaled to the hourly shortfall the ``delivery_ratio``
+KPI counts (owed and delivered per hour, delivered capped at owed), so the
+table adds up to the KPI; holders ("who had it", per team, the team's own work
+left out) are scaled the same way, so they add up to the GPU-hours explained by
+levels 1-5.
 """
 
 from __future__ import annotations
@@ -56,17 +116,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from apportion.core.budget import ancestors_of
 from apportion.core.cycle import Reservation, decide
 from apportion.core.history import fold_item
-from apportion.core.ordering import FairShareView, queue_order
+from apportion.core.ordering import FairShareView, FairShareWalk
 from apportion.core.placement import FreeGPUs
+from apportion.core.ratio import below_pair
 from apportion.core.rules.classes import team_of
 from apportion.core.rules.contract import is_allocated, is_protected, may_use_reserved
 from apportion.core.rules.gpu_types import is_any
 from apportion.core.rules.outranking import Outranking, Standing
 from apportion.core.state import State, Workload
-from apportion.schemas.events import HOUR_MS
-from apportion.schemas.history import BatchItem, HistoryItem
+from apportion.schemas.events import HOUR_MS, WorkloadPlaced, WorkloadPreempted
+from apportion.schemas.history import BatchItem, HistoryItem, InputItem
 
 CAUSES = (
     "fragmentation",
@@ -74,14 +136,25 @@ CAUSES = (
     "type_full",
     "unallocated",
     "margin",
+    "admission",
     "contracts",
     "own_work",
     "window",
     "nodes_down",
     "other",
 )
-SCHEDULER_CAUSES = ("fragmentation", "reservation", "type_full", "unallocated", "margin", "other")
+SCHEDULER_CAUSES = (
+    "fragmentation",
+    "reservation",
+    "type_full",
+    "unallocated",
+    "margin",
+    "admission",
+    "other",
+)
 """Causes the scheduler controls (losses to these are bugs); the rest are the contract's price."""
+BOUNDED_CAUSES = ("fragmentation", "reservation", "type_full")
+"""Causes that say capacity sat idle: each explains at most the idle GPUs left (module docstring)."""
 
 
 @dataclass
@@ -181,9 +254,8 @@ class Diagnosis:
                     row["causes"]["other"] += short / HOUR_MS
                 for cause, v in th.causes.items():
                     row["causes"][cause] += v * scale / HOUR_MS
-                held = sum(th.holders.values())
                 for who, v in th.holders.items():
-                    row["holders"][who] = row["holders"].get(who, 0.0) + short * v / held / HOUR_MS
+                    row["holders"][who] = row["holders"].get(who, 0.0) + v * scale / HOUR_MS
         out = []
         for t in sorted(per):
             row = per[t]
@@ -205,21 +277,152 @@ _STANDING_LEVEL = {Standing.OUTRANKS: 2, Standing.INSIDE_MARGIN: 3, Standing.NOT
 preempts by): 2 if it outranks it clearly, 3 if its ratio is lower but inside the
 margin, 4 if it is not lower (the victim's side is more under-served over the
 lookback window)."""
+_NEVER = 99
+_PLACEABLE = 2
+"""Levels up to this one (free GPUs, free work, work it outranks) the cycle could take now."""
+_PROTECTED = 5
+_LEVEL_CAUSE = {
+    0: "other",
+    1: "unallocated",
+    2: "other",
+    3: "margin",
+    4: "window",
+    6: "own_work",
+}
+"""The cause of a block by its blocking level (5, work inside its contract, is
+``contracts`` or ``admission`` run by run): at 0-2 the scheduler could have placed
+it (free GPUs, free work, work it outranks), so a block there is a cause not named
+yet unless the reservation explains it."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """An allocated run's placement as the diagnosis recorded it (before its batch folded)."""
+
+    at_ms: int
+    item: int
+    """Index of its batch in the history (items counted from 0)."""
+    over: frozenset[str]
+    """Teams with pending allocated work then that were more under-served than its team."""
+
+
+@dataclass
+class Ledger:
+    """What a refold records for the diagnosis: placements, and when each
+    workload's current queue episode began (item index, for same-millisecond order)."""
+
+    placements: dict[str, Placement] = field(default_factory=dict)
+    episodes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Workload id -> (its ``queued_ms``, index of the item that queued it)."""
+
+    def was_waiting(self, w: Workload, p: Placement) -> bool:
+        """Whether ``w`` (pending now) was already pending when ``p`` was decided."""
+        ep = self.episodes.get(w.id)
+        if ep is not None and ep[0] == w.queued_ms:
+            return ep[1] < p.item
+        return w.queued_ms < p.at_ms
+
+
+def _team_path(team: str) -> tuple[str, ...]:
+    return (*ancestors_of(team)[1:], team)
+
+
+def more_under_served(view: FairShareView, a: str, b: str) -> bool:
+    """Whether team ``a`` stands strictly lower (more under-served) than team ``b``
+    at the first level where their budget paths part (exact, no margin)."""
+    usage, weight = view.usage, view.weight
+    for x, y in zip(_team_path(a), _team_path(b), strict=False):
+        if x != y:
+            return below_pair(usage[x], weight[x], usage[y], weight[y])
+    return False
+
+
+def record_placements(state: State, item: BatchItem, index: int, ledger: Ledger) -> None:
+    """Before ``item`` folds into ``state``: note each allocated placement it makes,
+    with the waiting teams it was placed over (:class:`Placement`)."""
+    placed = [d for d in item.batch.decisions if isinstance(d, WorkloadPlaced) and d.allocated]
+    if not placed:
+        return
+    waiting = sorted({team_of(leaf) for leaf, keys in state.pending_index.by_leaf.items() if keys})
+    view: FairShareView | None = None
+    over: dict[str, frozenset[str]] = {}
+    for d in placed:
+        w = state.workloads.get(d.workload)
+        if w is None:
+            continue
+        team = team_of(w.owner)
+        teams = over.get(team)
+        if teams is None:
+            if view is None:
+                view = FairShareView(state)
+            teams = over[team] = frozenset(
+                t for t in waiting if t != team and more_under_served(view, t, team)
+            )
+        ledger.placements[d.workload] = Placement(state.now_ms, index, teams)
+
+
+def record_episodes(state: State, item: HistoryItem, index: int, ledger: Ledger) -> None:
+    """After ``item`` folded: the workloads it queued (a submission, a requeue)."""
+    if isinstance(item, InputItem):
+        wids: list[str] = []
+        wid = getattr(item.event, "workload", None)
+        if isinstance(wid, str):
+            wids.append(wid)
+    else:
+        wids = [
+            d.workload
+            for d in item.batch.decisions
+            if isinstance(d, WorkloadPreempted) and d.requeued
+        ]
+    for wid in wids:
+        w = state.pending.get(wid)
+        if w is not None and w.queued_ms == state.now_ms:
+            ledger.episodes[wid] = (w.queued_ms, index)
+
+
+class _Idle:
+    """The idle GPUs of one moment that bounded causes may still explain, per node."""
+
+    def __init__(self, free: FreeGPUs) -> None:
+        self.free = free
+        self.left: dict[str, float] = {}
+
+    def take(self, names: Iterable[str], want: float) -> float:
+        """Take up to ``want`` idle GPUs from ``names`` (in order); how many were taken."""
+        got = 0.0
+        left, free = self.left, self.free.free
+        for name in names:
+            if got >= want:
+                break
+            have = left.get(name, float(free[name]))
+            t = min(have, want - got)
+            if t > 0:
+                left[name] = have - t
+                got += t
+        return got
+
+
+Block = tuple[int, list[tuple[str, str, float, str]]]
+"""A blocking level and its holder runs: (workload id, holder team, GPUs on the
+nodes, the cause it names)."""
 
 
 class _Moment:
     """One state, right after a batch: the teams' shortfalls and their causes."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, ledger: Ledger) -> None:
         self.state = state
+        self.ledger = ledger
         self.t = state.now_ms
         self.view = FairShareView(state)
         self.outranking = Outranking(
             state.budget, self.view.usage, self.view.weight, state.policy.preemption_margin_ppm
         )
         self.free = FreeGPUs(state)
+        self.idle = _Idle(self.free)
         self._reservation: Reservation | None = None
         self._reservation_known = False
+        self._blocks: dict[tuple[Any, ...], tuple[str | None, Block | None]] = {}
 
     def reservation(self) -> Reservation | None:
         """The reservation in force (a cycle run on this state, computed on first use)."""
@@ -228,133 +431,216 @@ class _Moment:
             self._reservation_known = True
         return self._reservation
 
-    def explain(self, w: Workload, team: str) -> tuple[str, dict[str, float]]:
-        """Why ``w`` is not running: the cause, and GPUs held per holder team.
-
-        Each running workload on a node ``w`` could use gets a *level*: what it
-        would take to move it (unallocated work, then allocated work ``w``
-        outranks clearly, then work inside the margin, then work of teams more
-        under-served over the window, then work inside its contract, then the
-        team's own work). The lowest level at which enough nodes clear for
-        ``w`` names the cause: the hardest thing on the cheapest nodes."""
-        state, free = self.state, self.free
+    def explain(
+        self, w: Workload, team: str, part: float
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Why ``part`` of ``w``'s GPUs are not running: GPUs by cause, and GPUs per
+        holder team (module docstring: the bounded causes first, then the level
+        explanation for the rest)."""
+        free = self.free
         pools = free.pools_for(w.gpu_type)
         match_free = sum(free.pool_free.get(p, 0) for p in pools)
+        bounded: str | None = None
+        idle_nodes: list[str] = []
         if match_free >= w.gpus:
-            if free.fit(w.gpus, w.gpu_type) is None:
-                return "fragmentation", {}
             gated = self._gated(w)
-            if gated and free.fit(w.gpus, w.gpu_type, lambda n: n not in gated) is None:
-                return "reservation", {}
-            return "other", {}
-        if not is_any(w.gpu_type):
-            other_free = sum(v for p, v in free.pool_free.items() if p not in pools)
-            if other_free >= w.gpus:
-                return "type_full", {}
-        if not any(
+            if free.fit(w.gpus, w.gpu_type) is None:
+                bounded = "fragmentation"
+                idle_nodes = [n for p in pools for n in free.pool_nodes[p]]
+            elif gated and free.fit(w.gpus, w.gpu_type, lambda n: n not in gated) is None:
+                bounded = "reservation"
+                idle_nodes = [n for p in pools for n in free.pool_nodes[p] if n in gated]
+            else:
+                # it fits now and is not placed: a cause not named yet
+                self.idle.take([n for p in pools for n in free.pool_nodes[p]], part)
+                return {"other": part}, {}
+        elif not is_any(w.gpu_type) and (
+            sum(v for p, v in free.pool_free.items() if p not in pools) >= w.gpus
+        ):
+            bounded = "type_full"
+            idle_nodes = [
+                n for p, names in free.pool_nodes.items() if p not in pools for n in names
+            ]
+        elif not any(
             len(free.pool_nodes[p]) >= (1 if w.gpus <= p[1] else w.gpus // p[1])
             for p in pools
             if w.gpus <= p[1] or w.gpus % p[1] == 0
         ):
-            return "nodes_down", {}  # too few healthy nodes of its type for the gang
-        gated = self._gated(w)
-        best = self._cheapest_level(w, team, pools, gated)
-        if gated:
-            ungated = self._cheapest_level(w, team, pools, frozenset())
-            if ungated is not None and (best is None or ungated[0] < best[0]):
-                if ungated[0] <= _PLACEABLE:
-                    # it could run now but for the nodes a reservation holds
-                    return "reservation", {}
-                best = ungated  # blocked there too: name what blocks it there
-        if best is None or best[0] >= _NEVER:
-            return "other", {}
-        level, names = best
+            return {"nodes_down": part}, {}  # too few healthy nodes of its type for the gang
+        reserved, block = self._block(w, team, pools)
+        if bounded is None and reserved is not None:
+            bounded = reserved
+            gated = self._gated(w)
+            idle_nodes = [n for p in pools for n in free.pool_nodes[p] if n in gated]
+        causes: dict[str, float] = {}
+        rest = part
+        if bounded is not None:
+            took = self.idle.take(idle_nodes, part)
+            if took > 0:
+                causes[bounded] = took
+            rest = part - took
         holders: dict[str, float] = {}
-        running = state.running
-        for name in names:
-            for wid, gpus in state.nodes[name].workloads.items():
-                vteam = team_of(running[wid].owner)
-                if vteam != team:
-                    holders[vteam] = holders.get(vteam, 0.0) + gpus
-        return _LEVEL_CAUSE[level], holders
+        if rest > 0:
+            self._explain_level(w, team, rest, block, causes, holders)
+        return causes, holders
+
+    def _explain_level(
+        self,
+        w: Workload,
+        team: str,
+        rest: float,
+        block: Block | None,
+        causes: dict[str, float],
+        holders: dict[str, float],
+    ) -> None:
+        """``rest`` GPUs of ``w`` by the blocking level and its holder runs."""
+        if block is None or block[0] >= _NEVER:
+            causes["other"] = causes.get("other", 0.0) + rest
+            return
+        level, runs = block
+        total = sum(g for _, _, g, _ in runs)
+        if total <= 0:
+            cause = _LEVEL_CAUSE.get(level, "other")
+            causes[cause] = causes.get(cause, 0.0) + rest
+            return
+        for _, vteam, g, cause in runs:
+            causes[cause] = causes.get(cause, 0.0) + rest * g / total
+            if vteam != team:
+                holders[vteam] = holders.get(vteam, 0.0) + rest * g / total
 
     def _gated(self, w: Workload) -> frozenset[str]:
         """The nodes the reservation in force keeps ``w`` off (the reservation gate)."""
         held = self.reservation()
-        if held is None or may_use_reserved(self.t, w.min_runtime_ms, held.start_ms):
+        if (
+            held is None
+            or held.workload == w.id  # the nodes are held for it
+            or may_use_reserved(self.t, w.min_runtime_ms, held.start_ms)
+        ):
             return frozenset()
         return frozenset(held.nodes)
 
-    def _cheapest_level(
+    def _block(
+        self, w: Workload, team: str, pools: list[tuple[str, int]]
+    ) -> tuple[str | None, Block | None]:
+        """The blocking level of ``w`` and its holder runs, on the cheapest nodes it
+        may use (off the reservation); ``"reservation"`` first if, but for the
+        reservation, it could be placed now (cached per shape and owner)."""
+        key = (
+            w.owner,
+            w.priority,
+            w.gpu_type,
+            w.gpus,
+            w.min_runtime_ms,
+            w.queued_ms,
+            self.ledger.episodes.get(w.id),
+        )
+        got = self._blocks.get(key)
+        if got is None:
+            gated = self._gated(w)
+            best = self._cheapest(w, team, pools, gated)
+            reserved: str | None = None
+            if gated:
+                ungated = self._cheapest(w, team, pools, frozenset())
+                if ungated is not None and (best is None or ungated[0] < best[0]):
+                    if ungated[0] <= _PLACEABLE:
+                        reserved = "reservation"  # it could run now but for the reservation
+                    else:
+                        best = ungated  # blocked there too: name what blocks it there
+            block = None if best is None else (best[0], self._holders(w, team, best))
+            got = self._blocks[key] = (reserved, block)
+        return got
+
+    def _cheapest(
         self, w: Workload, team: str, pools: list[tuple[str, int]], gated: frozenset[str]
-    ) -> tuple[int, list[str]] | None:
+    ) -> tuple[int, list[str], int] | None:
         """The lowest level at which enough nodes (not in ``gated``) clear for ``w``,
-        and those nodes; ``None`` if no pool can hold it."""
-        best: tuple[int, list[str]] | None = None
+        those nodes and the GPUs wanted on each; ``None`` if no pool can hold it."""
+        best: tuple[int, list[str], int] | None = None
         free = self.free
         for pool in pools:
             size = pool[1]
             if w.gpus > size and w.gpus % size:
                 continue
+            want = min(w.gpus, size)
             options = sorted(
-                (self._node_level(w, team, name, min(w.gpus, size)), name)
+                (*self._node_level(w, team, name, want)[:2], name)
                 for name in free.pool_nodes[pool]
                 if name not in gated
             )
             need = 1 if w.gpus <= size else w.gpus // size
             if len(options) < need:
                 continue
-            level = options[need - 1][0]
+            level = max(o[0] for o in options[:need])
             if best is None or level < best[0]:
-                best = (level, [n for _, n in options[:need]])
+                best = (level, [o[2] for o in options[:need]], want)
         return best
 
-    def _node_level(self, w: Workload, team: str, name: str, want: int) -> int:
-        """The lowest level at which ``want`` GPUs of node ``name`` come free for ``w``."""
+    def _holders(
+        self, w: Workload, team: str, best: tuple[int, list[str], int]
+    ) -> list[tuple[str, str, float, str]]:
+        """The runs at the blocking level that clearing ``best``'s nodes takes, each
+        with the cause it names."""
+        level, names, want = best
+        out: list[tuple[str, str, float, str]] = []
+        running = self.state.running
+        for name in names:
+            for wid, wlevel, sub, gpus in self._node_level(w, team, name, want)[2]:
+                if wlevel == level:
+                    if level == _PROTECTED:
+                        cause = "contracts" if sub else "admission"
+                    else:
+                        cause = _LEVEL_CAUSE.get(level, "other")
+                    out.append((wid, team_of(running[wid].owner), float(gpus), cause))
+        return out
+
+    def _admitted(self, v: Workload, w: Workload, team: str) -> bool:
+        """Whether running ``v`` (inside its contract) is ``admission`` for ``w``:
+        placed while ``w`` was waiting, for a team less under-served than ``w``'s."""
+        p = self.ledger.placements.get(v.id)
+        return p is not None and team in p.over and self.ledger.was_waiting(w, p)
+
+    def _node_level(
+        self, w: Workload, team: str, name: str, want: int
+    ) -> tuple[int, int, list[tuple[str, int, int, int]]]:
+        """The lowest level at which ``want`` GPUs of node ``name`` come free for ``w``,
+        the GPUs of ``contracts`` runs that takes, and the runs it takes (id, level,
+        0 for ``admission`` / 1 else, GPUs), lowest first (admission before contracts
+        inside level 5: undoing a choice of the scheduler comes before a fair contract)."""
         node = self.state.nodes[name]
         have = self.free.free[name]
         if have >= want:
-            return 0
+            return 0, 0, []
         running = self.state.running
         levels = []
         for wid, gpus in node.workloads.items():
             v = running[wid]
+            sub = 1
             if not is_allocated(v):
                 level = 1
             elif team_of(v.owner) == team:
                 level = 6
             elif is_protected(v, self.t):
-                level = 5
+                level = _PROTECTED
+                sub = 0 if self._admitted(v, w, team) else 1
             else:
                 level = _STANDING_LEVEL[self.outranking.standing(w, v)]
-            levels.append((level, gpus))
-        for level, gpus in sorted(levels):
+            levels.append((level, sub, gpus, wid))
+        taken: list[tuple[str, int, int, int]] = []
+        held = 0
+        for level, sub, gpus, wid in sorted(levels):
             have += gpus
+            taken.append((wid, level, sub, gpus))
+            if level == _PROTECTED and sub:
+                held += gpus
             if have >= want:
-                return level
-        return _NEVER
-
-
-_NEVER = 99
-_PLACEABLE = 2
-"""Levels up to this one (free GPUs, free work, work it outranks) the cycle could take now."""
-_LEVEL_CAUSE = {
-    0: "other",
-    1: "unallocated",
-    2: "other",
-    3: "margin",
-    4: "window",
-    5: "contracts",
-    6: "own_work",
-}
-"""The cause of a block by the lowest level that clears: at 0-2 the scheduler could
-have placed it (free GPUs, free work, work it outranks), so a block there is a cause
-not named yet unless the reservation explains it."""
+                return level, held, taken
+        return _NEVER, held, taken
 
 
 def diagnose(items: Iterable[HistoryItem], start_ms: int | None = None) -> Diagnosis:
     """Refold ``items`` and attribute every team's shortfall to causes (module docstring)."""
     state = State()
+    ledger = Ledger()
     diag: Diagnosis | None = None
     pending_moment: (
         tuple[int, dict[str, tuple[float, float, dict[str, float], dict[str, float]]]] | None
@@ -367,14 +653,17 @@ def diagnose(items: Iterable[HistoryItem], start_ms: int | None = None) -> Diagn
             for team, (owed, ran, split, holders) in teams.items():
                 diag.add(team, at, end, owed, ran, split, holders)
 
-    for item in items:
+    for index, item in enumerate(items):
+        if isinstance(item, BatchItem):
+            record_placements(state, item, index, ledger)
         fold_item(state, item)
+        record_episodes(state, item, index, ledger)
         if not isinstance(item, BatchItem):
             continue
         if diag is None:
             diag = Diagnosis(start_ms=state.now_ms if start_ms is None else start_ms, end_ms=0)
         hold_until(diag, state.now_ms)
-        pending_moment = (state.now_ms, _teams_now(state))
+        pending_moment = (state.now_ms, _teams_now(state, ledger))
     if diag is None:
         return Diagnosis(start_ms=0, end_ms=0)
     hold_until(diag, state.now_ms)
@@ -382,8 +671,12 @@ def diagnose(items: Iterable[HistoryItem], start_ms: int | None = None) -> Diagn
     return diag
 
 
-def _teams_now(state: State) -> dict[str, tuple[float, float, dict[str, float], dict[str, float]]]:
-    """Per team: owed and ran GPUs now, and its shortfall split by cause (GPUs) with holders."""
+def _teams_now(
+    state: State, ledger: Ledger | None = None
+) -> dict[str, tuple[float, float, dict[str, float], dict[str, float]]]:
+    """Per team: owed and ran GPUs now, and its shortfall split by cause (GPUs) with
+    holders: the teams' pending allocated workloads in scheduling order, each
+    explaining at most its own GPUs of its team's shortfall."""
     healthy = sum(n.gpus for n in state.nodes.values() if n.health == "healthy")
     demand: dict[str, int] = {}
     ran: dict[str, int] = {}
@@ -393,38 +686,49 @@ def _teams_now(state: State) -> dict[str, tuple[float, float, dict[str, float], 
             demand[team] = demand.get(team, 0) + w.gpus
             if w.status == "running":
                 ran[team] = ran.get(team, 0) + w.gpus
-    out: dict[str, tuple[float, float, dict[str, float], dict[str, float]]] = {}
-    moment: _Moment | None = None
-    heads: dict[str, Workload] | None = None
+    figures: dict[str, tuple[float, float]] = {}
+    left: dict[str, float] = {}
     tree = state.budget
     for leaf in tree.leaves():
         team = team_of(leaf)
-        if team in out:
+        if team in figures:
             continue
         share = float(tree.global_share(team)) * healthy
         owed = min(share, float(demand.get(team, 0)))
         got = float(ran.get(team, 0))
-        split: dict[str, float] = {}
-        holders: dict[str, float] = {}
+        figures[team] = (owed, got)
         short = owed - min(got, owed)
         if short > 0:
-            if moment is None:
-                moment = _Moment(state)
-                heads = {}
-                for w in queue_order(state, moment.view):
-                    if is_allocated(w):
-                        heads.setdefault(team_of(w.owner), w)
-            assert heads is not None
-            head = heads.get(team)
-            if head is not None:
-                cause, held = moment.explain(head, team)
-                split = {cause: short}
-                hsum = sum(held.values())
-                holders = {who: short * v / hsum for who, v in held.items()} if hsum else {}
-            else:
-                split = {"other": short}
-        out[team] = (owed, got, split, holders)
-    return out
+            left[team] = short
+    splits: dict[str, dict[str, float]] = {t: {} for t in left}
+    holders: dict[str, dict[str, float]] = {t: {} for t in left}
+    if left:
+        moment = _Moment(state, ledger or Ledger())
+        todo = len(left)
+        for w in FairShareWalk(state, moment.view):
+            team = team_of(w.owner)
+            rest = left.get(team, 0.0)
+            if rest <= 0:
+                continue
+            part = min(float(w.gpus), rest)
+            causes, held = moment.explain(w, team, part)
+            split, hold = splits[team], holders[team]
+            for c, v in causes.items():
+                split[c] = split.get(c, 0.0) + v
+            for who, v in held.items():
+                hold[who] = hold.get(who, 0.0) + v
+            left[team] = rest - part
+            if left[team] <= 0:
+                todo -= 1
+                if not todo:
+                    break
+        for team, rest in left.items():
+            if rest > 0:  # no pending work left to explain it (cannot happen: owed <= demand)
+                splits[team]["other"] = splits[team].get("other", 0.0) + rest
+    return {
+        team: (owed, got, splits.get(team, {}), holders.get(team, {}))
+        for team, (owed, got) in figures.items()
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -40,13 +40,12 @@ from .fold import apply
 from .refusals import (
     budget_removal_refusal,
     budget_set_refusal,
-    gone_refusal,
+    cancel_refusal,
     health_refusal,
     policy_refusal,
     registration_refusal,
     submission_refusal,
 )
-from .rules.authority import cancel_authority_error
 from .state import State
 
 __all__ = [
@@ -123,16 +122,6 @@ def submission(
 
 
 # -- checks ---------------------------------------------------------------------
-
-
-def cancel_refusal(state: State, workload: str, actor: str) -> Refusal | None:
-    """Why ``actor`` cannot cancel ``workload`` now, or ``None`` (the fold's checks;
-    its message without the fold's ``cancel:`` prefix)."""
-    w = state.workloads.get(workload)
-    if w is None:
-        return gone_refusal(state, workload)
-    problem = cancel_authority_error(state, actor, w)
-    return None if problem is None else Refusal(R.NOT_AUTHORISED, problem)
 
 
 def _trial(state: State, event: Input) -> Refusal | None:

@@ -43,8 +43,10 @@ from apportion.schemas.events import (
 from apportion.schemas.reasons import Refusal
 
 from .refusals import (
+    asked,
     budget_removal_refusal,
     budget_set_refusal,
+    cancel_refusal,
     health_refusal,
     policy_refusal,
     registration_refusal,
@@ -53,7 +55,6 @@ from .refusals import (
 )
 from .rules.authority import (
     agent_of,
-    cancel_authority_error,
     is_operator,
     not_operator,
 )
@@ -227,12 +228,10 @@ def _workload_submitted(state: State, e: WorkloadSubmitted) -> None:
 
 def _workload_cancelled(state: State, e: WorkloadCancelled) -> None:
     _tick(state, e)
-    w = state.workloads.get(e.workload)
-    if w is None:
-        return _reject(state, e, stale_refusal(state, e.workload, "cancel"))
-    problem = cancel_authority_error(state, e.actor, w)
-    if problem:
-        return _reject(state, e, Refusal(R.NOT_AUTHORISED, f"cancel: {problem}"))
+    problem = cancel_refusal(state, e.workload, e.actor)
+    if problem is not None:
+        return _reject(state, e, asked("cancel", problem))
+    w = state.workloads[e.workload]
     if w.status == "running":
         _end_run(state, w)
     else:

@@ -21,6 +21,7 @@ from apportion.schemas.reasons import Refusal
 
 from .budget import ROOT, parent_of, path_error
 from .rules.authority import (
+    cancel_authority_error,
     may_manage_node,
     not_operator,
 )
@@ -256,7 +257,24 @@ def gone_refusal(state: State, workload: str) -> Refusal:
     return Refusal(R.ALREADY_ENDED, f"workload {workload!r} already ended as {status}")
 
 
+def asked(what: str, refusal: Refusal) -> Refusal:
+    """``refusal`` as the fold records it for an input that asked ``what``: the
+    message prefixed, and a report of a workload that has ended called stale."""
+    stale = " (stale report)" if refusal.code == R.ALREADY_ENDED else ""
+    return Refusal(refusal.code, f"{what}: {refusal.message}{stale}")
+
+
 def stale_refusal(state: State, workload: str, what: str) -> Refusal:
-    gone = gone_refusal(state, workload)
-    stale = " (stale report)" if gone.code == R.ALREADY_ENDED else ""
-    return Refusal(gone.code, f"{what}: {gone.message}{stale}")
+    """:func:`gone_refusal` for an input that asked ``what``."""
+    return asked(what, gone_refusal(state, workload))
+
+
+def cancel_refusal(state: State, workload: str, actor: str) -> Refusal | None:
+    """Why ``actor`` cannot cancel ``workload`` now, or ``None``: it is not live
+    (:func:`gone_refusal`), or ``actor`` may not (its submitter or an owner at or
+    above its leaf may). The fold records it prefixed (:func:`asked`)."""
+    w = state.workloads.get(workload)
+    if w is None:
+        return gone_refusal(state, workload)
+    problem = cancel_authority_error(state, actor, w)
+    return None if problem is None else Refusal(R.NOT_AUTHORISED, problem)

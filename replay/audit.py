@@ -134,9 +134,11 @@ def first_difference(expected: DecisionBatch, recorded: DecisionBatch) -> tuple[
 
 
 def as_recorded(expected: DecisionBatch, recorded: DecisionBatch) -> DecisionBatch:
-    """``expected`` with the ``code`` of each ``InputRejected`` left out where the
-    recorded decision in its place is an ``InputRejected`` without one (a log made
-    before reason codes); else ``expected`` itself."""
+    """``expected`` with the labels that are not compared taken from ``recorded``:
+    the schema version, the logic version, and the ``code`` of each
+    ``InputRejected`` left out where the recorded decision in its place is an
+    ``InputRejected`` without one (a log made before reason codes)."""
+    expected = msgspec.structs.replace(expected, v=recorded.v, logic=recorded.logic)
     if not any(
         isinstance(r, InputRejected) and r.code is msgspec.UNSET for r in recorded.decisions
     ):
@@ -205,11 +207,7 @@ def audit(
                 if made_by not in seen:
                     seen.append(made_by)
                 if cycle is None:
-                    expected, _ = decide_batch(state, decider, logic)
-                    # the labels are not compared: the schema version and the logic version
-                    cycle = msgspec.structs.replace(
-                        expected, v=recorded_batch.v, logic=recorded_batch.logic
-                    )
+                    cycle, _ = decide_batch(state, decider, logic)
                     cycle_start, done = state.decisions_folded, 0
                 if recorded_batch.is_part or done:
                     stop = done + len(recorded_batch.decisions)

@@ -99,7 +99,7 @@ def _decide(state: State, skip: bool) -> Decided:
         walk = cycle.scratch.walk
         SKIPPED.append(len(walk.merged) if walk is not None else 0)
         PRUNED.append(len(cycle.pruning.pruned))
-    return result.decisions, result.next_wakeup_ms
+    return decided(result)
 
 
 submission = st.tuples(

@@ -23,6 +23,10 @@ columns are additions):
 - ``runs(workload, node, gpus, start_ms, end_ms, allocated, end_reason,
   attempt)``: one row per placement per node; ``end_reason`` finished,
   preempted (fair share, unallocated, drain), cancelled, node_down, NULL while running.
+  A run preempted with notice stays open (status ``running``) until its stop
+  ends as the fold ends it: at its deadline (``end_ms`` the deadline), or at
+  its executor's report (``failed``: the preemption's outcome, ``end_reason``
+  preempted; ``succeeded``: finished), a cancel or the loss of its host.
 - ``waits(workload, queued_ms, placed_ms)``: one row per queue episode;
   ``placed_ms`` NULL while waiting (and for an episode ended by a cancel).
 - ``nodes(node, gpus, gpu_type)``; ``health(node, at_ms, state)`` with the
@@ -80,7 +84,7 @@ import duckdb
 import msgspec
 from apportion.core.budget import ROOT
 from apportion.core.rules.classes import allocated_sql, team_of, team_sql
-from apportion.core.state import State
+from apportion.core.state import State, StateSnapshot
 from apportion.schemas.events import (
     BudgetRemoved,
     BudgetSet,
@@ -334,6 +338,7 @@ class Projection:
     open when the file holds a position, and after a commit when the last copy
     is older than :data:`SNAPSHOT_EVERY_S`). By default on for a file
     written without ``commit_every`` (the live projector), off in memory.
+
     """
 
     def __init__(
@@ -368,6 +373,11 @@ class Projection:
         self.open_runs: dict[str, list[list[Any]]] = {}
         self.open_waits: dict[str, list[Any]] = {}
         self.rejected_ids: set[str] = set()
+        self.stopping: dict[str, tuple[int, bool]] = {}
+        """Runs preempted with notice whose stop has not ended: workload ->
+        (deadline, requeued), as in the fold's state (:class:`~apportion.core.state.Stopping`)."""
+        self._now = 0
+        """The fold's clock after the last input observed."""
         if row is None:
             self._saved: bytes | None = None
             self._batches = 0
@@ -394,6 +404,13 @@ class Projection:
             "SELECT workload FROM workloads WHERE status = 'rejected'"
         ).fetchall():
             self.rejected_ids.add(wid)
+        if self._saved is not None:
+            # the stops in progress at the committed position are the saved state's
+            saved = msgspec.msgpack.decode(self._saved, type=StateSnapshot)
+            self._now = saved.now_ms
+            for w in saved.workloads:
+                if w.stopping is not None:
+                    self.stopping[w.id] = (w.stopping.until_ms, w.stopping.requeue)
         self.write_snapshot()
 
     def _reset_buffers(self) -> None:
@@ -426,11 +443,40 @@ class Projection:
             if item.event is None:
                 self._malformed.append((item.seq, item.at_ms, item.ref, rejected))
             else:
-                self._input(item.event, state, rejected is not None)
+                event, now = item.event, state.now_ms
+                self._event_row(
+                    event, now, getattr(event, "workload", None), getattr(event, "node", None)
+                )
+                if self.stopping and now > self._now:
+                    self._end_due_stops(now)
+                self._input(event, state, rejected is not None)
+            self._now = state.now_ms
         else:
             self._batch(item, state)
             if self.commit_every is not None and len(self._events) >= self.commit_every:
                 self.commit(state)
+
+    def _end_due_stops(self, now: int) -> None:
+        """An input moved the clock to ``now``: as the fold does before it applies
+        the input, end every stop due by then, each at its deadline, in deadline
+        (then workload) order."""
+        for until, wid in sorted((u, w) for w, (u, _) in self.stopping.items() if u <= now):
+            self._stop_ended(wid, until, self.stopping[wid][1])
+
+    def _stop_ended(self, wid: str, at_ms: int, requeued: bool) -> None:
+        """The stop of ``wid`` ended at ``at_ms``: the preemption's outcome applies."""
+        self.stopping.pop(wid, None)
+        row = self.live[wid]
+        self._close_runs(wid, at_ms, "preempted")
+        if requeued:
+            row[W_STATUS] = "pending"
+            self.open_waits[wid] = [wid, at_ms, None]
+            self._dirty_waits[wid] = True
+        else:
+            del self.live[wid]
+            row[W_STATUS] = "preempted"
+            row[W_ENDED] = at_ms
+        self._dirty_workloads[wid] = row
 
     def _event_row(self, event: Event, at_ms: int, workload: str | None, node: str | None) -> None:
         self._pos += 1
@@ -440,7 +486,6 @@ class Projection:
 
     def _input(self, event: Input, state: State, rejected: bool) -> None:
         now = state.now_ms
-        self._event_row(event, now, getattr(event, "workload", None), getattr(event, "node", None))
         if isinstance(event, WorkloadSubmitted):
             wid = event.workload
             if rejected:
@@ -461,8 +506,16 @@ class Projection:
         if rejected:
             return
         if isinstance(event, WorkloadFinished):
-            self._end(event.workload, event.outcome, "finished", now)
+            wid = event.workload
+            status = state.status_of(wid)
+            if status == "pending" or status == "preempted":
+                # a failed report during a notice: the fold applied the preemption's outcome
+                self._stop_ended(wid, now, status == "pending")
+            else:
+                self.stopping.pop(wid, None)
+                self._end(wid, event.outcome, "finished", now)
         elif isinstance(event, WorkloadCancelled):
+            self.stopping.pop(event.workload, None)
             self._end(event.workload, "cancelled", "cancelled", now)
         elif isinstance(event, NodeHealthChanged):
             self._health.append((event.node, now, event.state))
@@ -520,44 +573,51 @@ class Projection:
         )
         now = state.now_ms  # decisions happen at the time of the input they are based on
         for d in batch.decisions:
-            if isinstance(d, WorkloadPlaced):
-                wid = d.workload
-                self._event_row(d, now, wid, None)
-                row = self.live[wid]
-                row[W_STATUS] = "running"
-                if row[W_FIRST] is None:
-                    row[W_FIRST] = now
-                self._dirty_workloads[wid] = row
-                wait = self.open_waits.pop(wid, None)
-                if wait is not None:
-                    wait[2] = now
-                    self._closed_waits.append(wait)
-                    self._dirty_waits[wid] = True
-                self.open_runs[wid] = [
-                    [wid, s.node, s.gpus, now, None, d.allocated, None, d.attempt, row[W_TEAM]]
-                    for s in d.placement
-                ]
-                self._dirty_runs[wid] = True
-            elif isinstance(d, WorkloadPreempted):
-                wid = d.workload
-                self._event_row(d, now, wid, None)
-                row = self.live[wid]
-                self._close_runs(wid, now, "node_down" if d.reason == "node_down" else "preempted")
+            self._event_row(d, now, getattr(d, "workload", None), getattr(d, "node", None))
+            self._decision(d, now)
+
+    def _decision(self, d: Event, now: int) -> None:
+        if isinstance(d, WorkloadPlaced):
+            wid = d.workload
+            row = self.live[wid]
+            row[W_STATUS] = "running"
+            if row[W_FIRST] is None:
+                row[W_FIRST] = now
+            self._dirty_workloads[wid] = row
+            wait = self.open_waits.pop(wid, None)
+            if wait is not None:
+                wait[2] = now
+                self._closed_waits.append(wait)
+                self._dirty_waits[wid] = True
+            self.open_runs[wid] = [
+                [wid, s.node, s.gpus, now, None, d.allocated, None, d.attempt, row[W_TEAM]]
+                for s in d.placement
+            ]
+            self._dirty_runs[wid] = True
+        elif isinstance(d, WorkloadPreempted):
+            wid = d.workload
+            row = self.live[wid]
+            # as the fold: a stopping run ends early only by the loss of its host (not
+            # counted again); otherwise a notice starts a stop and the run goes on
+            stopping = self.stopping.pop(wid, None) is not None
+            if not stopping:
                 row[W_PRE] += 1
-                if d.requeued:
-                    row[W_STATUS] = "pending"
-                    self.open_waits[wid] = [wid, now, None]
-                    self._dirty_waits[wid] = True
-                else:
-                    del self.live[wid]
-                    row[W_STATUS] = "preempted"
-                    row[W_ENDED] = now
                 self._dirty_workloads[wid] = row
-            elif isinstance(d, NodeDrained):
-                self._event_row(d, now, None, d.node)
-                self._health.append((d.node, now, "drained"))
+                if d.grace_ms > 0:
+                    self.stopping[wid] = (now + d.grace_ms, d.requeued)
+                    return
+            self._close_runs(wid, now, "node_down" if d.reason == "node_down" else "preempted")
+            if d.requeued:
+                row[W_STATUS] = "pending"
+                self.open_waits[wid] = [wid, now, None]
+                self._dirty_waits[wid] = True
             else:
-                self._event_row(d, now, None, None)
+                del self.live[wid]
+                row[W_STATUS] = "preempted"
+                row[W_ENDED] = now
+            self._dirty_workloads[wid] = row
+        elif isinstance(d, NodeDrained):
+            self._health.append((d.node, now, "drained"))
 
     # -- writing -------------------------------------------------------------
     def commit(self, state: State) -> None:

@@ -33,6 +33,11 @@ columns are additions):
   accepted health changes plus a ``drained`` row at each ``NodeDrained``;
   ``budget(path, weight, owner, global_share)`` (the current tree, root ``""``).
 - ``projection_position(input_seq, batches, pos, state)``.
+- ``projection_errors(pos, input_seq, batch, kind, workload, error)``: an event
+  whose rows the projection could not derive (only when the writer asked to go
+  on past such errors, :attr:`Projection.on_error`: the live projector); its
+  ``events`` row is written all the same, the tables it would have changed may
+  be wrong for that workload from then on.
 
 Additions that make the history exactly recoverable from the file (the
 ``apportion replay|audit|whatif`` log sources, :mod:`apportion.replay.eventlog`):
@@ -77,8 +82,9 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import msgspec
@@ -120,6 +126,8 @@ CREATE TABLE IF NOT EXISTS batches(batch BIGINT, basis BIGINT, pos BIGINT, decis
 CREATE TABLE IF NOT EXISTS malformed_inputs(seq BIGINT, at_ms BIGINT, ref VARCHAR, reason VARCHAR);
 CREATE TABLE IF NOT EXISTS log_meta(key VARCHAR, value VARCHAR);
 CREATE TABLE IF NOT EXISTS estimates(workload VARCHAR, at_ms BIGINT, estimated_start_ms BIGINT, note VARCHAR);
+CREATE TABLE IF NOT EXISTS projection_errors(pos BIGINT, input_seq BIGINT, batch BIGINT, kind VARCHAR,
+    workload VARCHAR, error VARCHAR);
 """
 
 # files written before the team column (and the batches' logic version): add them, fill the team (idempotent)
@@ -276,6 +284,7 @@ _TYPES = {
     "batches": ("BIGINT", "BIGINT", "BIGINT", "INTEGER", "BIGINT", "INTEGER", "VARCHAR"),
     "malformed_inputs": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR"),
     "estimates": ("VARCHAR", "BIGINT", "BIGINT", "VARCHAR"),
+    "projection_errors": ("BIGINT", "BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"),
 }
 # workloads row indexes
 W_STATUS, W_FIRST, W_ENDED, W_PRE, W_TEAM = 9, 7, 8, 10, 15
@@ -319,6 +328,21 @@ def _workload_row(e: WorkloadSubmitted, now: int, status: str) -> list[Any]:
     ]
 
 
+class ProjectionFault(NamedTuple):
+    """An event whose rows the projection could not derive: a ``projection_errors`` row."""
+
+    pos: int
+    """Its ``events`` row."""
+    input_seq: int
+    """The last input folded: the input itself, or the basis of its batch."""
+    batch: int | None
+    """Its decision batch (``None`` for an input)."""
+    kind: str
+    workload: str | None
+    error: str
+    """``<exception type>: <message>``."""
+
+
 class Projection:
     """The DuckDB tables, written by observing the canonical history.
 
@@ -339,6 +363,12 @@ class Projection:
     is older than :data:`SNAPSHOT_EVERY_S`). By default on for a file
     written without ``commit_every`` (the live projector), off in memory.
 
+    ``on_error``: what happens when the rows of an event cannot be derived (the
+    projection's open rows disagree with the history, i.e. a bug). ``None``
+    (the default: simulator, replay, audit, tests): the exception propagates.
+    Otherwise (the live projector) the event's ``events`` row is kept, a
+    ``projection_errors`` row is buffered, ``on_error`` is called with the
+    :class:`ProjectionFault`, and the projection goes on with the next event.
     """
 
     def __init__(
@@ -346,9 +376,11 @@ class Projection:
         con: duckdb.DuckDBPyConnection,
         commit_every: int | None = None,
         snapshot: bool | None = None,
+        on_error: Callable[[ProjectionFault], None] | None = None,
     ) -> None:
         self.con = con
         self.commit_every = commit_every
+        self.on_error = on_error
         con.execute(SCHEMA)
         con.execute(MIGRATE)
         con.execute(VIEWS)
@@ -424,6 +456,7 @@ class Projection:
         self._dirty_waits: dict[str, bool] = {}
         self._health: list[tuple[Any, ...]] = []
         self._estimates: list[tuple[Any, ...]] = []
+        self._errors: list[tuple[Any, ...]] = []
         self._nodes_dirty = False
         self._budget_dirty = False
 
@@ -447,14 +480,34 @@ class Projection:
                 self._event_row(
                     event, now, getattr(event, "workload", None), getattr(event, "node", None)
                 )
-                if self.stopping and now > self._now:
-                    self._end_due_stops(now)
-                self._input(event, state, rejected is not None)
+                try:
+                    if self.stopping and now > self._now:
+                        self._end_due_stops(now)
+                    self._input(event, state, rejected is not None)
+                except Exception as exc:
+                    if self.on_error is None:
+                        raise
+                    self._failed(exc, event, state, None)
             self._now = state.now_ms
         else:
             self._batch(item, state)
             if self.commit_every is not None and len(self._events) >= self.commit_every:
                 self.commit(state)
+
+    def _failed(self, exc: Exception, event: Event, state: State, batch: int | None) -> None:
+        """The rows of ``event`` (its ``events`` row is the last one) could not be
+        derived: record it (a ``projection_errors`` row) and tell :attr:`on_error`."""
+        assert self.on_error is not None
+        fault = ProjectionFault(
+            pos=self._pos,
+            input_seq=state.input_seq,
+            batch=batch,
+            kind=kind_of(event),
+            workload=getattr(event, "workload", None),
+            error=f"{type(exc).__name__}: {exc}",
+        )
+        self._errors.append(tuple(fault))
+        self.on_error(fault)
 
     def _end_due_stops(self, now: int) -> None:
         """An input moved the clock to ``now``: as the fold does before it applies
@@ -574,7 +627,12 @@ class Projection:
         now = state.now_ms  # decisions happen at the time of the input they are based on
         for d in batch.decisions:
             self._event_row(d, now, getattr(d, "workload", None), getattr(d, "node", None))
-            self._decision(d, now)
+            try:
+                self._decision(d, now)
+            except Exception as exc:
+                if self.on_error is None:
+                    raise
+                self._failed(exc, d, state, item.seq)
 
     def _decision(self, d: Event, now: int) -> None:
         if isinstance(d, WorkloadPlaced):
@@ -659,6 +717,7 @@ class Projection:
                 insert_rows(con, "waits", rows)
             insert_rows(con, "health", self._health)
             insert_rows(con, "estimates", self._estimates)
+            insert_rows(con, "projection_errors", self._errors)
             if self._nodes_dirty:
                 con.execute("DELETE FROM nodes")
                 insert_rows(

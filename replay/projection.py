@@ -23,12 +23,21 @@ columns are additions):
 - ``runs(workload, node, gpus, start_ms, end_ms, allocated, end_reason,
   attempt)``: one row per placement per node; ``end_reason`` finished,
   preempted (fair share, unallocated, drain), cancelled, node_down, NULL while running.
+  A run preempted with notice stays open (status ``running``) until its stop
+  ends as the fold ends it: at its deadline (``end_ms`` the deadline), or at
+  its executor's report (``failed``: the preemption's outcome, ``end_reason``
+  preempted; ``succeeded``: finished), a cancel or the loss of its host.
 - ``waits(workload, queued_ms, placed_ms)``: one row per queue episode;
   ``placed_ms`` NULL while waiting (and for an episode ended by a cancel).
 - ``nodes(node, gpus, gpu_type)``; ``health(node, at_ms, state)`` with the
   accepted health changes plus a ``drained`` row at each ``NodeDrained``;
   ``budget(path, weight, owner, global_share)`` (the current tree, root ``""``).
 - ``projection_position(input_seq, batches, pos, state)``.
+- ``projection_errors(pos, input_seq, batch, kind, workload, error)``: an event
+  whose rows the projection could not derive (only when the writer asked to go
+  on past such errors, :attr:`Projection.on_error`: the live projector); its
+  ``events`` row is written all the same, the tables it would have changed may
+  be wrong for that workload from then on.
 
 Additions that make the history exactly recoverable from the file (the
 ``apportion replay|audit|whatif`` log sources, :mod:`apportion.replay.eventlog`):
@@ -73,14 +82,15 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import msgspec
 from apportion.core.budget import ROOT
 from apportion.core.rules.classes import allocated_sql, team_of, team_sql
-from apportion.core.state import State
+from apportion.core.state import State, StateSnapshot
 from apportion.schemas.events import (
     BudgetRemoved,
     BudgetSet,
@@ -116,6 +126,8 @@ CREATE TABLE IF NOT EXISTS batches(batch BIGINT, basis BIGINT, pos BIGINT, decis
 CREATE TABLE IF NOT EXISTS malformed_inputs(seq BIGINT, at_ms BIGINT, ref VARCHAR, reason VARCHAR);
 CREATE TABLE IF NOT EXISTS log_meta(key VARCHAR, value VARCHAR);
 CREATE TABLE IF NOT EXISTS estimates(workload VARCHAR, at_ms BIGINT, estimated_start_ms BIGINT, note VARCHAR);
+CREATE TABLE IF NOT EXISTS projection_errors(pos BIGINT, input_seq BIGINT, batch BIGINT, kind VARCHAR,
+    workload VARCHAR, error VARCHAR);
 """
 
 # files written before the team column (and the batches' logic version): add them, fill the team (idempotent)
@@ -272,6 +284,7 @@ _TYPES = {
     "batches": ("BIGINT", "BIGINT", "BIGINT", "INTEGER", "BIGINT", "INTEGER", "VARCHAR"),
     "malformed_inputs": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR"),
     "estimates": ("VARCHAR", "BIGINT", "BIGINT", "VARCHAR"),
+    "projection_errors": ("BIGINT", "BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"),
 }
 # workloads row indexes
 W_STATUS, W_FIRST, W_ENDED, W_PRE, W_TEAM = 9, 7, 8, 10, 15
@@ -315,6 +328,21 @@ def _workload_row(e: WorkloadSubmitted, now: int, status: str) -> list[Any]:
     ]
 
 
+class ProjectionFault(NamedTuple):
+    """An event whose rows the projection could not derive: a ``projection_errors`` row."""
+
+    pos: int
+    """Its ``events`` row."""
+    input_seq: int
+    """The last input folded: the input itself, or the basis of its batch."""
+    batch: int | None
+    """Its decision batch (``None`` for an input)."""
+    kind: str
+    workload: str | None
+    error: str
+    """``<exception type>: <message>``."""
+
+
 class Projection:
     """The DuckDB tables, written by observing the canonical history.
 
@@ -334,6 +362,13 @@ class Projection:
     open when the file holds a position, and after a commit when the last copy
     is older than :data:`SNAPSHOT_EVERY_S`). By default on for a file
     written without ``commit_every`` (the live projector), off in memory.
+
+    ``on_error``: what happens when the rows of an event cannot be derived (the
+    projection's open rows disagree with the history, i.e. a bug). ``None``
+    (the default: simulator, replay, audit, tests): the exception propagates.
+    Otherwise (the live projector) the event's ``events`` row is kept, a
+    ``projection_errors`` row is buffered, ``on_error`` is called with the
+    :class:`ProjectionFault`, and the projection goes on with the next event.
     """
 
     def __init__(
@@ -341,9 +376,11 @@ class Projection:
         con: duckdb.DuckDBPyConnection,
         commit_every: int | None = None,
         snapshot: bool | None = None,
+        on_error: Callable[[ProjectionFault], None] | None = None,
     ) -> None:
         self.con = con
         self.commit_every = commit_every
+        self.on_error = on_error
         con.execute(SCHEMA)
         con.execute(MIGRATE)
         con.execute(VIEWS)
@@ -368,6 +405,11 @@ class Projection:
         self.open_runs: dict[str, list[list[Any]]] = {}
         self.open_waits: dict[str, list[Any]] = {}
         self.rejected_ids: set[str] = set()
+        self.stopping: dict[str, tuple[int, bool]] = {}
+        """Runs preempted with notice whose stop has not ended: workload ->
+        (deadline, requeued), as in the fold's state (:class:`~apportion.core.state.Stopping`)."""
+        self._now = 0
+        """The fold's clock after the last input observed."""
         if row is None:
             self._saved: bytes | None = None
             self._batches = 0
@@ -394,6 +436,13 @@ class Projection:
             "SELECT workload FROM workloads WHERE status = 'rejected'"
         ).fetchall():
             self.rejected_ids.add(wid)
+        if self._saved is not None:
+            # the stops in progress at the committed position are the saved state's
+            saved = msgspec.msgpack.decode(self._saved, type=StateSnapshot)
+            self._now = saved.now_ms
+            for w in saved.workloads:
+                if w.stopping is not None:
+                    self.stopping[w.id] = (w.stopping.until_ms, w.stopping.requeue)
         self.write_snapshot()
 
     def _reset_buffers(self) -> None:
@@ -407,6 +456,7 @@ class Projection:
         self._dirty_waits: dict[str, bool] = {}
         self._health: list[tuple[Any, ...]] = []
         self._estimates: list[tuple[Any, ...]] = []
+        self._errors: list[tuple[Any, ...]] = []
         self._nodes_dirty = False
         self._budget_dirty = False
 
@@ -426,11 +476,60 @@ class Projection:
             if item.event is None:
                 self._malformed.append((item.seq, item.at_ms, item.ref, rejected))
             else:
-                self._input(item.event, state, rejected is not None)
+                event, now = item.event, state.now_ms
+                self._event_row(
+                    event, now, getattr(event, "workload", None), getattr(event, "node", None)
+                )
+                try:
+                    if self.stopping and now > self._now:
+                        self._end_due_stops(now)
+                    self._input(event, state, rejected is not None)
+                except Exception as exc:
+                    if self.on_error is None:
+                        raise
+                    self._failed(exc, event, state, None)
+            self._now = state.now_ms
         else:
             self._batch(item, state)
             if self.commit_every is not None and len(self._events) >= self.commit_every:
                 self.commit(state)
+
+    def _failed(self, exc: Exception, event: Event, state: State, batch: int | None) -> None:
+        """The rows of ``event`` (its ``events`` row is the last one) could not be
+        derived: record it (a ``projection_errors`` row) and tell :attr:`on_error`."""
+        assert self.on_error is not None
+        fault = ProjectionFault(
+            pos=self._pos,
+            input_seq=state.input_seq,
+            batch=batch,
+            kind=kind_of(event),
+            workload=getattr(event, "workload", None),
+            error=f"{type(exc).__name__}: {exc}",
+        )
+        self._errors.append(tuple(fault))
+        self.on_error(fault)
+
+    def _end_due_stops(self, now: int) -> None:
+        """An input moved the clock to ``now``: as the fold does before it applies
+        the input, end every stop due by then, each at its deadline, in deadline
+        (then workload) order."""
+        for until, wid in sorted((u, w) for w, (u, _) in self.stopping.items() if u <= now):
+            self._stop_ended(wid, until, self.stopping[wid][1])
+
+    def _stop_ended(self, wid: str, at_ms: int, requeued: bool) -> None:
+        """The stop of ``wid`` ended at ``at_ms``: the preemption's outcome applies."""
+        self.stopping.pop(wid, None)
+        row = self.live[wid]
+        self._close_runs(wid, at_ms, "preempted")
+        if requeued:
+            row[W_STATUS] = "pending"
+            self.open_waits[wid] = [wid, at_ms, None]
+            self._dirty_waits[wid] = True
+        else:
+            del self.live[wid]
+            row[W_STATUS] = "preempted"
+            row[W_ENDED] = at_ms
+        self._dirty_workloads[wid] = row
 
     def _event_row(self, event: Event, at_ms: int, workload: str | None, node: str | None) -> None:
         self._pos += 1
@@ -440,7 +539,6 @@ class Projection:
 
     def _input(self, event: Input, state: State, rejected: bool) -> None:
         now = state.now_ms
-        self._event_row(event, now, getattr(event, "workload", None), getattr(event, "node", None))
         if isinstance(event, WorkloadSubmitted):
             wid = event.workload
             if rejected:
@@ -461,8 +559,16 @@ class Projection:
         if rejected:
             return
         if isinstance(event, WorkloadFinished):
-            self._end(event.workload, event.outcome, "finished", now)
+            wid = event.workload
+            status = state.status_of(wid)
+            if status == "pending" or status == "preempted":
+                # a failed report during a notice: the fold applied the preemption's outcome
+                self._stop_ended(wid, now, status == "pending")
+            else:
+                self.stopping.pop(wid, None)
+                self._end(wid, event.outcome, "finished", now)
         elif isinstance(event, WorkloadCancelled):
+            self.stopping.pop(event.workload, None)
             self._end(event.workload, "cancelled", "cancelled", now)
         elif isinstance(event, NodeHealthChanged):
             self._health.append((event.node, now, event.state))
@@ -520,44 +626,56 @@ class Projection:
         )
         now = state.now_ms  # decisions happen at the time of the input they are based on
         for d in batch.decisions:
-            if isinstance(d, WorkloadPlaced):
-                wid = d.workload
-                self._event_row(d, now, wid, None)
-                row = self.live[wid]
-                row[W_STATUS] = "running"
-                if row[W_FIRST] is None:
-                    row[W_FIRST] = now
-                self._dirty_workloads[wid] = row
-                wait = self.open_waits.pop(wid, None)
-                if wait is not None:
-                    wait[2] = now
-                    self._closed_waits.append(wait)
-                    self._dirty_waits[wid] = True
-                self.open_runs[wid] = [
-                    [wid, s.node, s.gpus, now, None, d.allocated, None, d.attempt, row[W_TEAM]]
-                    for s in d.placement
-                ]
-                self._dirty_runs[wid] = True
-            elif isinstance(d, WorkloadPreempted):
-                wid = d.workload
-                self._event_row(d, now, wid, None)
-                row = self.live[wid]
-                self._close_runs(wid, now, "node_down" if d.reason == "node_down" else "preempted")
+            self._event_row(d, now, getattr(d, "workload", None), getattr(d, "node", None))
+            try:
+                self._decision(d, now)
+            except Exception as exc:
+                if self.on_error is None:
+                    raise
+                self._failed(exc, d, state, item.seq)
+
+    def _decision(self, d: Event, now: int) -> None:
+        if isinstance(d, WorkloadPlaced):
+            wid = d.workload
+            row = self.live[wid]
+            row[W_STATUS] = "running"
+            if row[W_FIRST] is None:
+                row[W_FIRST] = now
+            self._dirty_workloads[wid] = row
+            wait = self.open_waits.pop(wid, None)
+            if wait is not None:
+                wait[2] = now
+                self._closed_waits.append(wait)
+                self._dirty_waits[wid] = True
+            self.open_runs[wid] = [
+                [wid, s.node, s.gpus, now, None, d.allocated, None, d.attempt, row[W_TEAM]]
+                for s in d.placement
+            ]
+            self._dirty_runs[wid] = True
+        elif isinstance(d, WorkloadPreempted):
+            wid = d.workload
+            row = self.live[wid]
+            # as the fold: a stopping run ends early only by the loss of its host (not
+            # counted again); otherwise a notice starts a stop and the run goes on
+            stopping = self.stopping.pop(wid, None) is not None
+            if not stopping:
                 row[W_PRE] += 1
-                if d.requeued:
-                    row[W_STATUS] = "pending"
-                    self.open_waits[wid] = [wid, now, None]
-                    self._dirty_waits[wid] = True
-                else:
-                    del self.live[wid]
-                    row[W_STATUS] = "preempted"
-                    row[W_ENDED] = now
                 self._dirty_workloads[wid] = row
-            elif isinstance(d, NodeDrained):
-                self._event_row(d, now, None, d.node)
-                self._health.append((d.node, now, "drained"))
+                if d.grace_ms > 0:
+                    self.stopping[wid] = (now + d.grace_ms, d.requeued)
+                    return
+            self._close_runs(wid, now, "node_down" if d.reason == "node_down" else "preempted")
+            if d.requeued:
+                row[W_STATUS] = "pending"
+                self.open_waits[wid] = [wid, now, None]
+                self._dirty_waits[wid] = True
             else:
-                self._event_row(d, now, None, None)
+                del self.live[wid]
+                row[W_STATUS] = "preempted"
+                row[W_ENDED] = now
+            self._dirty_workloads[wid] = row
+        elif isinstance(d, NodeDrained):
+            self._health.append((d.node, now, "drained"))
 
     # -- writing -------------------------------------------------------------
     def commit(self, state: State) -> None:
@@ -599,6 +717,7 @@ class Projection:
                 insert_rows(con, "waits", rows)
             insert_rows(con, "health", self._health)
             insert_rows(con, "estimates", self._estimates)
+            insert_rows(con, "projection_errors", self._errors)
             if self._nodes_dirty:
                 con.execute("DELETE FROM nodes")
                 insert_rows(

@@ -317,6 +317,12 @@ class ProjectorMetrics:
             "Decision batches skipped as out of canonical order",
             registry=r,
         )
+        self.errors = Counter(
+            "apportion_projector_errors",
+            "History events whose rows the projection could not derive (each logged and "
+            "recorded in projection_errors; the projector went on)",
+            registry=r,
+        )
         self.rebuilds = Counter(
             "apportion_projector_rebuilds",
             "Projection files moved aside (unreadable, or ahead of the streams) and rebuilt",

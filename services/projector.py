@@ -14,6 +14,13 @@ truncated, bit-flipped or otherwise unreadable is moved aside
 one, which the projector rebuilds from the streams; so is a file ahead of the
 streams (:func:`open_projection_for`). A decision batch out of canonical order
 is logged and skipped.
+
+An event whose rows the projection cannot derive (its open rows disagree with
+the history: a bug) never stops the projector, which would only be restarted
+into the same item: the event keeps its ``events`` row, the fault is logged
+(``could not project an event``, with its position and the error), counted
+(``apportion_projector_errors_total``) and recorded in the file's
+``projection_errors`` table, and the projector goes on.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-from apportion.replay.projection import Projection
+from apportion.replay.projection import Projection, ProjectionFault
 
 from . import logs
 from .bus import EventLog
@@ -154,6 +161,7 @@ class Projector:
         self.metrics = metrics or ProjectorMetrics()
         """Prometheus metrics (docs/services.md, "Metrics"); :meth:`metrics_text` renders them."""
         self.projection = projection
+        projection.on_error = self._unprojected
         self.commit_every_s = commit_every_s
         self.logger = logs.get("projector", cluster=log.subjects.cluster)
         self.position: tuple[int, int] = projection.position
@@ -165,6 +173,14 @@ class Projector:
     def skipped(self) -> int:
         """Decision batches skipped as out of canonical order."""
         return self._fold.skipped
+
+    def _unprojected(self, fault: ProjectionFault) -> None:
+        """The projection could not derive the rows of an event: log it, count it, go on."""
+        self.metrics.errors.inc()
+        self.logger.error(
+            "could not project an event; recorded in projection_errors, going on",
+            **fault._asdict(),
+        )
 
     async def metrics_text(self) -> bytes:
         """The metrics in Prometheus' text format; the lag asks NATS for INPUTS' last sequence."""

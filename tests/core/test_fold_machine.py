@@ -338,6 +338,19 @@ class FoldMachine(RuleBasedStateMachine):
         on = w.placement[0].node if w is not None and w.placement else "n0"
         # an operator, the agent of a host it runs on, or another host's agent
         actor = data.draw(st.sampled_from([ADMIN, f"agent:{on}", "agent:elsewhere"]))
+        self._finish(wid, outcome, attempt, actor)
+
+    @precondition(lambda self: self.stops)
+    @rule(data=st.data(), outcome=st.sampled_from(["failed", "failed", "succeeded"]))
+    def exit_during_notice(self, data, outcome) -> None:
+        """A run stopping under notice exits (a checkpointing job killed by SIGTERM
+        exits 143: ``failed``) and its agent reports it, maybe after the deadline."""
+        wid = data.draw(st.sampled_from(sorted(self.stops)))
+        w = self.state.running[wid]
+        self._finish(wid, outcome, w.attempt, f"agent:{w.placement[0].node}")
+
+    def _finish(self, wid: str, outcome: str, attempt: int | None, actor: str) -> None:
+        w = self.state.workloads.get(wid)
         self.end_stops(self.stamp())
         expect = (
             self.model_status.get(wid) == "running"

@@ -516,11 +516,14 @@ class Projection:
         for until, wid in sorted((u, w) for w, (u, _) in self.stopping.items() if u <= now):
             self._stop_ended(wid, until, self.stopping[wid][1])
 
-    def _stop_ended(self, wid: str, at_ms: int, requeued: bool) -> None:
-        """The stop of ``wid`` ended at ``at_ms``: the preemption's outcome applies."""
+    def _stop_ended(
+        self, wid: str, at_ms: int, requeued: bool, run_reason: str = "preempted"
+    ) -> None:
+        """The preemption of ``wid`` takes effect at ``at_ms`` (at once, or at the end of
+        its stop): its runs end with ``run_reason``, and it is requeued or ends."""
         self.stopping.pop(wid, None)
         row = self.live[wid]
-        self._close_runs(wid, at_ms, "preempted")
+        self._close_runs(wid, at_ms, run_reason)
         if requeued:
             row[W_STATUS] = "pending"
             self.open_waits[wid] = [wid, at_ms, None]
@@ -664,16 +667,8 @@ class Projection:
                 if d.grace_ms > 0:
                     self.stopping[wid] = (now + d.grace_ms, d.requeued)
                     return
-            self._close_runs(wid, now, "node_down" if d.reason == "node_down" else "preempted")
-            if d.requeued:
-                row[W_STATUS] = "pending"
-                self.open_waits[wid] = [wid, now, None]
-                self._dirty_waits[wid] = True
-            else:
-                del self.live[wid]
-                row[W_STATUS] = "preempted"
-                row[W_ENDED] = now
-            self._dirty_workloads[wid] = row
+            reason = "node_down" if d.reason == "node_down" else "preempted"
+            self._stop_ended(wid, now, d.requeued, reason)
         elif isinstance(d, NodeDrained):
             self._health.append((d.node, now, "drained"))
 

@@ -454,6 +454,13 @@ def audit_cmd(log, nats_url, cluster_name, expected_digest, policy) -> None:
     help="policy to re-simulate with [default: the one that made the log]",
 )
 @click.option("--margin", type=str, default=None, help="preemption margin, e.g. 0.1")
+@click.option(
+    "--margin-wait",
+    "margin_wait",
+    type=str,
+    default=None,
+    help="how long a waiting workload is held to the margin, e.g. 2h (0: always)",
+)
 @click.option("--lookback", type=str, default=None, help="fair-share window, e.g. 3d")
 @click.option(
     "--max-min-runtime",
@@ -477,6 +484,7 @@ def whatif_cmd(
     cluster_name,
     policy,
     margin,
+    margin_wait,
     lookback,
     max_min_runtime,
     no_reservations,
@@ -491,6 +499,7 @@ def whatif_cmd(
     change = PolicyChange(policy=policy, reservations=False if no_reservations else None)
     for opt, value, parse, field in (
         ("--margin", margin, margin_ppm, "preemption_margin_ppm"),
+        ("--margin-wait", margin_wait, parse_duration_ms, "preemption_margin_wait_ms"),
         ("--lookback", lookback, parse_duration_ms, "lookback_ms"),
         ("--max-min-runtime", max_min_runtime, parse_duration_ms, "max_min_runtime_ms"),
     ):
@@ -528,6 +537,8 @@ def whatif_cmd(
     desc = [f"policy {res.whatif_policy}"]
     if change.preemption_margin_ppm is not None:
         desc.append(f"margin {change.preemption_margin_ppm / 1e6:g}")
+    if change.preemption_margin_wait_ms is not None:
+        desc.append(f"margin wait {margin_wait}")
     if change.lookback_ms is not None:
         desc.append(f"lookback {lookback}")
     if change.max_min_runtime_ms is not None:

@@ -41,6 +41,7 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
 )
 from apportion.schemas.reasons import Refusal
+from msgspec import UNSET
 
 from .refusals import (
     asked,
@@ -194,6 +195,7 @@ def _policy_set(state: State, e: PolicySet) -> None:
         grace_ms=e.grace_ms,
         max_grace_ms=e.max_grace_ms,
         heartbeat_timeout_ms=e.heartbeat_timeout_ms,
+        preemption_margin_wait_ms=e.preemption_margin_wait_ms or UNSET,
     )
     return None
 

@@ -46,7 +46,7 @@ from .state import CorruptHistory, State
 
 Decider = Callable[[State], CycleResult]
 
-BUDGET_LOGIC = "budget/1"
+BUDGET_LOGIC = "budget/2"
 """The version of the budget scheduler's decision logic that every batch it makes
 records (:attr:`DecisionBatch.logic`). Bump the number in the same commit as any
 change that makes the same history give different decisions (the golden logs

@@ -150,6 +150,12 @@ def policy_refusal(state: State, e: PolicySet) -> Refusal | None:
         return Refusal(R.OUT_OF_RANGE, "policy: max_min_runtime must be between 0 and the lookback")
     if not 0 <= e.preemption_margin_ppm < PPM:
         return Refusal(R.OUT_OF_RANGE, "policy: preemption margin must be in [0, 1)")
+    if not 0 <= e.preemption_margin_wait_ms <= e.lookback_ms:
+        return Refusal(
+            R.OUT_OF_RANGE,
+            "policy: preemption_margin_wait must be between 0 and the lookback, "
+            f"got {e.preemption_margin_wait_ms} ms",
+        )
     if e.grace_ms > e.max_grace_ms:
         return Refusal(
             R.OUT_OF_RANGE,

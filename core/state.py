@@ -54,6 +54,17 @@ class Policy(msgspec.Struct, kw_only=True):
     max_grace_ms: int = 15 * MINUTE_MS
     heartbeat_timeout_ms: int = 0
     """Read by the live scheduler only (it marks a silent node ``down``)."""
+    preemption_margin_wait_ms: int | UnsetType = UNSET
+    """A candidate queued this long is no longer held to the margin
+    (:func:`apportion.core.rules.outranking.held_to_margin`); unset while 0 (always
+    held), so a state whose policy sets no wait encodes as it did before the field
+    existed. Read it as :attr:`margin_wait_ms`."""
+
+    @property
+    def margin_wait_ms(self) -> int:
+        """``preemption_margin_wait_ms``, 0 when unset (held however long it waits)."""
+        wait = self.preemption_margin_wait_ms
+        return 0 if isinstance(wait, UnsetType) else wait
 
 
 SCHEDULER = "scheduler"

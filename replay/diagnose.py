@@ -30,7 +30,9 @@ cause               the workload ...                                           c
 ``unallocated``     is blocked by free (zero-min-runtime) work it could        scheduler
                     preempt
 ``margin``          is blocked by others' work past its contract that it       scheduler
-                    does not outrank by the preemption margin
+                    does not outrank by the preemption margin (while it is
+                    still held to the margin: queued for less than the
+                    policy's ``preemption_margin_wait``)
 ``admission``       is blocked by others' work inside its contract that the    scheduler
                     scheduler placed *while this workload was already waiting*,
                     for a team that was then *less under-served* than this
@@ -125,7 +127,7 @@ from apportion.core.ratio import below_pair
 from apportion.core.rules.classes import team_of
 from apportion.core.rules.contract import is_allocated, is_protected, may_use_reserved
 from apportion.core.rules.gpu_types import is_any
-from apportion.core.rules.outranking import Outranking, Standing
+from apportion.core.rules.outranking import Outranking, Standing, held_to_margin
 from apportion.core.state import State, Workload
 from apportion.schemas.events import HOUR_MS, WorkloadPlaced, WorkloadPreempted
 from apportion.schemas.history import BatchItem, HistoryItem, InputItem
@@ -415,9 +417,13 @@ class _Moment:
         self.ledger = ledger
         self.t = state.now_ms
         self.view = FairShareView(state)
+        policy = state.policy
         self.outranking = Outranking(
-            state.budget, self.view.usage, self.view.weight, state.policy.preemption_margin_ppm
+            state.budget, self.view.usage, self.view.weight, policy.preemption_margin_ppm
         )
+        """The rule with the margin, for a waiting workload still held to it."""
+        self.outranking_waited = Outranking(state.budget, self.view.usage, self.view.weight, 0)
+        """The rule for one that waited past ``preemption_margin_wait``."""
         self.free = FreeGPUs(state)
         self.idle = _Idle(self.free)
         self._reservation: Reservation | None = None
@@ -623,7 +629,12 @@ class _Moment:
                 level = _PROTECTED
                 sub = 0 if self._admitted(v, w, team) else 1
             else:
-                level = _STANDING_LEVEL[self.outranking.standing(w, v)]
+                rule = (
+                    self.outranking
+                    if held_to_margin(self.state.policy, w, self.t)
+                    else self.outranking_waited
+                )
+                level = _STANDING_LEVEL[rule.standing(w, v)]
             levels.append((level, sub, gpus, wid))
         taken: list[tuple[str, int, int, int]] = []
         held = 0

@@ -40,6 +40,8 @@ knob                default   meaning
 ``drain_rate``      0.015     hosts that degrade per host-day; one in ten goes
                               ``down`` (2-6 h), the rest drain (6-16 h repair)
 ``margin``          0         the cluster's preemption margin (policy)
+``margin_wait``     2         hours a waiting workload is held to the margin
+                              (policy ``preemption_margin_wait``; 0: always held)
 ``big_team``        0         0: off. Else the global share of one more team,
                               ``big/team`` (its own program, 3 levels like the
                               rest, :data:`BIG_TEAM`), whose allocated work is all
@@ -64,6 +66,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from apportion.schemas.events import DAY_MS, HOUR_MS, MINUTE_MS, LegacyPriority
 
+from .cluster_file import format_duration
 from .trace import HealthRow, NumberedRows
 
 if TYPE_CHECKING:
@@ -99,6 +102,7 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     debug: float = 2.0
     drain_rate: float = 0.015
     margin: float = 0.0
+    margin_wait: float = 2.0
     big_team: float = 0.0
 
     def check(self) -> None:
@@ -114,6 +118,8 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be between 0 and 1")
         if not 0 <= self.margin < 1:
             raise ValueError("margin must be in [0, 1)")
+        if not 0 <= self.margin_wait <= 7 * 24:
+            raise ValueError("margin_wait must be between 0 and 168 hours (the lookback)")
         if not 0 <= self.big_team < 1:
             raise ValueError("big_team must be in [0, 1) (0: no big team)")
         for name in ("load", "arrival", "gang_factor", "free", "debug", "drain_rate"):
@@ -378,5 +384,14 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
         health=health,
         days=days,
         seed=seed,
-        policy={"lookback": "7d", "max_min_runtime": "8h", "preemption_margin": k.margin},
+        policy={
+            "lookback": "7d",
+            "max_min_runtime": "8h",
+            "preemption_margin": k.margin,
+            **(
+                {"preemption_margin_wait": format_duration(round(k.margin_wait * HOUR_MS))}
+                if k.margin
+                else {}
+            ),
+        },
     )

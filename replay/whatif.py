@@ -64,6 +64,7 @@ class PolicyChange(msgspec.Struct, kw_only=True):
     """What to change; ``None`` keeps the log's value."""
 
     preemption_margin_ppm: int | None = None
+    preemption_margin_wait_ms: int | None = None
     lookback_ms: int | None = None
     max_min_runtime_ms: int | None = None
     reservations: bool | None = None
@@ -75,7 +76,13 @@ class PolicyChange(msgspec.Struct, kw_only=True):
     def policy_fields(self) -> dict[str, Any]:
         return {
             k: v
-            for k in ("preemption_margin_ppm", "lookback_ms", "max_min_runtime_ms", "reservations")
+            for k in (
+                "preemption_margin_ppm",
+                "preemption_margin_wait_ms",
+                "lookback_ms",
+                "max_min_runtime_ms",
+                "reservations",
+            )
             if (v := getattr(self, k)) is not None
         }
 
@@ -273,5 +280,6 @@ def _policy_of(cluster: Sequence[Input]) -> dict[str, Any]:
         "lookback_ms": p.lookback_ms,
         "max_min_runtime_ms": p.max_min_runtime_ms,
         "preemption_margin_ppm": p.preemption_margin_ppm,
+        "preemption_margin_wait_ms": p.margin_wait_ms,
         "reservations": p.reservations,
     }

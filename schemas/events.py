@@ -142,6 +142,10 @@ class PolicySet(Event, frozen=True, kw_only=True, tag="PolicySet"):
     heartbeat_timeout_ms: DurationMs = 0
     """A node whose agent has not been heard from for this long is marked
     ``down`` by the scheduler (actor ``scheduler``). ``0``: never."""
+    preemption_margin_wait_ms: DurationMs = 0
+    """How long a waiting workload is held to the preemption margin: once queued
+    this long, it outranks any running workload whose side's ratio is strictly
+    higher than its own (no margin). ``0``: held to it however long it waits."""
 
 
 class WorkloadSubmitted(Event, frozen=True, kw_only=True, tag="WorkloadSubmitted"):

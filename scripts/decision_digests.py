@@ -36,7 +36,15 @@ QUICK: tuple[tuple[str, str, int, int, tuple[str, ...], str], ...] = (
     ("ai2-5d-budget", "ai2", 1, 3, (), "budget"),
     ("family-load1.5-s1-2d", "family", 1, 2, ("load=1.5",), "budget"),
     ("family-load4-s2-2d", "family", 2, 2, ("load=4",), "budget"),
-    ("family-load4-margin-s3-2d", "family", 3, 2, ("load=4", "margin=0.05"), "budget"),
+    (
+        "family-load4-margin-s3-2d",
+        "family",
+        3,
+        2,
+        ("load=4", "margin=0.05", "margin_wait=0"),
+        "budget",
+    ),
+    ("family-load4-margin-wait-s3-2d", "family", 3, 2, ("load=4", "margin=0.05"), "budget"),
     ("family-gpus128-s4-3d", "family", 4, 3, ("gpus=128", "drain_rate=0.1"), "budget"),
 )
 FULL = (

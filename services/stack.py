@@ -58,6 +58,7 @@ gpu_type = "a100"
 lookback = "7d"
 max_min_runtime = "8h"
 preemption_margin = 0
+# preemption_margin_wait = "2h"   # with a margin: queued this long, no longer held to it
 
 [budget]
 owner = "admin"

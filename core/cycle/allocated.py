@@ -51,4 +51,4 @@ def charge(s: Scratch, walk: FairShareWalk, w: Workload) -> None:
     """Add ``w``'s projected charge (``walk`` re-ranks; ``s.usage`` is its working
     usage) and note which families' ratios changed (:mod:`.subtrees`)."""
     walk.charge(w)
-    s.outranking.charged(w.owner)
+    s.charged(w.owner)

@@ -2,7 +2,9 @@
 
 Once allocated ``w`` failed (no fit, no victim set), every later workload of its
 leaf with no higher priority (the leaf's order guarantees that), the same GPU
-type and reservation gate and at least as many GPUs fails too, as long as no
+type and reservation gate and at least as many GPUs fails too (when ``w`` is no longer held to the preemption margin, or
+the margin has no wait: a later workload may have waited longer than ``w``, and
+gets no looser rule than ``w`` had only then), as long as no
 preemption freed GPUs and the leaf's victim subtrees are the same (an *epoch*,
 :meth:`DoomedShapes.epoch`), provided no pool takes the larger request that
 could not take the smaller one (:meth:`~.memo.FailureMemo.rules_out`). When the
@@ -58,9 +60,10 @@ class DoomedShapes:
         self._holder_leaves: tuple[int, set[str]] | None = None
 
     def epoch(self, leaf: str) -> object:
-        """A token for "no preemption since, same victim subtrees" for ``leaf``."""
+        """A token for "no preemption since, same victim subtrees" for ``leaf`` (under
+        the loosest rule of the cycle, the one a doomed workload had)."""
         s = self.s
-        subtrees = s.outranking.victim_subtrees(leaf)
+        subtrees = s.outranking_waited.victim_subtrees(leaf)
         cached = self._epochs.get(leaf)
         if cached is not None and cached[0] == s.freed and cached[1] is subtrees:
             return cached[2]
@@ -76,6 +79,8 @@ class DoomedShapes:
             return  # a short queue: the per-workload memo (.memo) is cheaper
         if self.holds(w.owner):
             return  # a workload there may use nodes held for it, which ``w`` may not
+        if self.s.outranking_for(w) is not self.s.outranking_waited:
+            return  # held to the margin: a later one may have waited and outrank more
         token = self.epoch(w.owner)
         key = (w.owner, w.gpu_type, gate)
         prev = self.doomed.get(key)
@@ -96,7 +101,7 @@ class DoomedShapes:
         unallocated, and expired work of its leaf and of the subtrees it outranks),
         and the smallest node size of its pools."""
         s = self.s
-        subtrees = s.outranking.victim_subtrees(c.owner)
+        subtrees = s.outranking_for(c).victim_subtrees(c.owner)
         free, unalloc = s.free, s.victims.node_unalloc
         may_use = s.may_use
         most, smallest = 0, NEVER

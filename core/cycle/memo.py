@@ -2,7 +2,8 @@
 
 A failure to place is remembered per *shape*: owner (allocated work only:
 unallocated work never preempts, so its owner does not matter), GPU type,
-contract kind and reservation gate (:meth:`FailureMemo.shape`). A later
+contract kind, reservation gate and whether the workload is held to the
+preemption margin (:meth:`FailureMemo.shape`). A later
 workload of that shape with no higher priority and at least as many GPUs fails
 too, as long as
 
@@ -35,9 +36,9 @@ from ..state import Workload
 if TYPE_CHECKING:
     from .scratch import Scratch
 
-FailShape = tuple[str, str, bool, bool]
+FailShape = tuple[str, str, bool, bool, bool]
 """What a failure to place depends on besides GPUs and priority: owner, GPU type,
-contract kind, reservation gate."""
+contract kind, reservation gate, held to the margin (its outranking rule)."""
 
 
 class FailureMemo:
@@ -54,10 +55,14 @@ class FailureMemo:
     def shape(self, w: Workload, allocated: bool) -> FailShape:
         """What a failure to place depends on besides GPUs and priority: the owner
         (allocated work only), the GPU type, the contract kind, and whether the
-        reservation gate lets ``w`` on reserved nodes (no reservation: it does)."""
-        r = self.s.reservation
-        gate = r is None or may_use_reserved(self.s.t, w.min_runtime_ms, r.start_ms)
-        return (w.owner if allocated else "", w.gpu_type, allocated, gate)
+        reservation gate lets ``w`` on reserved nodes (no reservation: it does), and
+        whether ``w`` gets the cycle's rule with the margin
+        (:meth:`~.scratch.Scratch.outranking_for`; unallocated work: no matter)."""
+        s = self.s
+        r = s.reservation
+        gate = r is None or may_use_reserved(s.t, w.min_runtime_ms, r.start_ms)
+        held = allocated and s.outranking_for(w) is s.outranking
+        return (w.owner if allocated else "", w.gpu_type, allocated, gate, held)
 
     def fails(self, w: Workload, allocated: bool) -> bool:
         """Whether a remembered failure rules ``w`` out (module docstring)."""
@@ -77,7 +82,7 @@ class FailureMemo:
         shape = self.shape(w, allocated)
         depends: object = None
         if allocated:
-            outranking = s.outranking
+            outranking = s.outranking_for(w)
             if outranking.known(w.owner):
                 depends = outranking.victim_subtrees(w.owner)
             else:  # every pool was short before its subtrees were needed
@@ -90,7 +95,7 @@ class FailureMemo:
         """Whether what a remembered failure of ``w``'s shape depended on is unchanged."""
         if not allocated:
             return depends is None
-        outranking = self.s.outranking
+        outranking = self.s.outranking_for(w)
         if type(depends) is tuple:
             return depends == (outranking.charges, self.s.victims.changes)
         return depends is outranking.victim_subtrees(w.owner)

@@ -3,7 +3,10 @@
 All a pool could give work of leaf ``l``: its free and unallocated GPUs plus the
 expired allocated work of ``l`` and of the subtrees ``l`` clearly outranks. If
 that is below the request, no victim set of the pool makes it fit, so the
-preemption search (:mod:`.preemption`) passes over the pool.
+preemption search (:mod:`.preemption`) passes over the pool. "Outranks" is
+the cycle's loosest rule (:attr:`~.scratch.Scratch.outranking_waited`, without
+the margin when the margin has a wait): exact for a candidate no longer held to
+the margin, an upper bound for one still held to it.
 
 **Level by level.** The sum is decided from the top of the leaf's path down
 (:meth:`PoolBound.room`): at ancestor ``a``, the siblings ``a`` outranks (at this
@@ -58,7 +61,7 @@ class PoolBound:
         have = s.pool_free.get(key, 0) + victims.pool_unalloc.get(key, 0)
         room = NEVER
         parent = ROOT
-        for a in s.outranking.path(path):
+        for a in s.outranking_waited.path(path):
             have += self.outranked_expired(parent, a, key, expired)
             room = min(room, have + expired.get(a, 0))
             if room < need:
@@ -71,7 +74,7 @@ class PoolBound:
         clearly outranks, cached until a child of ``parent`` is charged or the
         victims change."""
         s = self.s
-        outranking = s.outranking
+        outranking = s.outranking_waited
         version = (outranking.family_charges.get(parent, 0), s.victims.changes)
         cached = self._outranked.get((a, key))
         if cached is not None and cached[0] == version:

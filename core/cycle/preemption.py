@@ -65,7 +65,7 @@ class Preemption:
             if self.bound.short(c.owner, key, g):
                 continue  # not enough free and preemptible GPUs in the whole pool
             if subtrees is None:
-                subtrees = s.outranking.victim_subtrees(c.owner)
+                subtrees = s.outranking_for(c).victim_subtrees(c.owner)
             ranked = roomy.nodes(key) if g <= size else None
             if ranked and ranked[0][0] <= -g:
                 name = roomy.cheapest_unallocated(c, key, g)
@@ -177,7 +177,7 @@ class Preemption:
         most over-served victim ``c`` could find there)."""
         s = self.s
         pool = s.pool_set(key)
-        covered = s.outranking.covered
+        covered = s.outranking_for(c).covered
         path_nodes = s.victims.path_nodes
         out: dict[str, int] = {}
         for position, leaf in s.victims.expired_leaves():

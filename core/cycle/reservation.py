@@ -58,7 +58,7 @@ class Reserver:
         nodes whole by then it holds the ``k`` that come whole last."""
         s = self.s
         g = c.gpus
-        subtrees = s.outranking.victim_subtrees(c.owner)
+        subtrees = s.outranking_for(c).victim_subtrees(c.owner)
         memo: dict[tuple[str, int], bool] = {}
         best: tuple[int, tuple[str, ...]] | None = None
         option: tuple[int, tuple[str, ...]] | None

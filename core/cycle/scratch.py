@@ -26,6 +26,7 @@ from ..rules.contract import (
     may_use_reserved,
     protected_until,
 )
+from ..rules.outranking import held_to_margin
 from ..state import State, Workload
 from .result import Reservation
 from .roomy import RoomyNodes
@@ -43,7 +44,7 @@ class Scratch:
         self,
         state: State,
         roomy: Callable[[Scratch], RoomyNodes] = RoomyNodes,
-        outranking: Callable[[Scratch], CycleOutranking] = CycleOutranking,
+        outranking: Callable[..., CycleOutranking] = CycleOutranking,
     ) -> None:
         self.state = state
         self.t = state.now_ms
@@ -77,7 +78,16 @@ class Scratch:
         self.freed = 0  # bumps on every preemption (the only way GPUs come free in a cycle)
         self.walk: FairShareWalk | None = None  # step 3's walk, when it skips (shortcuts)
         self._pool_sets: dict[Pool, frozenset[str]] = {}
+        policy = state.policy
         self.outranking = outranking(self)
+        """The outranking rule with the policy's margin (every candidate's when the
+        margin has no wait)."""
+        self.outranking_waited = self.outranking
+        """The rule for candidates no longer held to the margin: without it, when the
+        margin has a wait (:meth:`outranking_for`); the loosest rule any candidate
+        of this cycle gets, so bounds (:mod:`.poolbound`) use it."""
+        if policy.preemption_margin_ppm and policy.margin_wait_ms:
+            self.outranking_waited = outranking(self, 0)
         self.victims = VictimIndex(self)
         self.roomy = roomy(self)
 
@@ -101,6 +111,21 @@ class Scratch:
         if pool is None:
             pool = self._pool_sets[key] = frozenset(self.pool_nodes[key])
         return pool
+
+    def outranking_for(self, c: Workload) -> CycleOutranking:
+        """The outranking rule candidate ``c`` gets: with the margin while it is held
+        to it (:func:`~apportion.core.rules.outranking.held_to_margin`), else without."""
+        if self.outranking_waited is self.outranking or held_to_margin(
+            self.state.policy, c, self.t
+        ):
+            return self.outranking
+        return self.outranking_waited
+
+    def charged(self, leaf: str) -> None:
+        """A projected charge went to ``leaf``'s path: both rules see it (:mod:`.subtrees`)."""
+        self.outranking.charged(leaf)
+        if self.outranking_waited is not self.outranking:
+            self.outranking_waited.charged(leaf)
 
     def may_use(self, w: Workload, name: str) -> bool:
         """The reservation gate on node ``name`` (:func:`~apportion.core.rules.contract.may_use_reserved`)."""

@@ -14,6 +14,11 @@ are keyed by what the answer depends on:
   it (:mod:`.memo`, :mod:`.doomed`) stay valid;
 - whether a leaf lies in some victim subtrees is kept per subtrees object.
 
+A cycle keeps two of them when the policy's margin has a wait
+(:func:`~apportion.core.rules.outranking.held_to_margin`): the rule with the
+margin, for candidates held to it, and the rule without, for candidates that
+have waited (:meth:`~.scratch.Scratch.outranking_for`); both see every charge.
+
 Guarded by ``tests/cycle/test_outranking_caches.py``: every answer during random
 cycles is checked against the rule computed afresh, and the decisions against a
 cycle without the caches. ``tests/core/test_outranking.py`` checks the rule
@@ -37,10 +42,12 @@ class CycleOutranking(Outranking):
 
     __slots__ = ("charges", "family_charges", "_subtrees", "_above", "_coverage")
 
-    def __init__(self, s: Scratch) -> None:
-        super().__init__(
-            s.state.budget, s.usage, s.view.weight, s.state.policy.preemption_margin_ppm
-        )
+    def __init__(self, s: Scratch, margin_ppm: int | None = None) -> None:
+        """The rule over ``s``'s working usage with ``margin_ppm`` (``None``: the
+        policy's margin)."""
+        if margin_ppm is None:
+            margin_ppm = s.state.policy.preemption_margin_ppm
+        super().__init__(s.state.budget, s.usage, s.view.weight, margin_ppm)
         self.charges = 0
         """Bumps on every projected charge (ratios changed)."""
         self.family_charges: dict[str, int] = {}

@@ -4,7 +4,9 @@ The earliest future time at which a decision could change with no new input:
 a protection expiry on a draining node, or anywhere while allocated work waits
 (blocked, or a fair-share victim waiting to be replaced; work placed in this
 cycle included); the reservation start; the end of a preemption notice (always:
-the fold ends the stop there).
+the fold ends the stop there); while allocated work is blocked, the moment
+the next waiting workload stops being held to the preemption margin (its rule
+changes then, :func:`~apportion.core.rules.outranking.held_to_margin`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def next_wakeup(s: Scratch) -> int | None:
     for until in ends:
         if out is None or until < out:
             out = until
+    if s.blocked and s.outranking_waited is not s.outranking:
+        wait = state.policy.margin_wait_ms
+        for w in state.pending.values():
+            end = w.queued_ms + wait
+            if end > t and is_allocated(w) and (out is None or end < out):
+                out = end
     if waiting:
         for entries in s.added.values():
             for v, _ in entries:

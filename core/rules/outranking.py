@@ -8,6 +8,14 @@ compared); inside one leaf only a strictly higher priority outranks. Two
 ratios inside the margin of each other are never clearly ordered, so
 near-equal teams do not preempt each other back and forth.
 
+**The margin has a wait** (policy ``preemption_margin_wait_ms``,
+:func:`held_to_margin`): a candidate queued at least that long outranks on any
+strictly lower ratio, as with no margin. The margin is hysteresis against
+preemption back and forth; a workload that has waited that long cannot cause it
+(it was not running), and without the wait a team whose ratio is only a little
+below the holders' waits for the holders to end on their own, which for a gang
+of half the cluster is never all at once.
+
 Applied level by level: for each node ``a`` on ``c``'s path (top level first),
 the siblings of ``a`` that ``a`` clearly outranks (:meth:`Outranking.clearly_above`)
 are budget nodes whose *whole subtree* ``c`` outranks; together they are ``c``'s
@@ -33,8 +41,16 @@ from enum import IntEnum
 
 from ..budget import ROOT, BudgetTree, ancestors_of
 from ..ratio import below_pair, clearly_below_pair
-from ..state import Workload
+from ..state import Policy, Workload
 from .contract import is_allocated
+
+
+def held_to_margin(policy: Policy, c: Workload, t: int) -> bool:
+    """Whether candidate ``c`` is held to the preemption margin at ``t``: there is a
+    margin, and ``c`` has been queued (since its submission or last requeue) for
+    less than ``preemption_margin_wait_ms`` (``0``: held however long it waits)."""
+    wait = policy.margin_wait_ms
+    return policy.preemption_margin_ppm > 0 and (wait == 0 or t - c.queued_ms < wait)
 
 
 class Standing(IntEnum):

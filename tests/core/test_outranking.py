@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from apportion.core import fold
 from apportion.core.cycle import Cycle
-from apportion.core.rules.outranking import Outranking, Standing
-from apportion.core.state import Workload
+from apportion.core.rules.outranking import Outranking, Standing, held_to_margin
+from apportion.core.state import Policy, Workload
 from apportion.schemas.events import BudgetSet, PolicySet
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,3 +103,22 @@ def test_the_three_answers() -> None:
         Standing.INSIDE_MARGIN
     )
     assert Outranking(state.budget, usage, weight, 0).standing(v, c) is Standing.NOT_LOWER
+
+
+def test_held_to_the_margin_until_the_wait_ends() -> None:
+    w = Workload(
+        id="w",
+        owner="a",
+        gpus=8,
+        gpu_type="h100",
+        min_runtime_ms=1,
+        resumable=True,
+        priority=0,
+        submitted_ms=0,
+        queued_ms=1_000,
+    )
+    waited = Policy(preemption_margin_ppm=50_000, preemption_margin_wait_ms=3_600_000)
+    assert held_to_margin(waited, w, 1_000 + 3_599_999)
+    assert not held_to_margin(waited, w, 1_000 + 3_600_000)
+    assert held_to_margin(Policy(preemption_margin_ppm=50_000), w, 10**12)  # 0: always held
+    assert not held_to_margin(Policy(preemption_margin_ppm=0, preemption_margin_wait_ms=0), w, 0)

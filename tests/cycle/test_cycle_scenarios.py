@@ -213,6 +213,35 @@ def test_two_teams_near_their_shares_do_not_thrash_inside_the_margin():
     assert preempted(r) == {} and placed(r) == {}
 
 
+def test_a_workload_that_waited_past_the_margin_wait_outranks_on_any_lower_ratio():
+    # As above (b's ratio just below a's, inside the 5% margin), with a margin wait
+    # of 1 h: b2 is held to the margin for its first hour of waiting, the cycle
+    # wakes when the hour ends, and then b2 preempts a1 (b is strictly lower).
+    s = two_teams(2, preemption_margin_ppm=50_000, preemption_margin_wait_ms=HOUR).state()
+    submit(s, "a1", "a", 8, 10 * MIN)
+    step(s)
+    tick(s, 3 * MIN)
+    submit(s, "b1", "b", 8, 10 * MIN)
+    step(s)
+    tick(s, 2 * HOUR)
+    submit(s, "b2", "b", 8, 10 * MIN)
+    r = step(s)
+    assert preempted(r) == {} and placed(r) == {}
+    assert r.next_wakeup_ms == 3 * HOUR
+    tick(s, 3 * HOUR - 1)
+    assert preempted(step(s)) == {}
+    tick(s, 3 * HOUR)
+    assert 0 < 8 * 3 * HOUR - s.usage("b") < 8 * 3 * HOUR // 20  # still inside the margin
+    r = step(s)
+    assert preempted(r) == {"a1": "fairshare"} and placed(r) == {"b2": ("n001",)}
+
+
+def test_a_margin_wait_longer_than_the_lookback_is_refused():
+    s = two_teams(1, preemption_margin_wait_ms=8 * 24 * HOUR).state()
+    assert s.policy.margin_wait_ms == 0
+    assert any("preemption_margin_wait" in r[1] for r in s.rejections)
+
+
 def test_outside_the_margin_the_under_served_team_preempts():
     s = two_teams(2).state()
     submit(s, "a1", "a", 8, 10 * MIN)

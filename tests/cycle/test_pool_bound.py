@@ -34,7 +34,7 @@ def _plain_total(s: Scratch, leaf: str, key: tuple[str, int]) -> int:
         s.pool_free.get(key, 0)
         + victims.pool_unalloc.get(key, 0)
         + expired.get(leaf, 0)
-        + sum(expired.get(p, 0) for p in s.outranking.victim_subtrees(leaf))
+        + sum(expired.get(p, 0) for p in s.outranking_waited.victim_subtrees(leaf))
     )
 
 

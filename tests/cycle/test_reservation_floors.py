@@ -28,7 +28,7 @@ STOPPED_EARLY: list[bool] = []
 
 
 def _plain(whole: WholeNodes, c: Workload, key: tuple[str, int], memo: dict[Any, bool]) -> list:
-    subtrees = whole.s.outranking.victim_subtrees(c.owner)
+    subtrees = whole.s.outranking_for(c).victim_subtrees(c.owner)
     release_time = whole.reserver.release_time
     return sorted((release_time(c, n, subtrees, memo, None), n) for n in whole.s.pool_nodes[key])
 

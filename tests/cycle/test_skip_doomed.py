@@ -37,7 +37,7 @@ HOUR = 60 * MIN
 LEAVES = ("a/x", "a/y", "b/z", "c")
 
 
-def _setup(margin_ppm: int, reservations: bool, grace_ms: int) -> list[Event]:
+def _setup(margin_ppm: int, reservations: bool, grace_ms: int, margin_wait_ms: int) -> list[Event]:
     ev: list[Event] = [BudgetSet(id="b", at_ms=0, path="", weight=1, owner="root", actor="root")]
     for path, weight in [("a", 3), ("a/x", 1), ("a/y", 2), ("b", 2), ("b/z", 1), ("c", 1)]:
         ev.append(
@@ -49,6 +49,7 @@ def _setup(margin_ppm: int, reservations: bool, grace_ms: int) -> list[Event]:
             at_ms=0,
             actor="root",
             preemption_margin_ppm=margin_ppm,
+            preemption_margin_wait_ms=margin_wait_ms,
             reservations=reservations,
             grace_ms=grace_ms,
         )
@@ -117,6 +118,7 @@ Item = tuple[str, int, str, int, int]
 histories = st.fixed_dictionaries(
     {
         "margin": st.sampled_from([0, 50_000, 500_000]),
+        "margin_wait": st.sampled_from([0, 5 * MIN, 20 * MIN]),
         "reservations": st.booleans(),
         "grace": st.sampled_from([0, 0, 5 * MIN]),
         "first": st.lists(submission, min_size=10, max_size=30),
@@ -137,6 +139,7 @@ histories = st.fixed_dictionaries(
 def run_history(
     decide: Callable[[State], Decided],
     margin: int,
+    margin_wait: int,
     reservations: bool,
     grace: int,
     first: list[Item],
@@ -148,7 +151,7 @@ def run_history(
     after each part:
     ``decide(state)`` returns ``(decisions, wake-up)`` (comparing what it likes) and
     its decisions are folded."""
-    state = fold(_setup(margin, reservations, grace))
+    state = fold(_setup(margin, reservations, grace, margin_wait))
     assert not state.rejections and len(state.nodes) == 6
     n = 0
     t = 0
@@ -216,7 +219,7 @@ def test_a_deep_queue_that_cannot_be_placed_is_passed_over_by_shape() -> None:
     """A full cluster and 60 waiting workloads of one leaf that outranks nobody:
     the walk goes over them by shape, and the decisions are the ones of the
     workload-by-workload walk."""
-    state = fold(_setup(50_000, True, 0))
+    state = fold(_setup(50_000, True, 0, 0))
     n = 0
     for leaf, gpus in [("c", 8)] * 5:  # c fills every node (8-GPU nodes; a100 too)
         n += 1

@@ -50,9 +50,14 @@ class Run:
         margin_ppm: int = 0,
         reservations: bool = False,
         extra_nodes: tuple[tuple[str, int, str], ...] = (),
+        margin_wait_ms: int = 0,
     ) -> None:
         s = self.s = Scenario()
-        s.policy(preemption_margin_ppm=margin_ppm, reservations=reservations)
+        s.policy(
+            preemption_margin_ppm=margin_ppm,
+            reservations=reservations,
+            preemption_margin_wait_ms=margin_wait_ms,
+        )
         for team, weight in teams.items():
             s.budget(team, weight, owner=f"{team}-owner")
             s.budget(f"{team}/u", owner=f"{team}-user")
@@ -329,6 +334,22 @@ def test_margin_past_its_contract_inside_the_margin():
     assert b["shortfall_gpu_h"] == pytest.approx(4.0)
     assert split(b) == {"margin": pytest.approx(4.0)}
     assert b["holders"] == {"a": pytest.approx(4.0)}
+
+
+def test_past_the_margin_wait_the_same_block_is_the_schedulers_not_the_margins():
+    """As above, with a margin wait of 30 minutes: at 1 h b1 has waited an hour, is
+    no longer held to the margin, and outranks a0 (b's ratio is strictly lower): a0
+    is at level 2, work the cycle could take, so the shortfall is not ``margin``
+    (a named cause the scheduler could have placed past: ``other``)."""
+    run = Run({"a": 1, "b": 1, "c": 1}, margin_ppm=500_000, margin_wait_ms=30 * MINUTE_MS)
+    run.submit("a0", "a", 8, 30 * MINUTE_MS).submit("b0", "b", 4, 30 * MINUTE_MS)
+    run.submit("c1", "c", 8, 4 * HOUR_MS).submit("b1", "b", 8, HOUR_MS)
+    run.batch().place("a0", "n1").place("b0", ("n2", 4)).place("c1", "n3")
+    run.at(HOUR_MS).batch()
+    run.at(2 * HOUR_MS).batch()
+    b = {r["team"]: r for r in diagnose(run.items).rows(from_ms=HOUR_MS)}["b"]
+    assert b["shortfall_gpu_h"] == pytest.approx(4.0)
+    assert split(b) == {"other": pytest.approx(4.0)}
 
 
 def test_own_work_of_a_gang_larger_than_what_the_share_leaves():

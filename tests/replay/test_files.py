@@ -60,6 +60,26 @@ def test_cluster_file_events(tmp_path):
         8 * 3_600_000,
         50_000,
     )
+    assert policy.preemption_margin_wait_ms == 2 * 3_600_000  # the default wait
+
+
+def test_the_margin_wait_is_read_and_bounded_by_the_lookback(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text(
+        CLUSTER.replace(
+            "preemption_margin = 0.05", 'preemption_margin = 0.05\npreemption_margin_wait = "30m"'
+        )
+    )
+    (policy,) = [e for e in load_cluster(p).events if isinstance(e, PolicySet)]
+    assert policy.preemption_margin_wait_ms == 30 * 60_000
+    p.write_text(
+        CLUSTER.replace(
+            "preemption_margin = 0.05", 'preemption_margin = 0.05\npreemption_margin_wait = "8d"'
+        )
+    )
+    with pytest.raises(InputFileError) as exc:
+        load_cluster(p)
+    assert exc.value.where == "policy.preemption_margin_wait"
 
 
 @pytest.mark.parametrize(

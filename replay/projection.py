@@ -432,7 +432,7 @@ class Projection:
         """Why the last snapshot failed (the projection goes on without it), else None."""
         self._reset_buffers()
         row = con.execute("SELECT input_seq, batches, pos FROM projection_position").fetchone()
-        saved = con.execute("SELECT state FROM projection_state").fetchone()
+        saved_row = con.execute("SELECT state FROM projection_state").fetchone()
         self.live: dict[str, list[Any]] = {}
         self.open_runs: dict[str, list[list[Any]]] = {}
         self.open_waits: dict[str, list[Any]] = {}
@@ -448,7 +448,7 @@ class Projection:
             self._pos = 0
             self._committed = (0, 0)
             return
-        self._saved = saved[0] if saved is not None else None
+        self._saved = saved_row[0] if saved_row is not None else None
         self._batches = row[1]
         self._pos = row[2]
         self._committed = (row[0], row[1])

@@ -428,7 +428,9 @@ def assert_one_attempt_at_a_time(marks: Path) -> None:
     assert attempts == sorted(attempts), lines
     first2 = attempts.index(2)
     assert lines[first2] == "2 start previous-alive=False", lines[first2 - 2 : first2 + 2]
-    assert lines[first2 - 1] == "1 checkpoint", lines[first2 - 2 : first2 + 2]
+    # attempt 1 ended by its checkpoint after SIGTERM, or (a very slow machine) by the
+    # SIGKILL at the end of the fence's notice
+    assert lines[first2 - 1].startswith("1 "), lines[first2 - 2 : first2 + 2]
 
 
 class Proxy:
@@ -518,7 +520,7 @@ async def test_partitioned_agent_fences_its_run_before_the_requeue(
             await c.until(lambda: "2 write 3" in marks.read_text(), "attempt 2 writing")
             assert c.agents["h0"].poll() is None  # alive all along: it fenced itself
             (fenced,) = c.attempt_dirs("h0", "long")
-            assert json.loads((fenced / "exit").read_text()) == {"exit_code": 143}
+            assert json.loads((fenced / "exit").read_text())["exit_code"] in (143, -9)
             notice = json.loads((fenced / "preempt-notice").read_text())
             assert notice["reason"].startswith("fenced: ")
             assert notice["grace_ms"] == 600  # N for H = 6 s
@@ -530,7 +532,7 @@ async def test_partitioned_agent_fences_its_run_before_the_requeue(
             await c.settle()
             # cut off, the agent still took attempt 1 for the current run: a report it
             # made then arrives stale and changes nothing
-            assert [(e.attempt, e.exit_code) for e in c.finishes("long")] in ([], [(1, 143)])
+            assert [e.attempt for e in c.finishes("long")] in ([], [1])
             assert c.state.running["long"].attempt == 2
     finally:
         await proxy.close()
@@ -563,7 +565,7 @@ async def test_killed_agent_fences_its_run_before_the_requeue(
             "the job restarted on the other node",
         )
         await c.until(lambda: "2 write 3" in marks.read_text(), "attempt 2 writing")
-        assert json.loads((orphan / "exit").read_text()) == {"exit_code": 143}
+        assert json.loads((orphan / "exit").read_text())["exit_code"] in (143, -9)
         assert "fence" in (orphan / "output.log").read_text()
         assert_one_attempt_at_a_time(marks)
         c.start_agent(first)

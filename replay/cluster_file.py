@@ -18,7 +18,8 @@
     preemption_margin_wait = "2h"  # queued this long, a workload is no longer held to the margin
     grace = "2m"               # preemption notice (default 0), at most max_grace (15m)
     max_grace = "15m"
-    heartbeat_timeout = "1m"   # the live scheduler marks a silent node down (default 0: never)
+    heartbeat_timeout = "1m"   # the live scheduler marks a silent node down (default 0: 300 s
+                               # for hosts whose agent heartbeats; else at least 5 s)
 
     [budget]                   # the root
     owner = "ops"
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from apportion.core.rules.fence import heartbeat_timeout_problem
 from apportion.core.rules.gpu_types import is_any
 from apportion.schemas.events import (
     DAY_MS,
@@ -307,6 +309,9 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
             raise fail(f"policy.{key}", str(exc)) from None
     if kwargs.get("preemption_margin_wait_ms", 0) > kwargs.get("lookback_ms", 7 * DAY_MS):
         raise fail("policy.preemption_margin_wait", "must not exceed the lookback")
+    problem = heartbeat_timeout_problem(kwargs.get("heartbeat_timeout_ms", 0))
+    if problem:
+        raise fail("policy.heartbeat_timeout", problem)
     max_grace = kwargs.get("max_grace_ms", PolicySet(id="-", at_ms=0).max_grace_ms)
     if kwargs.get("grace_ms", 0) > max_grace:
         raise fail("policy.grace", f"must not exceed max_grace ({format_duration(max_grace)})")

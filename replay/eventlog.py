@@ -288,10 +288,17 @@ def read_duckdb(path: str | Path) -> CanonicalLog:
         }
         if not {"events", "projection_position"} <= names:
             raise LogError(f"{path}: not an apportion projection (no events table)")
-        row = con.execute(
-            "SELECT input_seq, batches, pos, state FROM projection_position"
-        ).fetchone()
-        if row is None:
+        if "projection_state" in names:
+            found = con.execute(
+                "SELECT input_seq, batches, pos FROM projection_position"
+            ).fetchone()
+            saved = con.execute("SELECT state FROM projection_state").fetchone()
+            row = None if found is None else (*found, saved[0] if saved else None)
+        else:  # written before projection_state (read-only here: not migrated)
+            row = con.execute(
+                "SELECT input_seq, batches, pos, state FROM projection_position"
+            ).fetchone()
+        if row is None or row[3] is None:
             raise LogError(f"{path}: the projection is empty")
         n_batch_rows = 0
         if "batches" in names:

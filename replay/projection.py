@@ -32,7 +32,11 @@ columns are additions):
 - ``nodes(node, gpus, gpu_type)``; ``health(node, at_ms, state)`` with the
   accepted health changes plus a ``drained`` row at each ``NodeDrained``;
   ``budget(path, weight, owner, global_share)`` (the current tree, root ``""``).
-- ``projection_position(input_seq, batches, pos, state)``.
+- ``projection_position(input_seq, batches, pos)``: how far it is (one row);
+  ``projection_state(input_seq, state)``: the folded state at that position
+  (a msgpack snapshot, what a reopened projection resumes from), in a table of
+  its own so that ``SELECT * FROM projection_position`` stays readable (files
+  written before keep it in a ``state`` column, moved on the next open).
 - ``projection_errors(pos, input_seq, batch, kind, workload, error)``: an event
   whose rows the projection could not derive (only when the writer asked to go
   on past such errors, :attr:`Projection.on_error`: the live projector); its
@@ -120,7 +124,8 @@ CREATE TABLE IF NOT EXISTS waits(workload VARCHAR, queued_ms BIGINT, placed_ms B
 CREATE TABLE IF NOT EXISTS nodes(node VARCHAR, gpus INTEGER, gpu_type VARCHAR);
 CREATE TABLE IF NOT EXISTS health(node VARCHAR, at_ms BIGINT, state VARCHAR);
 CREATE TABLE IF NOT EXISTS budget(path VARCHAR, weight BIGINT, owner VARCHAR, global_share DOUBLE);
-CREATE TABLE IF NOT EXISTS projection_position(input_seq BIGINT, batches BIGINT, pos BIGINT, state BLOB);
+CREATE TABLE IF NOT EXISTS projection_position(input_seq BIGINT, batches BIGINT, pos BIGINT);
+CREATE TABLE IF NOT EXISTS projection_state(input_seq BIGINT, state BLOB);
 CREATE TABLE IF NOT EXISTS batches(batch BIGINT, basis BIGINT, pos BIGINT, decisions INTEGER, next_wakeup_ms BIGINT,
     v INTEGER, logic VARCHAR);
 CREATE TABLE IF NOT EXISTS malformed_inputs(seq BIGINT, at_ms BIGINT, ref VARCHAR, reason VARCHAR);
@@ -141,6 +146,33 @@ UPDATE runs SET team = (SELECT w.team FROM workloads w WHERE w.workload = runs.w
 """
 
 HOUR_MS = 3_600_000
+
+
+def _move_saved_state(con: duckdb.DuckDBPyConnection) -> None:
+    """A file written before ``projection_state``: its ``projection_position.state``
+    column moves there (``SELECT * FROM projection_position`` printed the blob)."""
+    columns = {
+        r[0]
+        for r in con.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_name = 'projection_position' AND table_schema = current_schema()"
+        ).fetchall()
+    }
+    if "state" not in columns:
+        return
+    con.execute("BEGIN")
+    try:
+        con.execute("DELETE FROM projection_state")
+        con.execute(
+            "INSERT INTO projection_state SELECT input_seq, state FROM projection_position "
+            "WHERE state IS NOT NULL"
+        )
+        con.execute("ALTER TABLE projection_position DROP COLUMN state")
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+
 
 VIEWS = f"""
 CREATE OR REPLACE MACRO team_of(path) AS {team_sql("path")};
@@ -383,6 +415,7 @@ class Projection:
         self.on_error = on_error
         con.execute(SCHEMA)
         con.execute(MIGRATE)
+        _move_saved_state(con)
         con.execute(VIEWS)
         row = con.execute(
             "SELECT path FROM duckdb_databases() WHERE database_name = current_database()"
@@ -398,9 +431,8 @@ class Projection:
         self.snapshot_error: str | None = None
         """Why the last snapshot failed (the projection goes on without it), else None."""
         self._reset_buffers()
-        row = con.execute(
-            "SELECT input_seq, batches, pos, state FROM projection_position"
-        ).fetchone()
+        row = con.execute("SELECT input_seq, batches, pos FROM projection_position").fetchone()
+        saved_row = con.execute("SELECT state FROM projection_state").fetchone()
         self.live: dict[str, list[Any]] = {}
         self.open_runs: dict[str, list[list[Any]]] = {}
         self.open_waits: dict[str, list[Any]] = {}
@@ -416,7 +448,7 @@ class Projection:
             self._pos = 0
             self._committed = (0, 0)
             return
-        self._saved = row[3]
+        self._saved = saved_row[0] if saved_row is not None else None
         self._batches = row[1]
         self._pos = row[2]
         self._committed = (row[0], row[1])
@@ -737,9 +769,11 @@ class Projection:
             saved = state.to_bytes()
             con.execute("DELETE FROM projection_position")
             con.execute(
-                "INSERT INTO projection_position VALUES (?, ?, ?, ?)",
-                [state.input_seq, self._batches, self._pos, saved],
+                "INSERT INTO projection_position VALUES (?, ?, ?)",
+                [state.input_seq, self._batches, self._pos],
             )
+            con.execute("DELETE FROM projection_state")
+            con.execute("INSERT INTO projection_state VALUES (?, ?)", [state.input_seq, saved])
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")

@@ -22,7 +22,10 @@ it has caught up:
   way with the workload's own notice;
 - **heartbeats** on ``apportion.<cluster>.heartbeat.<node>`` (plain NATS, JSON
   with its advertised address: the other hosts of a gang learn
-  ``MASTER_ADDR`` from it), and **probes** its health (``nvidia-smi`` when it
+  ``MASTER_ADDR`` from it), renewing its **lease** with each one the server
+  confirmed: once the lease is older than the self-fence bound the runs'
+  supervisors stop them on their own (:mod:`~apportion.services.agent_fence`,
+  :mod:`apportion.core.rules.fence`), and **probes** its health (``nvidia-smi`` when it
   discovered GPUs, ``--health-command``): failures make it publish
   ``NodeHealthChanged`` ``draining`` and then ``down``; once the probes pass it
   sets its host ``healthy`` again if the host was marked by itself or by the
@@ -68,6 +71,7 @@ from apportion.schemas.events import (
 )
 
 from . import agent_runs, logs
+from .agent_fence import Lease
 from .agent_health import HostHealth, discover_gpus, error_text, gpu_type_of
 from .agent_process import SLEEPER, ProcessRuntime, container_runtime, master_port
 from .agent_runs import REPORTED, STARTED, Attempt
@@ -137,7 +141,12 @@ class Agent:
         self.reader = self.follower.reader
         self.ledger = Ledger([node])
         """What the history says besides the state: submissions, preemptions, reports."""
+        self.lease = Lease(self.root, self.logger)
+        """Renewed by each heartbeat the server confirmed; the runs fence themselves
+        when it runs out (:mod:`~apportion.services.agent_fence`)."""
         self.health = HostHealth(
+            on_contact=self.lease.renew,
+            max_interval_s=lambda: self.lease.fence_after_ms / 4000,
             node=node,
             addr=advertise_addr,
             gpus=gpus,
@@ -162,6 +171,7 @@ class Agent:
             clock=clock,
             container=runtime,
             real_gpus=real_gpus,
+            lease=self.lease,
         )
         self.ready = asyncio.Event()
         """Set once caught up with the history and registered."""
@@ -186,6 +196,7 @@ class Agent:
             await self._catch_up(stop)
             if stop.is_set():
                 return
+            self.lease.follow(self.state.policy.heartbeat_timeout_ms)
             if self.register:
                 await self._register(stop)
             self.processes.adopt()
@@ -196,6 +207,7 @@ class Agent:
                 "ready", gpus=self.gpus, gpu_type=self.gpu_type, addr=self.addr, dir=str(self.root)
             )
             while not stop.is_set():
+                self.lease.check()
                 try:
                     await self._poll(0.2)
                     await self._round()
@@ -227,6 +239,7 @@ class Agent:
 
     async def _round(self) -> None:
         """One round: the reconcile on the processes, the reports, the health."""
+        self.lease.follow(self.state.policy.heartbeat_timeout_ms)
         await reconcile_once(self.processes, self.state, self.ledger, self.clock())
         for run in list(self.runs.values()):
             if not run.started_reported and not run.lost:

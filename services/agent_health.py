@@ -27,10 +27,14 @@ from typing import Any
 
 from apportion.schemas.events import HealthState
 
+from .agent_shim import boot_ms
 from .bus import EventLog
 
 PROBE_TIMEOUT_S = 10.0
 """Every probe is bounded by this many seconds."""
+
+FLUSH_TIMEOUT_S = 2.0
+"""A heartbeat's round trip to the server is bounded by this (or the interval)."""
 
 
 def gpu_type_of(name: str) -> str:
@@ -79,8 +83,16 @@ class HostHealth:
         drain_after: int = 3,
         down_after: int = 10,
         probe_nvidia: bool = False,
+        on_contact: Callable[[int], None] | None = None,
+        max_interval_s: Callable[[], float] | None = None,
     ) -> None:
         self.node = node
+        self.on_contact = on_contact
+        """Called with the ``CLOCK_BOOTTIME`` ms a heartbeat was sent at, once the
+        server confirmed it (the agent's lease)."""
+        self.max_interval_s = max_interval_s
+        """The longest interval the fence bounds allow (a quarter of the self-fence bound)."""
+        self._failing = False
         self.addr = addr
         self.gpus = gpus
         self.gpu_type = gpu_type
@@ -96,6 +108,11 @@ class HostHealth:
         """Advertised addresses of the hosts heard from (heartbeats)."""
         self.probe_state: HealthState = "healthy"
         """What the probes say."""
+
+    def interval_s(self) -> float:
+        """``heartbeat_s``, at most what the fence bounds allow."""
+        cap = self.max_interval_s() if self.max_interval_s is not None else self.heartbeat_s
+        return max(0.05, min(self.heartbeat_s, cap))
 
     @property
     def probing(self) -> bool:
@@ -130,12 +147,27 @@ class HostHealth:
                     "at_ms": self.clock(),
                     "health": self.probe_state,
                 }
+                sent = boot_ms()
+                interval = self.interval_s()
                 try:
-                    await nc.publish(subjects.heartbeat(self.node), json.dumps(payload).encode())
+                    await confirmed_publish(
+                        nc,
+                        subjects.heartbeat(self.node),
+                        json.dumps(payload).encode(),
+                        max(0.1, min(interval, FLUSH_TIMEOUT_S)),
+                    )
                 except Exception as exc:  # a reconnect; the next one may pass
-                    self.logger.warning("heartbeat failed", error=error_text(exc))
+                    if not self._failing:
+                        self.logger.warning("heartbeat failed", error=error_text(exc))
+                    self._failing = True
+                else:
+                    if self._failing:
+                        self.logger.info("heartbeats confirmed again")
+                    self._failing = False
+                    if self.on_contact is not None:
+                        self.on_contact(sent)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.heartbeat_s)
+                    await asyncio.wait_for(stop.wait(), interval)
         finally:
             if sub is not None:
                 with contextlib.suppress(Exception):
@@ -189,6 +221,19 @@ class HostHealth:
                 tail = err.decode(errors="replace").strip().splitlines()[-1:] if err else []
                 return False, f"{' '.join(argv)}: exit {proc.returncode} {' '.join(tail)}".strip()
         return True, ""
+
+
+async def confirmed_publish(nc: Any, subject: str, data: bytes, timeout_s: float) -> None:
+    """Publish and make sure the server has it: a PING/PONG round trip on the same
+    connection, with no disconnection in between (nats-py's ``flush`` returns at
+    once, without a round trip, while it is reconnecting); raises otherwise."""
+    if not nc.is_connected:
+        raise ConnectionError("not connected")
+    reconnects = nc.stats.get("reconnects", 0)
+    await nc.publish(subject, data)
+    await nc.flush(timeout=timeout_s)
+    if not nc.is_connected or nc.stats.get("reconnects", 0) != reconnects:
+        raise ConnectionError("the connection dropped before the server confirmed")
 
 
 def error_text(exc: BaseException) -> str:

@@ -33,7 +33,9 @@ from apportion.core.reconcile import DesiredRun, RunKey, Stop
 from apportion.schemas.events import WorkloadSubmitted
 
 from . import agent_runs
-from .agent_runs import NOTICE, Attempt
+from .agent_fence import Lease
+from .agent_runs import Attempt
+from .agent_shim import NOTICE
 
 SLEEPER = (
     "import signal, sys, time\n"
@@ -82,8 +84,12 @@ class ProcessRuntime:
         clock: Callable[[], int],
         container: str = "",
         real_gpus: bool = False,
+        lease: Lease | None = None,
     ) -> None:
         self.host: str | None = node
+        self.lease = lease
+        """The agent's lease: nothing starts while it is out of date; each run's
+        supervisor fences by it."""
         self.node = node
         self.gpus = gpus
         self.root = root
@@ -131,6 +137,16 @@ class ProcessRuntime:
 
     async def launch(self, run: DesiredRun) -> bool:
         key = run.key
+        if self.lease is not None and not self.lease.valid():
+            if key not in self._waiting:
+                self._waiting.add(key)
+                self.logger.info(
+                    "waiting to start",
+                    workload=run.workload,
+                    attempt=run.attempt,
+                    why="fenced: no heartbeat confirmed by the bus within the self-fence bound",
+                )
+            return False
         free = self._free_indices()
         addr = self.addr if run.master == self.node else self.peers.get(run.master)
         if len(free) < run.slot_gpus or addr is None:
@@ -286,7 +302,10 @@ class ProcessRuntime:
             agent_runs.mark(run, "exit", json.dumps({"exit_code": 127}) + "\n")
             return
         try:
-            await asyncio.to_thread(agent_runs.launch, run, argv, env, str(ckpt))
+            fence = None
+            if self.lease is not None:
+                fence = {"lease": str(self.lease.path), **self.lease.fields()}
+            await asyncio.to_thread(agent_runs.launch, run, argv, env, str(ckpt), fence)
         except (OSError, subprocess.SubprocessError) as exc:
             run.started_reported = True  # nothing started
             agent_runs.note(run, f"cannot start the supervisor: {exc}")

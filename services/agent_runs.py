@@ -34,7 +34,6 @@ from .agent_shim import EXIT, OUTPUT, PID, SHIM_PID, SPEC, write_atomic
 SHIM_MODULE = "apportion.services.agent_shim"
 STARTED = "started"
 REPORTED = "reported"
-NOTICE = "preempt-notice"
 
 
 @dataclass
@@ -85,9 +84,17 @@ def claim(path: Path) -> bool:
     return True
 
 
-def launch(run: Attempt, argv: list[str], env: dict[str, str], cwd: str | None) -> None:
+def launch(
+    run: Attempt,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str | None,
+    fence: dict[str, Any] | None = None,
+) -> None:
     """Write ``spec.json`` and start the supervisor (which forks into its own session
-    and writes ``shim.pid`` before this returns)."""
+    and writes ``shim.pid`` before this returns). ``fence``: the lease's path
+    (``lease``) and the lease as it is now (``renewed_ms``, ``fence_after_ms``,
+    ``notice_ms``), which the supervisor reads until the lease file says more."""
     spec = {
         "workload": run.workload,
         "attempt": run.attempt,
@@ -99,6 +106,7 @@ def launch(run: Attempt, argv: list[str], env: dict[str, str], cwd: str | None) 
         "ranks": run.ranks,
         "container": run.container,
         "runtime": run.runtime,
+        **(fence or {}),
     }
     write_atomic(run.dir / SPEC, json.dumps(spec) + "\n")
     subprocess.run(

@@ -15,10 +15,21 @@ the agent's terminal) never keeps the exit from being recorded.
 
 A command that cannot be started (not found, not executable) is recorded as
 exit status 127 with the reason in ``output.log``.
+
+**Fencing.** While the command runs, the shim reads the agent's lease
+(``spec.json``'s ``lease``: ``<agent folder>/lease.json``, which the agent
+rewrites after each heartbeat the bus confirmed, with the bounds it derives
+from the policy; :mod:`apportion.core.rules.fence`). Once the lease is older
+than its ``fence_after_ms`` (the agent is cut off from the bus, hung, stopped
+or killed) the shim stops the command on its own: the ``preempt-notice`` file,
+SIGTERM to its group, SIGKILL ``notice_ms`` later, so nothing the agent started
+runs unfenced. Times are ``CLOCK_BOOTTIME`` milliseconds (the same for every
+process of the host, and counting a suspend).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,8 +37,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 SPEC = "spec.json"
+LEASE = "lease.json"
+NOTICE = "preempt-notice"
+POLL_S = 0.2
+"""How often the shim reads the lease (part of the margin ``M``)."""
 SHIM_PID = "shim.pid"
 PID = "pid"
 EXIT = "exit"
@@ -42,6 +58,84 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def boot_ms() -> int:
+    """Milliseconds of ``CLOCK_BOOTTIME``: the clock of the lease (agent and shims)."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1_000_000
+
+
+def read_lease(path: Path) -> dict[str, int]:
+    """The lease's integer fields (``{}`` when it is missing or unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+class Fencer:
+    """Stops the command once the agent's lease is older than its bound."""
+
+    def __init__(self, spec: dict[str, object], attempt_dir: Path, out: BinaryIO) -> None:
+        lease = spec.get("lease")
+        self.lease = Path(lease) if isinstance(lease, str) and lease else None
+        self.spec = spec
+        self.dir = attempt_dir
+        self.out = out
+        self.fallback = {
+            k: v
+            for k in ("renewed_ms", "fence_after_ms", "notice_ms")
+            if isinstance(v := spec.get(k), int)
+        }
+        self.kill_at: int | None = None
+        self.killed = False
+
+    def check(self, pgid: int) -> None:
+        if self.lease is None or self.killed:
+            return
+        now = boot_ms()
+        if self.kill_at is None:
+            lease = {**self.fallback, **read_lease(self.lease)}
+            renewed, after = lease.get("renewed_ms"), lease.get("fence_after_ms")
+            if renewed is None or after is None or now - renewed <= after:
+                return
+            notice = max(0, lease.get("notice_ms", 0))
+            self.kill_at = now + notice
+            silent = (now - renewed) / 1000
+            reason = f"fenced: the agent has had no contact with the bus for {silent:.1f} s"
+            deadline_ms = time.time_ns() // 1_000_000 + notice
+            notice_text = {"reason": reason, "grace_ms": notice, "deadline_ms": deadline_ms}
+            if not (self.dir / NOTICE).exists():
+                write_atomic(self.dir / NOTICE, json.dumps(notice_text) + "\n")
+            self._say(
+                f"{reason} (bound {after / 1000:g} s): SIGTERM, SIGKILL in {notice / 1000:g} s"
+            )
+            _signal(pgid, signal.SIGTERM)
+        if now >= self.kill_at:
+            self.killed = True
+            self._say("fence notice over: SIGKILL")
+            _signal(pgid, signal.SIGKILL)
+            runtime, name = self.spec.get("runtime"), self.spec.get("container")
+            if isinstance(runtime, str) and runtime and isinstance(name, str) and name:
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    subprocess.run(
+                        [runtime, "kill", name],
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        timeout=10,
+                    )
+
+    def _say(self, text: str) -> None:
+        self.out.write(f"[apportion {_stamp()}] {text}\n".encode())
+
+
+def _signal(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
 
 
 def _stamp() -> str:
@@ -72,7 +166,13 @@ def run(attempt_dir: Path) -> int:
             write_atomic(attempt_dir / EXIT, json.dumps({"exit_code": 127}) + "\n")
             return 0
         write_atomic(attempt_dir / PID, f"{proc.pid}\n")
-        code = proc.wait()
+        fencer = Fencer(spec, attempt_dir, out)
+        while True:
+            try:
+                code = proc.wait(POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                fencer.check(proc.pid)
         out.write(f"[apportion {_stamp()}] exit: {code}\n".encode())
     write_atomic(attempt_dir / EXIT, json.dumps({"exit_code": code}) + "\n")
     return 0

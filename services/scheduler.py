@@ -34,11 +34,14 @@ The loop, as numbered steps:
    ``snapshot_interval_s`` seconds, and when stopping.
 9. **Heartbeats**: every instance listens to the host agents' heartbeats
    (``apportion.<c>.heartbeat.<node>``, plain NATS) and keeps the last time it
-   heard each node; the leader marks a node it heard from ``down``
-   (``NodeHealthChanged``, actor ``scheduler``) once the policy's
-   ``heartbeat_timeout_ms`` (0: never) passes without one, once per silence.
-   Every host not down counts as heard when an instance first checks, so a
-   host already silent when the scheduler started is marked down as well.
+   heard each node; the leader marks a node ``down`` (``NodeHealthChanged``,
+   actor ``scheduler``) once the heartbeat timeout passes without one, once per
+   silence (:mod:`apportion.core.rules.fence`: the policy's
+   ``heartbeat_timeout_ms``, or 300 s for the hosts heard from when it is 0).
+   With a policy's timeout every host not down counts as heard when an
+   instance first checks, so a host already silent when the scheduler started
+   is marked down as well. The timeout exceeds the agents' self-fence bound
+   plus their notice plus a margin: a host marked down has stopped its runs.
 
 Readers skip what is not history: a ``DECISIONS`` message that does not decode
 (the bus skips it) or a batch out of canonical order is logged and passed over.
@@ -55,6 +58,7 @@ from collections.abc import Callable
 import msgspec
 from apportion.core.cycle import decide as budget_decide
 from apportion.core.history import Decider, decide_batch, fold_item, split_batch
+from apportion.core.rules.fence import effective_timeout_ms, watches_every_host
 from apportion.core.state import SCHEDULER, State
 from apportion.schemas.events import ClockTicked, DecisionBatch, NodeHealthChanged
 from apportion.schemas.history import BatchItem, InputItem
@@ -190,6 +194,9 @@ class Scheduler:
         """node -> (monotonic time of its last heartbeat, its ``at_ms``)"""
         self._marked_down: dict[str, int] = {}
         """node -> the ``at_ms`` of the last heartbeat before it was marked down"""
+        self._reconnects = 0
+        self._heartbeat_sub: object | None = None
+        """The connection's reconnect count at the last heartbeat check."""
 
     # -- 9. heartbeats ------------------------------------------------------
     async def _listen_heartbeats(self) -> object | None:
@@ -207,21 +214,62 @@ class Scheduler:
             if isinstance(node, str):
                 self.heard[node] = (time.monotonic(), at_ms)
 
-        return await nc.subscribe(self.log.subjects.heartbeats, cb=heard)
+        self._heartbeat_sub = await nc.subscribe(self.log.subjects.heartbeats, cb=heard)
+        return self._heartbeat_sub
 
     async def _check_heartbeats(self) -> None:
-        """Leader: mark ``down`` each node silent for longer than the policy allows."""
+        """Leader: mark ``down`` each node silent for longer than the policy allows.
+
+        The timeout and which hosts it watches come from
+        :mod:`apportion.core.rules.fence`: a policy's ``heartbeat_timeout_ms``
+        watches every host not down; the default (0) watches the hosts heard
+        from, with 300 s. A silence is never this instance's own: while its
+        connection is down nothing is marked, after a reconnect every host
+        counts as heard again, and a host that looks silent is marked only
+        after a round trip to the server (and a chance for the heartbeats
+        already received to be handled) still finds it silent. So a host is
+        marked ``down`` only once its agent has surely fenced its runs."""
         state = self.state
-        timeout_ms = getattr(state.policy, "heartbeat_timeout_ms", 0) if state else 0
-        if not timeout_ms or state is None:
+        if state is None:
             return
+        policy_ms = getattr(state.policy, "heartbeat_timeout_ms", 0)
+        timeout_ms = effective_timeout_ms(policy_ms)
+        nc = getattr(self.log, "nc", None)
         now = time.monotonic()
-        # every host not down is watched from the first check on, heard or not: a
-        # host silent since before this instance started is marked down too
-        for node, registered in state.nodes.items():
-            if node not in self.heard and registered.health != "down":
-                self.heard[node] = (now, self.clock())
-        for node, (seen, at_ms) in list(self.heard.items()):
+        if nc is not None:
+            if not getattr(nc, "is_connected", True):
+                return
+            reconnects = getattr(nc, "stats", {}).get("reconnects", 0)
+            if reconnects != self._reconnects:
+                self._reconnects = reconnects
+                for node, (_seen, at_ms) in list(self.heard.items()):
+                    self.heard[node] = (now, at_ms)  # heard while this instance could not hear
+        if watches_every_host(policy_ms):
+            # every host not down is watched from the first check on, heard or not: a
+            # host silent since before this instance started is marked down too
+            for node, registered in state.nodes.items():
+                if node not in self.heard and registered.health != "down":
+                    self.heard[node] = (now, self.clock())
+        silent = [
+            node
+            for node, (seen, at_ms) in self.heard.items()
+            if (now - seen) * 1000 >= timeout_ms and self._marked_down.get(node) != at_ms
+        ]
+        if not silent:
+            return
+        if nc is not None:
+            # the heartbeats the server sent before this round trip are handled first
+            try:
+                await nc.flush(timeout=2.0)
+            except Exception:
+                return  # no round trip: this instance may be the one cut off
+            for _ in range(40):
+                await asyncio.sleep(0.05)
+                if not getattr(self._heartbeat_sub, "pending_msgs", 0):
+                    break
+            now = time.monotonic()
+        for node in silent:
+            seen, at_ms = self.heard[node]
             if (now - seen) * 1000 < timeout_ms or self._marked_down.get(node) == at_ms:
                 continue
             known = state.nodes.get(node)
@@ -238,7 +286,10 @@ class Scheduler:
             )
             self._marked_down[node] = at_ms
             self.logger.warning(
-                "node silent; marked down", node=node, silent_ms=int((now - seen) * 1000)
+                "node silent; marked down",
+                node=node,
+                silent_ms=int((now - seen) * 1000),
+                timeout_ms=timeout_ms,
             )
 
     # -- 1 + 2 ----------------------------------------------------------

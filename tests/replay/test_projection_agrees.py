@@ -313,6 +313,49 @@ def test_a_projection_restarted_during_the_notice_ends_it_as_the_fold_does(end: 
     assert disagreements(state, con) == []
 
 
+def test_the_saved_state_is_not_in_projection_position(tmp_path: Path) -> None:
+    """``SELECT * FROM projection_position`` is the position alone (the state, a large
+    blob, is in ``projection_state``); a file written with the state in a
+    ``projection_position.state`` column is moved over when opened and resumes the
+    same; ``replay``'s reader takes both."""
+    from apportion.replay.eventlog import read_duckdb
+
+    live = noticed()
+    during = len(live.items)
+    _deadline(live)
+    live.input(ClockTicked(id="later", at_ms=4 * HOUR))
+    path = tmp_path / "p.duckdb"
+    con = duckdb.connect(str(path))
+    first = Projection(con, snapshot=False)
+    state = fold_history(live.items[:during], observer=first)
+    first.commit(state)
+    assert [d[0] for d in con.execute("SELECT * FROM projection_position").description] == [
+        "input_seq",
+        "batches",
+        "pos",
+    ]
+    # the file as it was written before projection_state
+    con.execute("ALTER TABLE projection_position ADD COLUMN state BLOB")
+    con.execute("UPDATE projection_position SET state = (SELECT state FROM projection_state)")
+    con.execute("DROP TABLE projection_state")
+    con.close()
+    old = read_duckdb(path)  # read-only: not migrated, read all the same
+    assert len(list(old)) == during and old.end is not None
+    assert old.end.digest == state.digest()
+    con = duckdb.connect(str(path))
+    again = Projection(con, snapshot=False)
+    assert len(con.execute("SELECT * FROM projection_position").description) == 3
+    assert again.saved_state().digest() == state.digest()
+    state = fold_history(live.items[during:], again.saved_state(), again)
+    again.commit(state)
+    assert state.digest() == live.state.digest()
+    assert disagreements(state, con) == []
+    con.close()
+    new = read_duckdb(path)
+    assert len(list(new)) == len(live.items) and new.end is not None
+    assert new.end.digest == state.digest()
+
+
 class ProjectionMachine(fold_machine.FoldMachine):
     """The core's fold machine; at the end of each random history the same events,
     cut into canonical items, are projected (restarted from its committed position

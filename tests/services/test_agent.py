@@ -99,7 +99,7 @@ class Cluster:
     def state(self) -> Any:
         return self.follower.state
 
-    def start_agent(self, node: str) -> None:
+    def start_agent(self, node: str, url: str | None = None) -> None:
         err = open(self.work / f"agent-{node}.log", "ab")  # noqa: SIM115 - kept by the process
         self.agents[node] = subprocess.Popen(
             [
@@ -110,7 +110,7 @@ class Cluster:
                 "--cluster-name",
                 self.log.subjects.cluster,
                 "--nats",
-                self.url,
+                url or self.url,
                 "--gpus",
                 str(GPUS),
                 "--gpu-type",
@@ -387,22 +387,176 @@ async def test_gang_rank_failure_stops_the_others(nats_server, js, cluster, tmp_
         assert json.loads((attempt / "exit").read_text())["exit_code"] == -signal.SIGTERM
 
 
-async def test_killed_agent_marks_node_down_and_requeues(
+MARKER_JOB = """
+import os, signal, sys, time
+ck = os.environ["APPORTION_CHECKPOINT_DIR"]
+attempt = os.environ["APPORTION_ATTEMPT"]
+def mark(text):
+    with open(os.path.join(ck, "marks"), "a") as f:
+        f.write(f"{attempt} {text}\\n")
+def alive(pid):
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+owner = os.path.join(ck, "owner")
+prev = int(open(owner).read()) if os.path.exists(owner) else None
+mark(f"start previous-alive={prev is not None and alive(prev)}")
+with open(owner, "w") as f:
+    f.write(str(os.getpid()))
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+n = 0
+while not stop:
+    mark(f"write {n}")
+    n += 1
+    time.sleep(0.05)
+mark("checkpoint")
+sys.exit(143)
+"""
+"""Writes its attempt's markers into the checkpoint folder (the same for every attempt)
+until SIGTERM; at its start, whether the previous attempt's process is still alive
+(every agent of these tests runs on this host)."""
+
+
+def assert_one_attempt_at_a_time(marks: Path) -> None:
+    """Every marker of attempt 1 was written before the first of attempt 2, and attempt
+    2 found attempt 1's process gone: the two never wrote the folder at once."""
+    lines = marks.read_text().splitlines()
+    attempts = [int(line.split()[0]) for line in lines]
+    assert attempts == sorted(attempts), lines
+    first2 = attempts.index(2)
+    assert lines[first2] == "2 start previous-alive=False", lines[first2 - 2 : first2 + 2]
+    # attempt 1 ended by its checkpoint after SIGTERM, or (a very slow machine) by the
+    # SIGKILL at the end of the fence's notice
+    assert lines[first2 - 1].startswith("1 "), lines[first2 - 2 : first2 + 2]
+
+
+class Proxy:
+    """A TCP proxy in front of the nats-server: ``partition()`` cuts every connection
+    through it and refuses new ones (the agent behind it stays alive but cannot
+    reach the bus); ``heal()`` lets connections through again."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.cut = False
+        self.links: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._link, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self.links += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def partition(self) -> None:
+        self.cut = True
+        for w in self.links:
+            w.transport.abort()
+        self.links.clear()
+
+    def heal(self) -> None:
+        self.cut = False
+
+    async def close(self) -> None:
+        self.partition()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+async def test_partitioned_agent_fences_its_run_before_the_requeue(
     nats_server, js, cluster, tmp_path
 ) -> None:
-    """An agent killed (SIGKILL): its heartbeat stops, the scheduler marks the node down,
-    the run is requeued elsewhere; the agent started again stops the orphaned attempt
-    without reporting it and brings its node back."""
+    """An agent alive but cut off from the bus (its connection through a proxy that
+    stops passing anything) stops its run on its own (the fence: notice, SIGTERM,
+    the job checkpoints) before the scheduler marks its host down and the run is
+    started elsewhere: the two attempts never write the checkpoint folder at once.
+    Healed, the agent brings its host back; attempt 2 runs on."""
+    port = int(nats_server.url.rsplit(":", 1)[1])
+    proxy = Proxy(port)
+    await proxy.start()
+    try:
+        async with cluster_of(
+            nats_server, js, cluster, tmp_path, nodes=0, heartbeat_timeout_ms=6_000
+        ) as c:
+            c.start_agent("h0", url=proxy.url)
+            await c.until(lambda: "h0" in c.state.nodes, "h0 registered")
+            await c.log.publish_input(job("long", py(MARKER_JOB), gpus=2))
+            marks = c.checkpoint("long") / "marks"
+            await c.until(lambda: marks.exists(), "the job started on h0")
+            c.start_agent("h1")
+            await c.until(lambda: "h1" in c.state.nodes, "h1 registered")
+            proxy.partition()
+            await c.until(lambda: c.state.nodes["h0"].health == "down", "h0 marked down")
+            await c.until(
+                lambda: any(s.attempt == 2 and s.node == "h1" for s in c.starts("long")),
+                "the job restarted on h1",
+            )
+            await c.until(lambda: "2 write 3" in marks.read_text(), "attempt 2 writing")
+            assert c.agents["h0"].poll() is None  # alive all along: it fenced itself
+            (fenced,) = c.attempt_dirs("h0", "long")
+            assert json.loads((fenced / "exit").read_text())["exit_code"] in (143, -9)
+            notice = json.loads((fenced / "preempt-notice").read_text())
+            assert notice["reason"].startswith("fenced: ")
+            assert notice["grace_ms"] == 600  # N for H = 6 s
+            assert "fence" in (fenced / "output.log").read_text()
+            assert_one_attempt_at_a_time(marks)
+            proxy.heal()
+            await c.until(lambda: c.state.nodes["h0"].health == "healthy", "h0 back")
+            await c.until(lambda: (fenced / "reported").exists(), "the fenced attempt settled")
+            await c.settle()
+            # cut off, the agent still took attempt 1 for the current run: a report it
+            # made then arrives stale and changes nothing
+            assert [e.attempt for e in c.finishes("long")] in ([], [1])
+            assert c.state.running["long"].attempt == 2
+    finally:
+        await proxy.close()
+
+
+async def test_killed_agent_fences_its_run_before_the_requeue(
+    nats_server, js, cluster, tmp_path
+) -> None:
+    """An agent killed (SIGKILL): its run does not outlive it unfenced: the run's
+    supervisor stops it (notice, then SIGKILL) once the agent's lease runs out, before
+    the scheduler marks the node down and the run is requeued elsewhere (the history's
+    1.5 s timeout is read as 5 s: the smallest that leaves time to fence). The agent
+    started again reports nothing for the old attempt and brings its node back."""
     async with cluster_of(
         nats_server, js, cluster, tmp_path, nodes=2, heartbeat_timeout_ms=1500
     ) as c:
-        await c.log.publish_input(
-            job("long", py("import time; time.sleep(120)"), gpus=2, min_runtime_ms=0)
-        )
-        await c.until(lambda: len(c.starts("long")) == 1, "the job started")
+        await c.log.publish_input(job("long", py(MARKER_JOB), gpus=2, min_runtime_ms=0))
+        marks = c.checkpoint("long") / "marks"
+        await c.until(lambda: len(c.starts("long")) == 1 and marks.exists(), "the job started")
         (first,) = c.node_of("long")
         other = next(n for n in ("h0", "h1") if n != first)
         c.kill_agent(first)
+        (orphan,) = c.attempt_dirs(first, "long")
+        await c.until(lambda: (orphan / "exit").exists(), "the orphan fenced by its supervisor")
         await c.until(lambda: c.state.nodes[first].health == "down", "the node marked down")
         downs = [e for e in c.inputs if isinstance(e, NodeHealthChanged) and e.state == "down"]
         assert [(e.node, e.actor) for e in downs] == [(first, "scheduler")]
@@ -410,10 +564,12 @@ async def test_killed_agent_marks_node_down_and_requeues(
             lambda: any(s.attempt == 2 and s.node == other for s in c.starts("long")),
             "the job restarted on the other node",
         )
-        (orphan,) = c.attempt_dirs(first, "long")
-        assert not (orphan / "exit").exists()  # its host "went down"; the process still runs
+        await c.until(lambda: "2 write 3" in marks.read_text(), "attempt 2 writing")
+        assert json.loads((orphan / "exit").read_text())["exit_code"] in (143, -9)
+        assert "fence" in (orphan / "output.log").read_text()
+        assert_one_attempt_at_a_time(marks)
         c.start_agent(first)
-        await c.until(lambda: (orphan / "exit").exists(), "the orphaned attempt stopped")
+        await c.until(lambda: (orphan / "reported").exists(), "the orphan settled")
         await c.until(lambda: c.state.nodes[first].health == "healthy", "the node back")
         await c.settle()
         assert c.finishes("long") == []

@@ -48,7 +48,7 @@ async def test_the_process_and_the_simulated_runtime_follow_one_reconcile(
     monkeypatch.setattr(
         agent_runs,
         "launch",
-        lambda run, argv, env, cwd: launched.append((run.workload, run.rank, env)),
+        lambda run, argv, env, cwd, fence=None: launched.append((run.workload, run.rank, env)),
     )
     monkeypatch.setattr(agent_runs, "check", lambda run: None)  # no supervisor: never exits
     monkeypatch.setattr(agent_runs, "send", lambda run, sig: signals.append((run.workload, sig)))

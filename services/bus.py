@@ -569,7 +569,22 @@ class JetStreamLog:
             _convert_input,
             bridge=self.accepted_loss if bridge else None,
             logger=logs.get("bus", cluster=s.cluster),
+            leader_get=self._leader_input if bridge else None,
         )
+
+    async def _leader_input(self, seq: int) -> StoredMessage | None:
+        """Input ``seq`` as the INPUTS leader holds it (``STREAM.MSG.GET``), or
+        ``None``: a direct get may be answered by a replica whose store lost
+        messages that the stream still holds."""
+        try:
+            raw = await self.js.get_msg(self.subjects.inputs_stream, seq)
+        except Exception:  # not there, no leader now, not allowed: not held
+            return None
+        if raw.seq != seq or raw.time is None:
+            return None
+        ts_ns = int(raw.time.timestamp()) * 1_000_000_000 + raw.time.microsecond * 1000
+        headers = {str(k): str(v) for k, v in (raw.headers or {}).items()}
+        return StoredMessage.of(seq, ts_ns, raw.subject or "", headers, raw.data or b"")
 
     async def accepted_loss(self, first: int, next_seq: int) -> tuple[InputItem, int] | None:
         """The :class:`~apportion.schemas.events.InputsLost` stored at or after
@@ -622,8 +637,20 @@ class JetStreamLog:
             await tail.close()
         if expected <= last:
             missing.append((expected, last))  # at the end: nothing stored after them
-        out = []
+        lost: list[tuple[int, int]] = []
         for first, through in missing:
+            # the replica that answered may have lost what the stream's leader holds
+            run_start: int | None = None
+            for seq in range(first, through + 1):
+                if await self._leader_input(seq) is None:
+                    run_start = seq if run_start is None else run_start
+                elif run_start is not None:
+                    lost.append((run_start, seq - 1))
+                    run_start = None
+            if run_start is not None:
+                lost.append((run_start, through))
+        out = []
+        for first, through in lost:
             found = await self.accepted_loss(first, through + 1)
             placed = found[0] if found is not None else None
             event = placed.event if placed is not None else None

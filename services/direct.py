@@ -69,6 +69,13 @@ class StoredMessage:
 
     __slots__ = ("seq", "ts_ns", "subject", "headers", "data")
 
+    @classmethod
+    def of(cls, seq: int, ts_ns: int, subject: str, headers: dict[str, str], data: bytes) -> Any:
+        """A message read another way (the stream leader's ``STREAM.MSG.GET``)."""
+        m = cls.__new__(cls)
+        m.seq, m.ts_ns, m.subject, m.headers, m.data = seq, ts_ns, subject, headers, data
+        return m
+
     def __init__(self, msg: Any) -> None:
         h = msg.headers or {}
         self.seq = int(h["Nats-Sequence"])
@@ -149,6 +156,7 @@ class DirectTail(Generic[T]):
         convert: Callable[[StoredMessage], T | None],
         bridge: Bridge | None = None,
         logger: Any = None,
+        leader_get: Callable[[int], Awaitable[StoredMessage | None]] | None = None,
     ) -> None:
         self._nc = nc
         self._stream = stream
@@ -162,6 +170,7 @@ class DirectTail(Generic[T]):
         self._lock = asyncio.Lock()
         self._timeouts = 0  # requests in a row that got no answer at all
         self._bridge = bridge
+        self._leader_get = leader_get
         self._logger = logger
         self._gap: tuple[int, int] | None = None
         self.bridged: dict[int, int] = {}
@@ -278,10 +287,15 @@ class DirectTail(Generic[T]):
             out: list[T] = []
             buf = self._buf
             if self._bridge is not None and buf[0].seq > self._from:
-                placed = await self._at_gap(deadline)
-                if placed is None:
-                    return out
-                out.append(placed)
+                # a replica that answered may have lost what the stream holds: ask its leader
+                held = await self._leader_get(self._from) if self._leader_get else None
+                if held is not None and held.seq == self._from:
+                    buf.insert(0, held)
+                else:
+                    placed = await self._at_gap(deadline)
+                    if placed is None:
+                        return out
+                    out.append(placed)
             n = 0
             while n < len(buf) and len(out) < max_n:
                 m = buf[n]

@@ -4,8 +4,9 @@ Errors a user can fix exit non-zero with one line on stderr (``apportion: ...``)
 never a traceback; so does a NATS server that is away or refuses (exit status 2).
 Sub-command groups live beside this file:
 ``cli_sim`` (simulate, trace, replay, audit, whatif), ``cli_live`` (up,
-submit, cancel, queue, share, explain, budget) and ``cli_auth`` (auth issue,
-list, revoke); they register themselves here.
+submit, cancel, queue, share, explain, budget), ``cli_auth`` (auth issue,
+list, revoke) and ``cli_history`` (history gaps, accept-loss); they register
+themselves here.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ for _module in (
     "apportion.cli_live",
     "apportion.cli_auth",
     "apportion.cli_agent",
+    "apportion.cli_history",
 ):
     _register(_module)
 _register("apportion.cli_sql")

@@ -759,6 +759,19 @@ def status(url: str | None, timeout: float | None, token_file: Path | None, as_j
         f"{data['running']} running; {data['input_seq']} inputs and {data['batches']} "
         f"decision batches folded, last event at {iso(data['now_ms'])}"
     )
+    if data.get("caught_up") is False:
+        click.echo("the gateway is still catching up with the history")
+    missing = data.get("missing")
+    if missing:
+        click.echo(
+            f"history NOT WHOLE: inputs {missing['first']}..{missing['through']} "
+            f"({missing['count']} inputs) are missing from INPUTS and no loss was accepted; "
+            "submits are refused (503) until an operator runs "
+            f"`apportion history accept-loss --cluster {data['cluster']} "
+            f"--through {missing['through']}` (docs/services.md, 'Lost inputs')"
+        )
+    for first, through in data.get("lost") or []:
+        click.echo(f"inputs {first}..{through} were lost; the loss was accepted")
 
 
 @main.group()

@@ -407,6 +407,8 @@ def replay_cmd(log, nats_url, cluster_name, out, log_out, until) -> None:
         f"replay: {done.inputs:,} inputs, {done.batches:,} decision batches, "
         f"{done.decisions:,} decisions" + (f" (until input {until})" if until is not None else "")
     )
+    for note in source.gaps:
+        click.echo(f"replay: {note}")
     if out is not None:
         sizes = ", ".join(f"{t} {n:,}" for t, n in done.table_sizes.items())
         click.echo(f"wrote {out}: {sizes}")

@@ -29,6 +29,7 @@ from apportion.schemas.events import (
     ClockTicked,
     Event,
     InputRejected,
+    InputsLost,
     NodeDrained,
     NodeHealthChanged,
     NodeRegistered,
@@ -324,6 +325,20 @@ def _clock_ticked(state: State, e: ClockTicked) -> None:
     _tick(state, e)
 
 
+def _inputs_lost(state: State, e: InputsLost) -> None:
+    """The record of a loss at its own position in ``INPUTS``: the clock moves,
+    nothing else (its effect, moving over the gap, happened where the history
+    places it: :func:`apportion.core.history.fold_item`). Only an operator may
+    record a loss."""
+    _tick(state, e)
+    if not is_operator(state, e.actor):
+        _reject(
+            state,
+            e,
+            Refusal(R.NOT_AUTHORISED, not_operator(e.actor, "record lost inputs", "nobody else")),
+        )
+
+
 # -- runs: the only places that move GPUs and charges ------------------------
 
 
@@ -490,6 +505,7 @@ _HANDLERS: dict[type, Callable[[State, Any], None]] = {
     WorkloadFinished: _workload_finished,
     ClockTicked: _clock_ticked,
     WorkloadStarted: _workload_started,
+    InputsLost: _inputs_lost,
     WorkloadPlaced: _workload_placed,
     WorkloadPreempted: _workload_preempted,
     NodeDrained: _node_drained,

@@ -35,7 +35,7 @@ from typing import Protocol
 
 from apportion.schemas.bounds import clip_reason
 from apportion.schemas.codec import encode
-from apportion.schemas.events import DecisionBatch
+from apportion.schemas.events import DecisionBatch, InputsLost
 from apportion.schemas.history import HistoryItem, InputItem
 from apportion.schemas.reasons import MALFORMED
 from msgspec import UNSET
@@ -65,9 +65,38 @@ class Observer(Protocol):
     def __call__(self, item: HistoryItem, state: State, rejected: str | None, /) -> None: ...
 
 
-def fold_item(state: State, item: HistoryItem) -> str | None:
-    """Fold ``item`` into ``state`` (in place); return why an input was rejected, if it was."""
+def bridges_gap(input_seq: int, item: InputItem) -> bool:
+    """``item`` is an :class:`~apportion.schemas.events.InputsLost` placed at the gap
+    right after input ``input_seq``: it names the inputs ``input_seq + 1`` ..
+    ``item.seq`` as lost (readers hand it on as input ``through``)."""
+    e = item.event
+    return (
+        isinstance(e, InputsLost)
+        and e.first == input_seq + 1
+        and e.through == item.seq
+        and e.first <= e.through
+    )
+
+
+def lost_range(item: HistoryItem) -> tuple[int, int] | None:
+    """``(first, through)`` when ``item`` is a loss placed at its gap (else ``None``)."""
     if isinstance(item, InputItem):
+        e = item.event
+        if isinstance(e, InputsLost) and e.through == item.seq and e.first <= e.through:
+            return e.first, e.through
+    return None
+
+
+def fold_item(state: State, item: HistoryItem) -> str | None:
+    """Fold ``item`` into ``state`` (in place); return why an input was rejected, if it was.
+
+    An :class:`~apportion.schemas.events.InputsLost` placed at a gap
+    (:func:`bridges_gap`) moves the input sequence over the lost inputs and
+    changes nothing else (the clock included)."""
+    if isinstance(item, InputItem):
+        if bridges_gap(state.input_seq, item):
+            state.input_seq = item.seq
+            return None
         if item.seq != state.input_seq + 1:
             raise HistoryOrderError(
                 f"input {item.seq} arrived after input {state.input_seq}: "

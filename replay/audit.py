@@ -90,19 +90,25 @@ class AuditResult(msgspec.Struct, kw_only=True):
     """The version of the logic this audit ran."""
     recorded_logic: list[str] = msgspec.field(default_factory=list)
     """The versions the log's batches record, in the order first seen (``""``: none)."""
+    gaps: list[str] = msgspec.field(default_factory=list)
+    """Lost inputs (:attr:`~apportion.replay.eventlog.CanonicalLog.gaps`), one line each."""
+    whole: bool = True
+    """``False``: inputs are missing with no loss accepted; the audit covers the
+    history before them only."""
 
     @property
     def ok(self) -> bool:
-        return self.divergence is None and not self.foreign
+        return self.divergence is None and not self.foreign and self.whole
 
     def verdict(self) -> str:
+        gaps = [f"audit: {note}" for note in self.gaps]
         foreign = [
             f"audit: {len(self.foreign):,} messages on the decisions stream are not part of the "
             "history (left out):",
             *(f"  {note}" for note in self.foreign),
         ]
         if self.divergence is not None:
-            return "\n".join(self.divergence.lines() + (foreign if self.foreign else []))
+            return "\n".join(self.divergence.lines() + gaps + (foreign if self.foreign else []))
         checked = "" if self.recorded_digest else ", no digest recorded to check"
         made = ", ".join(v or "unrecorded" for v in self.recorded_logic)
         by = f" by logic {self.logic}" + (
@@ -112,7 +118,7 @@ class AuditResult(msgspec.Struct, kw_only=True):
             f"audit: {self.inputs:,} inputs, {self.batches:,} decision batches, all reproduced"
             f"{by} (digest {self.digest[:16]}{checked})"
         )
-        return "\n".join([line, *foreign]) if self.foreign else line
+        return "\n".join([line, *gaps, *(foreign if self.foreign else [])])
 
 
 def _text(obj: msgspec.Struct | None) -> str:
@@ -191,6 +197,8 @@ def audit(
             foreign=log.foreign,
             logic=logic,
             recorded_logic=seen,
+            gaps=list(log.gaps),
+            whole=log.whole,
         )
 
     items = iter(log)

@@ -31,12 +31,14 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgspec
+from apportion.core.history import bridges_gap
 from apportion.schemas.codec import EventDecodeError, decode_batch, decode_input, encode
 from apportion.schemas.events import (
     INPUT_TYPES,
     BudgetRemoved,
     BudgetSet,
     DecisionBatch,
+    InputsLost,
     NodeRegistered,
     PolicySet,
 )
@@ -153,12 +155,20 @@ class CanonicalLog:
         items: Iterable[HistoryItem],
         name: str,
         foreign: list[str] | None = None,
+        gaps: list[str] | None = None,
+        whole: bool = True,
     ) -> None:
         self.header = header
         self.name = name
         self.foreign: list[str] = foreign or []
         """Messages of the source that are not part of the history (a live cluster's
         DECISIONS stream can hold them), described; the audit reports them."""
+        self.gaps: list[str] = gaps or []
+        """Lost inputs, one line each: an accepted loss (an ``InputsLost`` at its
+        gap), inputs missing with no loss accepted, batches left out for them."""
+        self.whole = whole
+        """``False`` when inputs are missing with no loss accepted: the items end
+        before them."""
         self.end: End | None = None
         self._items = items
 
@@ -185,7 +195,7 @@ def _checked(log: CanonicalLog) -> Generator[HistoryItem, None, None]:
             batches += 1
         else:
             k = item.seq
-            if k != seq + 1:
+            if k != seq + 1 and not bridges_gap(seq, item):
                 raise LogError(f"{name}: input {k} follows input {seq} (a gap or a repeat)")
             seq = k
         yield item
@@ -378,7 +388,9 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
         inputs, decisions = _rows(icur), _rows(dcur)
         bi = 0
         folded = 0  # decisions before the batch: a part of a split cycle names it
-        for seq in range(1, end.inputs + 1):
+        seq = 0
+        while seq < end.inputs:
+            seq += 1
             if seq in malformed:
                 yield malformed[seq]
             else:
@@ -386,9 +398,12 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                 if row is None:
                     raise LogError(f"{path}: input {seq} is missing from the events table")
                 try:
-                    yield input_item(seq, decode_input(row[1]))
+                    event = decode_input(row[1])
                 except EventDecodeError as exc:
                     raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
+                if isinstance(event, InputsLost) and event.first == seq < event.through:
+                    seq = event.through  # a loss accepted at its gap: the inputs it names
+                yield input_item(seq, event)
             run = bi
             while run < len(batches) and batches[run][0] == seq:
                 run += 1

@@ -223,6 +223,26 @@ class ClockTicked(Event, frozen=True, kw_only=True, tag="ClockTicked"):
     """Time moves with nothing else happening (for example a protection expiry)."""
 
 
+class InputsLost(Event, frozen=True, kw_only=True, tag="InputsLost"):
+    """An operator's record that inputs ``first`` .. ``through`` of ``INPUTS`` are
+    gone (the store lost them) and that the history goes on without them
+    (``apportion history accept-loss``; docs/services.md, "Lost inputs").
+
+    It is stored after the gap, but the history places it **at the gap**: readers
+    that find input ``first - 1`` followed by ``through + 1`` hand on this event as
+    input ``through`` (the fold moves the sequence over the gap and changes
+    nothing else, not even the clock), then the inputs stored after the gap. At
+    its own position it is folded again as a record: the clock moves to its
+    time, nothing else changes (``actor`` must be an operator, else it is
+    refused like any input by someone not allowed). Decisions based on a lost
+    input are not part of the history."""
+
+    first: Count
+    through: Count
+    actor: Name = ""
+    note: Reason = ""
+
+
 # --------------------------------------------------------------------------
 # Decisions: published by the scheduler alone, computed from the inputs.
 # --------------------------------------------------------------------------
@@ -283,6 +303,7 @@ Input = (
     | WorkloadFinished
     | ClockTicked
     | WorkloadStarted
+    | InputsLost
 )
 Decision = WorkloadPlaced | WorkloadPreempted | NodeDrained | InputRejected
 AnyEvent = Input | Decision
@@ -298,6 +319,7 @@ INPUT_TYPES: tuple[type[Event], ...] = (
     WorkloadFinished,
     ClockTicked,
     WorkloadStarted,
+    InputsLost,
 )
 DECISION_TYPES: tuple[type[Event], ...] = (
     WorkloadPlaced,

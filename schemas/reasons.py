@@ -143,6 +143,19 @@ UNACKNOWLEDGED = _code(
     "of the same request is stored once",
     fold=False,
 )
+CATCHING_UP = _code(
+    "catching_up",
+    "the gateway's view has not caught up with the history yet (just started, or the "
+    "inputs the answer depends on are not folded yet): retry after Retry-After seconds",
+    fold=False,
+)
+HISTORY_INCOMPLETE = _code(
+    "history_incomplete",
+    "inputs are missing from the INPUTS stream (the store lost them) and no loss was "
+    "accepted: nothing is published until an operator accepts it "
+    "(apportion history accept-loss)",
+    fold=False,
+)
 
 
 class Refusal(msgspec.Struct, frozen=True):

@@ -46,11 +46,11 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 from apportion.schemas.codec import EventDecodeError, decode_batch, decode_input, encode
-from apportion.schemas.events import DecisionBatch, Input, kind_of
+from apportion.schemas.events import DecisionBatch, Input, InputsLost, kind_of, kind_of_type
 from apportion.schemas.history import BatchItem, InputItem, malformed_item
 
 from . import logs
-from .direct import DirectTail, StoredMessage
+from .direct import DirectTail, StoredMessage, get_batch
 
 T = TypeVar("T")
 
@@ -82,6 +82,23 @@ class BatchTooLarge(Exception):
 
 class SnapshotUnreadable(Exception):
     """A stored snapshot that cannot be used (its chunks missing or not matching its digest)."""
+
+
+class HistoryGap(Exception):
+    """Inputs ``first`` .. ``through`` are missing from INPUTS (the store lost them)
+    and no loss was accepted for them: the history cannot be folded past them."""
+
+    def __init__(self, first: int, through: int, *, held: bool = False) -> None:
+        super().__init__(
+            f"inputs {first}..{through} were folded by this reader but are recorded as lost"
+            if held
+            else f"inputs {first}..{through} are missing from INPUTS and no loss was accepted "
+            "(apportion history accept-loss)"
+        )
+        self.first = first
+        self.through = through
+        self.held = held
+        """The reader's state holds the lost inputs (it folded them before the loss)."""
 
 
 class Fenced(Exception):
@@ -124,6 +141,21 @@ class Subjects:
 # --------------------------------------------------------------------------
 
 
+class InputGap(msgspec.Struct, frozen=True, kw_only=True):
+    """Inputs ``first`` .. ``through`` missing from INPUTS; ``acceptance`` is the id
+    of the ``InputsLost`` that bridges them (``None``: no loss accepted yet) and
+    ``accepted_by`` its actor."""
+
+    first: int
+    through: int
+    acceptance: str | None = None
+    accepted_by: str | None = None
+
+    @property
+    def count(self) -> int:
+        return self.through - self.first + 1
+
+
 class PublishResult(msgspec.Struct, frozen=True):
     seq: int
     duplicate: bool = False
@@ -155,6 +187,12 @@ class Tail(Protocol[T]):
     @property
     def position(self) -> int:
         """The stream sequence of the last message taken, one skipped as undecodable included."""
+        ...
+
+    @property
+    def gap(self) -> tuple[int, int] | None:
+        """``(first, through)``: stored messages missing (lost by the store, no loss
+        accepted for them) where the tail stopped; ``None`` while the stream is whole."""
         ...
 
     async def close(self) -> None: ...
@@ -228,6 +266,10 @@ class _MemoryTail(Generic[T]):
     @property
     def position(self) -> int:
         return self._next  # items hold sequences 1, 2, ...
+
+    @property
+    def gap(self) -> tuple[int, int] | None:
+        return None  # a list in memory loses nothing
 
     async def take(self, max_n: int, timeout: float) -> list[T]:
         if self._next >= len(self._items):
@@ -514,9 +556,57 @@ class JetStreamLog:
         info = await self.js.stream_info(self.subjects.decisions_stream)
         return info.state.last_seq
 
-    def tail_inputs(self, from_seq: int) -> DirectTail[InputItem]:
+    def tail_inputs(self, from_seq: int, *, bridge: bool = True) -> DirectTail[InputItem]:
+        """A tail of INPUTS from ``from_seq``; at a gap it hands on the loss's
+        acceptance placed there (:meth:`accepted_loss`), or stops until there is
+        one (``bridge=False``: no check, sequences may jump)."""
         s = self.subjects
-        return DirectTail(self.nc, s.inputs_stream, s.inputs_all, from_seq, _convert_input)
+        return DirectTail(
+            self.nc,
+            s.inputs_stream,
+            s.inputs_all,
+            from_seq,
+            _convert_input,
+            bridge=self.accepted_loss if bridge else None,
+            logger=logs.get("bus", cluster=s.cluster),
+            leader_get=self._leader_input if bridge else None,
+        )
+
+    async def _leader_input(self, seq: int) -> StoredMessage | None:
+        """Input ``seq`` as the INPUTS leader holds it (``STREAM.MSG.GET``), or
+        ``None``: a direct get may be answered by a replica whose store lost
+        messages that the stream still holds."""
+        try:
+            raw = await self.js.get_msg(self.subjects.inputs_stream, seq)
+        except Exception:  # not there, no leader now, not allowed: not held
+            return None
+        if raw.seq != seq or raw.time is None:
+            return None
+        ts_ns = int(raw.time.timestamp()) * 1_000_000_000 + raw.time.microsecond * 1000
+        headers = {str(k): str(v) for k, v in (raw.headers or {}).items()}
+        return StoredMessage.of(seq, ts_ns, raw.subject or "", headers, raw.data or b"")
+
+    async def accepted_loss(self, first: int, next_seq: int) -> tuple[InputItem, int] | None:
+        """The :class:`~apportion.schemas.events.InputsLost` stored at or after
+        ``next_seq`` that names exactly the inputs ``first`` .. ``next_seq - 1``
+        as lost (the first one, in stream order), as the history places it (input
+        ``next_seq - 1``, at the gap), with the sequence it is stored at. ``None``
+        when there is none."""
+        subject = self.subjects.input_subject(kind_of_type(InputsLost))
+        seq = next_seq
+        while True:
+            got, _pending = await get_batch(
+                self.nc, self.subjects.inputs_stream, seq, 100, subject=subject
+            )
+            if not got:
+                return None
+            for m in got:
+                item = _convert_input(m)
+                e = item.event
+                if isinstance(e, InputsLost) and e.first == first and e.through == next_seq - 1:
+                    placed = InputItem(seq=e.through, at_ms=item.at_ms, ref=item.ref, event=e)
+                    return placed, m.seq
+            seq = got[-1].seq + 1
 
     def tail_batches(self, from_seq: int) -> DirectTail[BatchItem]:
         s = self.subjects
@@ -526,6 +616,53 @@ class JetStreamLog:
     def nc(self) -> Any:
         """The NATS connection under ``js`` (nats-py keeps it there)."""
         return self.js._nc
+
+    async def input_gaps(self, timeout: float = 10.0) -> list[InputGap]:
+        """Every run of sequences missing from INPUTS (read through, from 1 to its
+        last sequence), each with the acceptance that bridges it, if any."""
+        last = await self.last_input_seq()
+        tail = self.tail_inputs(1, bridge=False)
+        missing: list[tuple[int, int]] = []
+        expected = 1
+        try:
+            while tail.position < last:
+                items = await tail.take(10_000, timeout)
+                if not items:
+                    break
+                for item in items:
+                    if item.seq > expected:
+                        missing.append((expected, item.seq - 1))
+                    expected = item.seq + 1
+        finally:
+            await tail.close()
+        if expected <= last:
+            missing.append((expected, last))  # at the end: nothing stored after them
+        lost: list[tuple[int, int]] = []
+        for first, through in missing:
+            # the replica that answered may have lost what the stream's leader holds
+            run_start: int | None = None
+            for seq in range(first, through + 1):
+                if await self._leader_input(seq) is None:
+                    run_start = seq if run_start is None else run_start
+                elif run_start is not None:
+                    lost.append((run_start, seq - 1))
+                    run_start = None
+            if run_start is not None:
+                lost.append((run_start, through))
+        out = []
+        for first, through in lost:
+            found = await self.accepted_loss(first, through + 1)
+            placed = found[0] if found is not None else None
+            event = placed.event if placed is not None else None
+            out.append(
+                InputGap(
+                    first=first,
+                    through=through,
+                    accepted_by=getattr(event, "actor", None) if event is not None else None,
+                    acceptance=placed.ref if placed is not None else None,
+                )
+            )
+        return out
 
     async def snapshots(self) -> JetStreamSnapshots:
         return await JetStreamSnapshots.open(self.js, self.subjects.snapshot_bucket, self.replicas)
@@ -560,6 +697,16 @@ class JetStreamSnapshots:
 
     async def save(self, name: str, data: bytes) -> None:
         await self.obs.put(name, data)
+
+    async def delete(self, name: str) -> bool:
+        """Delete the object ``name``; ``False`` if there was none."""
+        from nats.js.errors import NotFoundError, ObjectNotFoundError
+
+        try:
+            await self.obs.delete(name)
+        except (ObjectNotFoundError, NotFoundError):
+            return False
+        return True
 
     async def load(self, name: str, idle_timeout_s: float = 5.0) -> bytes | None:
         """The object ``name``, checked against its stored SHA-256 digest (``None``

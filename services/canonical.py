@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from apportion.core.history import HistoryOrderError, fold_item
+from apportion.core.history import HistoryOrderError, fold_item, lost_range
 from apportion.core.state import State
 from apportion.replay.eventlog import CanonicalLog, Header, LogError
 from apportion.schemas.history import BatchItem, HistoryItem, InputItem
@@ -86,6 +86,35 @@ class CanonicalReader:
         self._itail = log.tail_inputs(inputs_done + 1)
         self._btail = log.tail_batches(batches_done + 1)
         self._batches: deque[BatchItem] = deque()
+        self.lost: list[tuple[int, int]] = []
+        """``(first, through)`` of every accepted loss read so far: decision batches
+        based on those inputs are not part of the history (left out, logged)."""
+        self._left_out: list[tuple[int, int]] = []
+        """For each accepted loss, the bases of batches left out: from its first lost
+        input up to its record (made before the loss was known)."""
+        self.dropped = 0
+        """Decision batches left out: based on a lost input, or made before the loss
+        was accepted on an input after it."""
+
+    @property
+    def gap(self) -> tuple[int, int] | None:
+        """``(first, through)``: inputs missing from INPUTS, no loss accepted for
+        them, where reading stopped (the history is not whole); else ``None``."""
+        return self._itail.gap
+
+    def _based_on_lost(self, head: BatchItem) -> bool:
+        basis = head.batch.basis
+        for first, until in self._left_out:
+            if first <= basis <= until:
+                logs.get("canonical").warning(
+                    "left out a decision batch made on inputs since lost",
+                    seq=head.seq,
+                    basis=basis,
+                    lost=[first, until],
+                )
+                self.dropped += 1
+                return True
+        return False
 
     async def read(self, timeout: float, limit: int = 2000) -> list[HistoryItem]:
         """The next items in canonical order (empty after ``timeout`` s with nothing new)."""
@@ -102,8 +131,10 @@ class CanonicalReader:
             head = batches[0]
             basis = head.batch.basis
             if basis <= self.inputs_done:
-                out.append(batches.popleft())
+                batches.popleft()
                 self.batches_done = head.seq
+                if not self._based_on_lost(head):
+                    out.append(head)
                 continue
             inputs = await self._itail.take(
                 min(basis - self.inputs_done, limit - len(out)), timeout
@@ -121,8 +152,14 @@ class CanonicalReader:
                     )
                     continue
                 break
+            for item in inputs:
+                lost = lost_range(item)
+                if lost is not None and lost[0] == self.inputs_done + 1:
+                    self.lost.append(lost)
+                    stored_at = getattr(self._itail, "bridged", {}).get(item.seq, lost[1] + 1)
+                    self._left_out.append((lost[0], stored_at - 1))
+                self.inputs_done = item.seq
             out.extend(inputs)
-            self.inputs_done = inputs[-1].seq
         return out
 
     async def close(self) -> None:
@@ -143,6 +180,11 @@ class Follower:
     def skipped(self) -> int:
         """Decision batches out of canonical order, skipped."""
         return self._fold.skipped
+
+    @property
+    def gap(self) -> tuple[int, int] | None:
+        """Inputs missing where the view stopped (:attr:`CanonicalReader.gap`)."""
+        return self.reader.gap
 
     async def poll(self, timeout: float) -> list[HistoryItem]:
         """Fold what arrived; return it (a batch out of canonical order is skipped,
@@ -165,11 +207,14 @@ class Follower:
 
 async def _read_all(tail: Tail[Any], n: int, timeout: float, what: str) -> list[Any]:
     """The items of a stream tail's first ``n`` messages (a message the tail skips
-    gives none), then close it."""
+    gives none), then close it. An input tail stopped at a gap (lost inputs, no
+    loss accepted) ends there: what it read before the gap."""
     got: list[Any] = []
     try:
         while tail.position < n:
             more = await tail.take(10_000, timeout)
+            if not more and tail.gap is not None:
+                break
             if not more and tail.position < n:
                 raise LogError(f"{what} stopped at message {tail.position} of {n}")
             got.extend(more)
@@ -179,24 +224,47 @@ async def _read_all(tail: Tail[Any], n: int, timeout: float, what: str) -> list[
 
 
 async def read_history(
-    log: EventLog, timeout: float, foreign: list[str] | None = None
+    log: EventLog,
+    timeout: float,
+    foreign: list[str] | None = None,
+    gaps: list[str] | None = None,
+    missing: list[tuple[int, int]] | None = None,
 ) -> list[HistoryItem]:
     """Both streams of ``log``, up to their last messages now, merged in canonical order.
 
     A DECISIONS message that is not a decision batch, or a batch out of canonical
     order (based on an input before the last batch's, again on the same input
     without being the next part of a cycle, or on an input not in INPUTS), is left
-    out and described in ``foreign``: it is not part of the history."""
+    out and described in ``foreign``: it is not part of the history.
+
+    Lost inputs (docs/services.md, "Lost inputs"): an accepted loss is in the
+    history at its gap, and the batches based on a lost input are left out; both
+    are described in ``gaps``. Inputs missing with no loss accepted end the
+    history before them (described in ``gaps`` too)."""
     cluster = log.subjects.cluster
     n_batches = await log.last_batch_seq()
     n_inputs = await log.last_input_seq()
-    inputs: list[InputItem] = await _read_all(
-        log.tail_inputs(1), n_inputs, timeout, f"nats {cluster}: INPUTS"
-    )
+    itail = log.tail_inputs(1)
+    inputs: list[InputItem] = await _read_all(itail, n_inputs, timeout, f"nats {cluster}: INPUTS")
     batches: list[BatchItem] = await _read_all(
         log.tail_batches(1), n_batches, timeout, f"nats {cluster}: DECISIONS"
     )
     notes: list[str] = [] if foreign is None else foreign
+    gap_notes: list[str] = [] if gaps is None else gaps
+    lost: list[tuple[int, int]] = []
+    accepted_by: list[str] = []
+    previous = 0
+    until: list[int] = []
+    for item in inputs:
+        found = lost_range(item)
+        if found is not None and found[0] == previous + 1:
+            lost.append(found)
+            until.append(getattr(itail, "bridged", {}).get(item.seq, found[1] + 1) - 1)
+            accepted_by.append(f"{getattr(item.event, 'actor', '') or '(no actor)'} ({item.ref})")
+        previous = item.seq
+    stopped = itail.gap
+    if stopped is not None and missing is not None:
+        missing.append(stopped)
     decoded = {b.seq for b in batches}
     notes += [
         f"DECISIONS message {seq}: not a decision batch"
@@ -204,29 +272,52 @@ async def read_history(
         if seq not in decoded
     ]
     out: list[HistoryItem] = []
+    last_input = inputs[-1].seq if inputs else 0
     ii, last_basis, continued = 0, 0, False
+    left_out = [0] * (len(lost) + 1)  # per accepted loss, then after a gap not accepted
     for b in batches:
         basis = b.batch.basis
+        where_lost = [i for i, (first, _) in enumerate(lost) if first <= basis <= until[i]]
+        if where_lost or (stopped is not None and basis >= stopped[0]):
+            left_out[where_lost[0] if where_lost else -1] += 1
+            continue
         in_order = basis > last_basis or (basis == last_basis and continued and basis > 0)
-        if not in_order or basis > n_inputs:
-            where = "not in INPUTS" if basis > n_inputs else "out of canonical order"
+        if not in_order or basis > last_input:
+            where = "not in INPUTS" if basis > last_input else "out of canonical order"
             notes.append(f"DECISIONS message {b.seq}: based on input {basis}, {where}")
             continue
-        while ii < basis:
+        while ii < len(inputs) and inputs[ii].seq <= basis:
             out.append(inputs[ii])
             ii += 1
         out.append(b)
         last_basis, continued = basis, b.batch.continued
-    out.extend(inputs[ii:n_inputs])
+    out.extend(inputs[ii:])
+    for i, (first, through) in enumerate(lost):
+        gap_notes.append(
+            f"inputs {first:,}..{through:,} were lost ({through - first + 1:,} inputs), the loss "
+            f"accepted by {accepted_by[i]}; {left_out[i]:,} decision batches made on them left out"
+        )
+    if stopped is not None:
+        gap_notes.append(
+            f"inputs {stopped[0]:,}..{stopped[1]:,} are missing from INPUTS and no loss was "
+            f"accepted (apportion history accept-loss): the history stops at input "
+            f"{stopped[0] - 1:,}; {left_out[-1]:,} decision batches after it left out"
+        )
     return out
 
 
 async def _read_nats(
-    url: str, cluster: str, timeout: float, foreign: list[str]
+    url: str,
+    cluster: str,
+    timeout: float,
+    foreign: list[str],
+    gaps: list[str],
+    missing: list[tuple[int, int]],
 ) -> list[HistoryItem]:
     nc = await connect(url, name="apportion-history", reconnect=False)
     try:
-        return await read_history(JetStreamLog(nc.jetstream(), cluster), timeout, foreign)
+        log = JetStreamLog(nc.jetstream(), cluster)
+        return await read_history(log, timeout, foreign, gaps, missing)
     finally:
         await nc.close()
 
@@ -234,8 +325,10 @@ async def _read_nats(
 def read_nats(url: str, cluster: str, timeout: float = 10.0) -> CanonicalLog:
     """A live cluster's history, up to its last messages now, as a :class:`CanonicalLog`."""
     foreign: list[str] = []
+    gaps: list[str] = []
+    missing: list[tuple[int, int]] = []
     try:
-        items = asyncio.run(_read_nats(url, cluster, timeout, foreign))
+        items = asyncio.run(_read_nats(url, cluster, timeout, foreign, gaps, missing))
     except LogError:
         raise
     except ValueError as exc:
@@ -248,4 +341,6 @@ def read_nats(url: str, cluster: str, timeout: float = 10.0) -> CanonicalLog:
         items,
         f"nats:{cluster}",
         foreign=foreign,
+        gaps=gaps,
+        whole=not missing,
     )

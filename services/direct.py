@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
 
@@ -69,6 +69,13 @@ class StoredMessage:
 
     __slots__ = ("seq", "ts_ns", "subject", "headers", "data")
 
+    @classmethod
+    def of(cls, seq: int, ts_ns: int, subject: str, headers: dict[str, str], data: bytes) -> Any:
+        """A message read another way (the stream leader's ``STREAM.MSG.GET``)."""
+        m = cls.__new__(cls)
+        m.seq, m.ts_ns, m.subject, m.headers, m.data = seq, ts_ns, subject, headers, data
+        return m
+
     def __init__(self, msg: Any) -> None:
         h = msg.headers or {}
         self.seq = int(h["Nats-Sequence"])
@@ -79,10 +86,11 @@ class StoredMessage:
 
 
 async def get_batch(
-    nc: Any, stream: str, from_seq: int, batch: int
+    nc: Any, stream: str, from_seq: int, batch: int, subject: str | None = None
 ) -> tuple[list[StoredMessage], int]:
-    """Up to ``batch`` stored messages of ``stream`` from ``from_seq`` on, and how many
-    are stored after the last one returned."""
+    """Up to ``batch`` stored messages of ``stream`` from ``from_seq`` on (only those
+    on ``subject`` when it is given), and how many are stored after the last one
+    returned."""
     got: list[Any] = []
     end: list[Any] = []
     done = asyncio.Event()
@@ -97,7 +105,10 @@ async def get_batch(
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=collect)
     try:
-        request = json.dumps({"seq": max(1, from_seq), "batch": batch}).encode()
+        ask: dict[str, Any] = {"seq": max(1, from_seq), "batch": batch}
+        if subject is not None:
+            ask["next_by_subj"] = subject
+        request = json.dumps(ask).encode()
         await nc.publish(f"$JS.API.DIRECT.GET.{stream}", request, reply=inbox)
         async with asyncio.timeout(REQUEST_TIMEOUT_S):
             await done.wait()
@@ -116,10 +127,25 @@ async def get_batch(
     raise error(f"direct get on {stream}: {status} {detail}".strip())
 
 
+Bridge = Callable[[int, int], Awaitable[Any]]
+"""``bridge(first, next_seq)``: ``(item, stored_at)``, the item that stands for the
+missing messages ``first`` .. ``next_seq - 1`` (an accepted loss) and the sequence
+of the message it comes from, or ``None`` while there is none."""
+
+GAP_POLL_S = 1.0
+"""How often a reader stopped at a gap asks again whether the loss was accepted."""
+
+
 class DirectTail(Generic[T]):
     """A :class:`~apportion.services.bus.Tail` over ``stream`` from ``from_seq``,
     by batched direct gets; ``convert`` turns a :class:`StoredMessage` into an item,
-    or ``None`` for a message to skip (it logs why)."""
+    or ``None`` for a message to skip (it logs why).
+
+    With ``bridge``, the tail checks that sequences follow one another: at a gap
+    (messages the store lost) it hands on what ``bridge`` gives for it (the
+    record that the loss was accepted, placed at the gap) and goes on after the
+    gap; while ``bridge`` gives nothing it stops there, says so in :attr:`gap`
+    (logged once per gap) and asks again every :data:`GAP_POLL_S`."""
 
     def __init__(
         self,
@@ -128,6 +154,9 @@ class DirectTail(Generic[T]):
         wake_subject: str,
         from_seq: int,
         convert: Callable[[StoredMessage], T | None],
+        bridge: Bridge | None = None,
+        logger: Any = None,
+        leader_get: Callable[[int], Awaitable[StoredMessage | None]] | None = None,
     ) -> None:
         self._nc = nc
         self._stream = stream
@@ -140,10 +169,59 @@ class DirectTail(Generic[T]):
         self._sub: Any = None
         self._lock = asyncio.Lock()
         self._timeouts = 0  # requests in a row that got no answer at all
+        self._bridge = bridge
+        self._leader_get = leader_get
+        self._logger = logger
+        self._gap: tuple[int, int] | None = None
+        self.bridged: dict[int, int] = {}
+        """For each gap passed over: the sequence of the item placed there -> the
+        stream sequence where the record that bridged it is stored."""
 
     @property
     def caught_up(self) -> bool:
-        return not self._buf and self._pending == 0
+        return not self._buf and self._pending == 0 and self._gap is None
+
+    @property
+    def gap(self) -> tuple[int, int] | None:
+        """``(first, through)``: the missing messages this tail stopped at (no loss
+        accepted for them yet), or ``None``."""
+        return self._gap
+
+    async def _at_gap(self, deadline: float) -> T | None:
+        """The buffer starts after a gap: the item that bridges it, or ``None``
+        (then :attr:`gap` says where, and the call waited a while)."""
+        assert self._bridge is not None
+        first, next_seq = self._from, self._buf[0].seq
+        found = await self._bridge(first, next_seq)
+        if found is not None:
+            placed, stored_at = found
+            self.bridged[placed.seq] = stored_at
+            if self._logger is not None:
+                self._logger.warning(
+                    "lost messages accepted; going on after them",
+                    stream=self._stream,
+                    first=first,
+                    through=next_seq - 1,
+                )
+            self._gap = None
+            self._from = next_seq
+            return placed
+        if self._gap != (first, next_seq - 1):
+            self._gap = (first, next_seq - 1)
+            if self._logger is not None:
+                self._logger.error(
+                    "messages missing from the stream: the history is not whole; "
+                    "stopped before them until the loss is accepted "
+                    "(apportion history accept-loss)",
+                    stream=self._stream,
+                    first=first,
+                    through=next_seq - 1,
+                    missing=next_seq - first,
+                )
+        left = deadline - asyncio.get_running_loop().time()
+        if left > 0:
+            await asyncio.sleep(min(left, GAP_POLL_S))
+        return None
 
     @property
     def position(self) -> int:
@@ -208,9 +286,21 @@ class DirectTail(Generic[T]):
                     retry = 0.001
             out: list[T] = []
             buf = self._buf
+            if self._bridge is not None and buf[0].seq > self._from:
+                # a replica that answered may have lost what the stream holds: ask its leader
+                held = await self._leader_get(self._from) if self._leader_get else None
+                if held is not None and held.seq == self._from:
+                    buf.insert(0, held)
+                else:
+                    placed = await self._at_gap(deadline)
+                    if placed is None:
+                        return out
+                    out.append(placed)
             n = 0
             while n < len(buf) and len(out) < max_n:
                 m = buf[n]
+                if self._bridge is not None and m.seq != self._from:
+                    break  # a gap: the next call hands on what bridges it
                 n += 1
                 self._from = m.seq + 1
                 item = self._convert(m)

@@ -101,6 +101,14 @@ T = TypeVar("T")
 MAX_BODY_BYTES = 64 * 1024
 """Largest request body; a larger one is answered 413 before it is read."""
 
+REFUSAL_WAIT_S = 2.0
+"""How long a refusal waits for the view to fold the inputs stored before it
+(then it is answered 503 ``catching_up`` rather than a 4xx that may not be final)."""
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 503 ``catching_up``."""
+GAP_RETRY_AFTER_S = 30
+"""``Retry-After`` of a 503 ``history_incomplete`` (an operator has to act)."""
+
 PUBLISH_UNACKNOWLEDGED = (
     "NATS did not acknowledge the publish in time ({cause}): it may still be stored. "
     "Retrying the same request is safe: a submit or cancel of the same workload id "
@@ -181,6 +189,8 @@ HTTP_STATUS: dict[str, int] = {
     R.HTTP_ERROR: 400,
     R.INTERNAL_ERROR: 500,
     R.UNACKNOWLEDGED: 504,
+    R.CATCHING_UP: 503,
+    R.HISTORY_INCOMPLETE: 503,
 }
 """The HTTP status of every reason code: the only place a refusal's status comes from."""
 
@@ -292,13 +302,16 @@ class Gateway:
         self.url: str | None = None
         self.ready = asyncio.Event()
         self.metrics = GatewayMetrics()
+        self.start_batches: int | None = None
+        """DECISIONS' last sequence when the gateway began to follow: until its view
+        has folded that far it answers 503 ``catching_up`` (``None``: not known yet)."""
         self._estimates: tuple[tuple[int, int, int | None], Estimates] | None = None
         self._estimating: tuple[tuple[int, int, int | None], asyncio.Future[Estimates]] | None = (
             None
         )
         self.app = web.Application(
             client_max_size=MAX_BODY_BYTES,
-            middlewares=[self._measure, self._errors, self._authenticate],
+            middlewares=[self._measure, self._errors, self._authenticate, self._caught_up],
         )
         r = self.app.router
         r.add_post("/v1/workloads", self.submit)
@@ -320,9 +333,27 @@ class Gateway:
     def state(self) -> State:
         return self.follower.state
 
+    @property
+    def caught_up(self) -> bool:
+        """The view has folded every decision batch stored when the gateway began to
+        follow (and so the inputs they are based on): it may answer from it."""
+        target = self.start_batches
+        return target is not None and self.follower.reader.batches_done >= target
+
+    async def _measure_start(self, stop: asyncio.Event) -> None:
+        """Set :attr:`start_batches` (asking again while NATS does not answer)."""
+        while self.start_batches is None and not stop.is_set():
+            try:
+                self.start_batches = await asyncio.wait_for(self.log.last_batch_seq(), 5.0)
+            except Exception as exc:  # NATS away or the stream not there yet: ask again
+                self.logger.warning("could not read DECISIONS' last sequence", error=str(exc))
+                await asyncio.sleep(0.5)
+        self.logger.info("catching up", batches=self.start_batches)
+
     async def follow(self, stop: asyncio.Event) -> None:
         """Keep the view up to date until ``stop``."""
         try:
+            await self._measure_start(stop)
             while not stop.is_set():
                 items = await self.follower.poll(0.2)
                 self.history.record(items)
@@ -460,6 +491,66 @@ class Gateway:
                 ) from None
         return await handler(request)
 
+    # -- answering only from a caught-up, whole view ------------------------
+    @web.middleware
+    async def _caught_up(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """503 (``Retry-After``) for a ``/v1/...`` request (but the status) while
+        the view has not caught up with the history, and for a ``POST`` while the
+        history is not whole (inputs lost, no loss accepted)."""
+        if needs_credential(request.method, request.path):
+            gap = self.follower.gap
+            if gap is not None:
+                # the view cannot go past the gap: reads answer from the history before
+                # it, nothing is published until the loss is accepted
+                if request.method == "POST":
+                    raise _HttpError(
+                        R.HISTORY_INCOMPLETE,
+                        f"the history is not whole: inputs {gap[0]}..{gap[1]} are missing "
+                        "from INPUTS and no loss was accepted, so nothing new would be "
+                        "scheduled; an operator accepts the loss with `apportion history "
+                        "accept-loss` (docs/services.md, 'Lost inputs')",
+                        {"Retry-After": str(GAP_RETRY_AFTER_S)},
+                    )
+            elif not self.caught_up:
+                raise _HttpError(
+                    R.CATCHING_UP,
+                    "the gateway is catching up with the history (folded "
+                    f"{self.follower.reader.batches_done:,} of "
+                    f"{self.start_batches if self.start_batches is not None else '?'} decision "
+                    "batches); retry shortly",
+                    {"Retry-After": str(RETRY_AFTER_S)},
+                )
+        return await handler(request)
+
+    async def _final(self, refused: Refusal, again: Callable[[], T | Refusal]) -> T | Refusal:
+        """``refused`` if it is final: the view has folded every input stored. Else
+        wait (at most :data:`REFUSAL_WAIT_S`) for the view to fold them, asking
+        ``again`` as it moves; still behind: 503 ``catching_up``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REFUSAL_WAIT_S
+        while True:
+            try:
+                stored = await asyncio.wait_for(self.log.last_input_seq(), 2.0)
+            except Exception:  # NATS away: nothing could be published anyway
+                return refused
+            if self.state.input_seq >= stored:
+                return refused
+            if loop.time() >= deadline:
+                raise _HttpError(
+                    R.CATCHING_UP,
+                    f"not final: {refused.message} in the gateway's view, which has folded "
+                    f"{self.state.input_seq:,} of {stored:,} stored inputs (the scheduler has "
+                    "not decided on the rest yet); retry shortly",
+                    {"Retry-After": str(RETRY_AFTER_S)},
+                )
+            await asyncio.sleep(0.05)
+            checked = again()
+            if not isinstance(checked, Refusal):
+                return checked
+            refused = checked
+
     def _actor(self, request: web.Request, stated: str) -> str:
         """Who acts: the authenticated principal; ``stated`` (from the body) only
         when the gateway authenticates nobody."""
@@ -491,7 +582,9 @@ class Gateway:
         )
         checked = commands.submit(self.state, event)
         if isinstance(checked, Refusal):
-            return _refused(checked)
+            checked = await self._final(checked, lambda: commands.submit(self.state, event))
+            if isinstance(checked, Refusal):
+                return _refused(checked)
         ack = await _published(self.log.publish_input(event), workload)
         self.logger.info("submitted", workload=workload, seq=ack.seq, duplicate=ack.duplicate)
         return web.json_response(
@@ -505,7 +598,11 @@ class Gateway:
         # the fold's rules, asked early for a 404, 409 or 403; the fold has the final word
         event = commands.cancel(self.state, workload, actor, self.state.now_ms)
         if isinstance(event, Refusal):
-            return _refused(event)
+            event = await self._final(
+                event, lambda: commands.cancel(self.state, workload, actor, self.state.now_ms)
+            )
+            if isinstance(event, Refusal):
+                return _refused(event)
         ack = await _published(self.log.publish_input(event))
         return web.json_response(
             {"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202
@@ -561,16 +658,22 @@ class Gateway:
             return _error(
                 R.MALFORMED, "invalid request: give 'actor' (this gateway does not authenticate)"
             )
-        events = commands.budget(
-            self.state,
-            actor,
-            [(n.path, n.weight, n.owner) for n in body.set],
-            body.remove,
-            self.state.now_ms,
-            lambda: f"budget-{uuid.uuid4().hex}",
-        )
+
+        def check() -> Any:
+            return commands.budget(
+                self.state,
+                actor,
+                [(n.path, n.weight, n.owner) for n in body.set],
+                body.remove,
+                self.state.now_ms,
+                lambda: f"budget-{uuid.uuid4().hex}",
+            )
+
+        events = check()
         if isinstance(events, Refusal):
-            return _refused(events)
+            events = await self._final(events, check)
+            if isinstance(events, Refusal):
+                return _refused(events)
         acks = await _published(self.log.publish_inputs(list(events)))
         return web.json_response({"published": len(acks), "last_seq": acks[-1].seq}, status=202)
 
@@ -585,6 +688,8 @@ class Gateway:
                 "nodes": len(self.state.nodes),
                 "pending": len(self.state.pending),
                 "running": len(self.state.running),
+                "caught_up": self.caught_up,
+                **history_status(self.follower.gap, self.follower.reader.lost),
             }
         )
 
@@ -595,6 +700,7 @@ class Gateway:
         except Exception:  # NATS away: the other metrics still answer
             stored = None
         self.metrics.update(self.state, stored, self.now_ms())
+        self.metrics.inputs.set_gap(self.follower.gap)
         body = self.metrics.render()
         if self.extra_metrics is not None:
             body += await self.extra_metrics()  # the scheduler's and projector's, under `up`
@@ -602,6 +708,20 @@ class Gateway:
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document())
+
+
+def history_status(gap: tuple[int, int] | None, lost: list[tuple[int, int]]) -> dict[str, Any]:
+    """The ``/v1/status`` fields about lost inputs: ``history`` (``whole``, or
+    ``incomplete`` while inputs are missing with no loss accepted), ``missing``
+    (``{"first","through","count"}`` of those, or ``None``) and ``lost`` (the
+    accepted losses, ``[[first, through], ...]``)."""
+    return {
+        "history": "whole" if gap is None else "incomplete",
+        "missing": None
+        if gap is None
+        else {"first": gap[0], "through": gap[1], "count": gap[1] - gap[0] + 1},
+        "lost": [list(r) for r in lost],
+    }
 
 
 def _http_reason(request: web.Request, exc: web.HTTPException) -> str:
@@ -642,6 +762,12 @@ def openapi_document() -> dict[str, Any]:
     unauthenticated = {
         "description": "no credential, or one the gateway does not know",
         "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}},
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+    unavailable = {
+        "description": "not caught up with the history yet (catching_up), or, for a POST, the "
+        "history is not whole (history_incomplete): retry after Retry-After seconds",
+        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
     }
     ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
@@ -764,4 +890,5 @@ def openapi_document() -> dict[str, Any]:
                 operation["security"] = []  # the health check needs no credential
             else:
                 operation["responses"]["401"] = unauthenticated
+                operation["responses"]["503"] = unavailable
     return doc

@@ -342,6 +342,12 @@ class ProjectorMetrics:
             "Inputs stored but not yet committed by the projector (stored - committed)",
             registry=r,
         )
+        self.inputs_missing = Gauge(
+            "apportion_projector_inputs_missing",
+            "Inputs missing from INPUTS where the projector stopped, no loss accepted for them "
+            "(0: the history is whole; docs/services.md, 'Lost inputs')",
+            registry=r,
+        )
         self._inputs = self.items.labels("input")
         self._batches = self.items.labels("batch")
 
@@ -436,6 +442,16 @@ class InputPosition:
             f"Inputs stored but not yet folded by {who} (stored - folded)",
             registry=registry,
         )
+        self.missing = Gauge(
+            f"{prefix}_inputs_missing",
+            f"Inputs missing from INPUTS where {who} stopped, no loss accepted for them "
+            "(0: the history is whole; docs/services.md, 'Lost inputs')",
+            registry=registry,
+        )
+
+    def set_gap(self, gap: tuple[int, int] | None) -> None:
+        """The gap (``(first, through)``) the reader stopped at, or ``None``."""
+        self.missing.set(0 if gap is None else gap[1] - gap[0] + 1)
 
     def set(self, folded: int, stored: int | None) -> None:
         """``stored``: ``None`` when NATS did not answer (the stored gauges keep their value)."""

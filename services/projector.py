@@ -167,6 +167,7 @@ class Projector:
         self.position: tuple[int, int] = projection.position
         self.state = projection.saved_state()
         self._fold = SkippingFold(self.logger, lambda _item, _why: self.metrics.skipped.inc())
+        self._reader: CanonicalReader | None = None
         self.metrics.update(self.position, None)
 
     @property
@@ -185,7 +186,15 @@ class Projector:
     async def metrics_text(self) -> bytes:
         """The metrics in Prometheus' text format; the lag asks NATS for INPUTS' last sequence."""
         self.metrics.update(self.position, await stored_inputs(self.log))
+        gap = self.gap
+        self.metrics.inputs_missing.set(0 if gap is None else gap[1] - gap[0] + 1)
         return self.metrics.render()
+
+    @property
+    def gap(self) -> tuple[int, int] | None:
+        """Inputs missing where the projector stopped (no loss accepted), or ``None``."""
+        reader = self._reader
+        return None if reader is None else reader.gap
 
     def _commit(self, state: Any) -> None:
         before = self.position
@@ -195,7 +204,7 @@ class Projector:
 
     async def run(self, stop: asyncio.Event) -> None:
         inputs_done, batches_done = self.projection.position
-        reader = CanonicalReader(self.log, inputs_done, batches_done)
+        reader = self._reader = CanonicalReader(self.log, inputs_done, batches_done)
         self.logger.info("resuming", input_seq=inputs_done, batches=batches_done)
         p, state = self.projection, self.state
         dirty = False

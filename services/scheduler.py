@@ -57,10 +57,10 @@ from collections.abc import Callable
 
 import msgspec
 from apportion.core.cycle import decide as budget_decide
-from apportion.core.history import Decider, decide_batch, fold_item, split_batch
+from apportion.core.history import Decider, decide_batch, fold_item, lost_range, split_batch
 from apportion.core.rules.fence import effective_timeout_ms, watches_every_host
 from apportion.core.state import SCHEDULER, State
-from apportion.schemas.events import ClockTicked, DecisionBatch, NodeHealthChanged
+from apportion.schemas.events import ClockTicked, DecisionBatch, InputsLost, NodeHealthChanged
 from apportion.schemas.history import BatchItem, InputItem
 
 from . import logs
@@ -68,6 +68,7 @@ from .bus import (
     BatchTooLarge,
     EventLog,
     Fenced,
+    HistoryGap,
     Lease,
     MemoryLease,
     MemorySnapshots,
@@ -190,6 +191,14 @@ class Scheduler:
         self._tail: Tail[InputItem] | None = None
         self._btail: Tail[BatchItem] | None = None
         self._renewer: asyncio.Task[None] | None = None
+        self.gap: tuple[int, int] | None = None
+        """Inputs missing where the scheduler stopped (no loss accepted), or ``None``."""
+        self._lost: list[tuple[int, int, int]] = []
+        """Accepted losses folded, ``(first, through, until)``: inputs ``first`` ..
+        ``through`` lost, and batches based on ``first`` .. ``until`` (up to the
+        record of the loss) not part of the history."""
+        self._trust_snapshot = True
+        """``False`` after a gap: a snapshot may hold inputs that readers no longer have."""
         self.heard: dict[str, tuple[float, int]] = {}
         """node -> (monotonic time of its last heartbeat, its ``at_ms``)"""
         self._marked_down: dict[str, int] = {}
@@ -300,7 +309,11 @@ class Scheduler:
         heartbeats = await self._listen_heartbeats()
         try:
             while not stop.is_set():
-                await self.follow()
+                try:
+                    await self.follow()
+                except HistoryGap as exc:
+                    await self._at_gap(exc, stop)
+                    continue
                 if not await self.lease.acquire():
                     if not standby_logged:
                         log.info("standby", reason="another scheduler holds the lease")
@@ -309,6 +322,7 @@ class Scheduler:
                     continue
                 standby_logged = False
                 log.info("leading")
+                gap: HistoryGap | None = None
                 try:
                     await self._lead(stop)
                     if stop.is_set() and self._at_cycle_end():
@@ -317,12 +331,17 @@ class Scheduler:
                     self.fenced += 1
                     self.metrics.fenced.inc()
                     log.warning("fenced", detail=str(exc))
+                except HistoryGap as exc:
+                    gap = exc
                 finally:
                     self.leading.clear()
                     await self._stop_renewing()
                     if not self._at_cycle_end():
                         # inputs folded past the last batch: not a state a follower may keep
                         await self._forget()
+                if gap is not None:
+                    await self.lease.release()  # another instance may find the loss accepted first
+                    await self._at_gap(gap, stop)
         finally:
             if heartbeats is not None:
                 with contextlib.suppress(Exception):
@@ -330,6 +349,93 @@ class Scheduler:
             await self.lease.release()
             await self._forget()
             log.info("stopped")
+
+    async def _at_gap(self, gap: HistoryGap, stop: asyncio.Event) -> None:
+        """Inputs are missing and no loss was accepted: report it, let go of the
+        state, and wait (the service stays up) until the loss is accepted; then the
+        next catch-up folds the log again from the start (a snapshot may hold
+        inputs that the stream lost)."""
+        from_snapshot = self.recovered_from == "snapshot" and self._trust_snapshot
+        await self._forget()
+        self._trust_snapshot = False
+        if gap.held:
+            self.logger.warning(
+                "the state holds inputs recorded as lost; folding the whole log again",
+                first=gap.first,
+                through=gap.through,
+            )
+            return
+        if from_snapshot:
+            # the gap may start inside what the snapshot folded: fold the log from input 1
+            self.logger.warning(
+                "inputs missing after the snapshot; folding the whole log",
+                first=gap.first,
+                through=gap.through,
+            )
+            return
+        if self.gap != (gap.first, gap.through):
+            self.gap = (gap.first, gap.through)
+            self.metrics.inputs.set_gap(self.gap)
+            self.logger.error(
+                "history not whole: inputs missing from INPUTS; not deciding until the "
+                "loss is accepted (apportion history accept-loss)",
+                first=gap.first,
+                through=gap.through,
+                missing=gap.through - gap.first + 1,
+            )
+        accepted = getattr(self.log, "accepted_loss", None)
+        waited = 0.0
+        while not stop.is_set() and waited < 30.0:
+            if accepted is not None:
+                try:
+                    if await accepted(gap.first, gap.through + 1) is not None:
+                        return
+                except Exception as exc:  # NATS away: ask again
+                    self.logger.warning("could not look for an accepted loss", error=str(exc))
+            await _wait(stop, 1.0)
+            waited += 1.0
+
+    def _folded(self, item: InputItem, tail: Tail[InputItem]) -> None:
+        """Note an accepted loss just folded: batches based on an input from its
+        first lost one up to its record were made before the loss was known (on
+        inputs that are gone) and are not history.
+
+        The record of a loss folded at its own position for inputs this state did
+        not pass over at their gap means the state holds inputs that the stream
+        lost (it was folded, or its snapshot taken, before the loss): raise
+        :class:`HistoryGap` so that the state is dropped and the log folded again
+        from input 1."""
+        lost = lost_range(item)
+        if lost is None:
+            e = item.event
+            if isinstance(e, InputsLost) and not any(
+                (first, through) == (e.first, e.through) for first, through, _ in self._lost
+            ):
+                state = self.state
+                if state is not None and e.first <= e.through < state.input_seq:
+                    raise HistoryGap(e.first, e.through, held=True)
+            return
+        stored_at = getattr(tail, "bridged", {}).get(item.seq, lost[1] + 1)
+        entry = (lost[0], lost[1], stored_at - 1)
+        if entry not in self._lost:
+            self._lost.append(entry)
+        if self.gap is not None:
+            self.gap = None
+            self.metrics.inputs.set_gap(None)
+
+    def _in_lost(self, basis: int) -> tuple[int, int] | None:
+        """``(first, until)`` of the accepted loss whose batches leave out ``basis``."""
+        for first, _through, until in self._lost:
+            if first <= basis <= until:
+                return first, until
+        return None
+
+    @staticmethod
+    def _gap_of(tail: Tail[InputItem]) -> None:
+        """Raise :class:`HistoryGap` when ``tail`` stopped at missing inputs."""
+        gap = tail.gap
+        if gap is not None:
+            raise HistoryGap(*gap)
 
     async def follow(self) -> None:
         """Bring the state up to the log's last batch (loading it first if there is none)."""
@@ -412,6 +518,8 @@ class Scheduler:
         batch too), from the state kept, else the snapshot, else from scratch:
         a state found ahead of a batch falls back to the next of these."""
         sources = ["kept", "snapshot", "log"] if self.state is not None else ["snapshot", "log"]
+        if not self._trust_snapshot:
+            sources.remove("snapshot")
         for source in sources:
             if source != "kept":
                 await self._load(use_snapshot=source == "snapshot")
@@ -425,6 +533,11 @@ class Scheduler:
                     "state ahead of a decision batch; starting over", detail=str(exc)
                 )
                 continue
+            if self.gap is not None or not self._trust_snapshot:
+                self._trust_snapshot = True  # folded past every gap from input 1
+                if self.gap is not None:
+                    self.gap = None
+                    self.metrics.inputs.set_gap(None)
             if source != "kept" or final:
                 self.logger.info(
                     "recovered" if final else "following",
@@ -456,8 +569,12 @@ class Scheduler:
         if final and not self._open:
             last = await self.log.last_input_seq()
             while state.input_seq < last:
-                for item in await itail.take(min(CHUNK, last - state.input_seq), 5.0):
+                items = await itail.take(min(CHUNK, last - state.input_seq), 5.0)
+                if not items:
+                    self._gap_of(itail)
+                for item in items:
                     fold_item(state, item)
+                    self._folded(item, itail)
                 await self._pause()
         return folded
 
@@ -476,6 +593,16 @@ class Scheduler:
         basis = sb.batch.basis
         if sb.seq <= self.batch_seq:
             return 0  # already held (a tail started again may deliver it once more)
+        lost = self._in_lost(basis)
+        if lost is not None:
+            self.batch_seq = sb.seq
+            self.logger.warning(
+                "left out a decision batch made on inputs since lost",
+                seq=sb.seq,
+                basis=basis,
+                lost=list(lost),
+            )
+            return 0
         if basis < state.input_seq:
             if not skip_ahead:
                 raise _Ahead(f"batch {sb.seq} is based on input {basis}, after {state.input_seq}")
@@ -485,9 +612,15 @@ class Scheduler:
             if basis > self._inputs_known:
                 return self._skip(sb, f"based on input {basis}, which is not in INPUTS")
         while state.input_seq < basis:
-            for item in await itail.take(min(CHUNK, basis - state.input_seq), 5.0):
+            items = await itail.take(min(CHUNK, basis - state.input_seq), 5.0)
+            if not items:
+                self._gap_of(itail)
+            for item in items:
                 fold_item(state, item)
+                self._folded(item, itail)
             await self._pause()
+            if self._in_lost(basis) is not None:
+                return await self._take_batch(sb, skip_ahead)  # now known to be lost
         self.batch_seq = sb.seq
         self._open.append(sb)
         if sb.batch.continued:
@@ -569,13 +702,20 @@ class Scheduler:
             ):
                 timeout = max(0.0, min(timeout, (self.next_wakeup_ms - self.clock()) / 1000))
             items = await tail.take(self.max_inputs_per_cycle - since_cycle, timeout)
+            if not items and tail.gap is not None:
+                raise HistoryGap(*tail.gap)
             for item in items:
                 fold_item(state, item)
+                self._folded(item, tail)
             since_cycle += len(items)
-            # 5. + 6. decide and publish once caught up
+            # 5. + 6. decide and publish once caught up; never on an accepted loss
+            # itself (batches based on a lost input are not history): on the input after it
             caught_up = tail.caught_up or not items
-            if state.input_seq > self.last_basis and (
-                caught_up or since_cycle >= self.max_inputs_per_cycle
+            at_loss = self._in_lost(state.input_seq) is not None
+            if (
+                state.input_seq > self.last_basis
+                and not at_loss
+                and (caught_up or since_cycle >= self.max_inputs_per_cycle)
             ):
                 await self.cycle()
                 since_cycle = 0

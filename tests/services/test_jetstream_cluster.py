@@ -189,3 +189,70 @@ async def test_replicated_streams_survive_a_sigkilled_leader(
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all reproduced" in out.stdout, out.stdout
     print(out.stdout)
+
+
+async def test_replicated_inputs_survive_a_member_with_a_damaged_store(
+    nats_cluster: NatsCluster, cluster: str
+) -> None:
+    """docs/services.md, "Lost inputs": with three replicas, a member whose INPUTS
+    block file is damaged while it is stopped does not lose acknowledged inputs:
+    the history read through every member (the damaged one included) is whole
+    and audits."""
+    from test_lost_inputs import FILLER, damage_first_block
+
+    nc = await connect(nats_cluster.url, name="test-publisher")
+    log = JetStreamLog(nc.jetstream(), cluster, replicas=3)
+    await log.setup(attempts=120)
+    for event in small_cluster(nodes=2):
+        await publish_retrying(log, event)
+    for start in range(0, FILLER, 200):
+        futures = [
+            await log.js.publish_async(
+                log.subjects.input_subject("raw"), b"x" * 8000, headers={"Nats-Msg-Id": f"f-{i}"}
+            )
+            for i in range(start, min(FILLER, start + 200))
+        ]
+        await asyncio.gather(*futures)
+    await publish_retrying(log, submit("after-filler", gpus=4))
+    last = await log.last_input_seq()
+    info = await log.js.stream_info(log.subjects.inputs_stream)
+    damaged = info.cluster.leader  # the worst member to damage: it was serving reads
+    await nc.close()
+
+    kill_and_reap(nats_cluster.procs[damaged], signal.SIGTERM)
+    store = nats_cluster.confs[damaged].parent / "store"
+    damage_first_block(store, log.subjects.inputs_stream)
+    nats_cluster.procs[damaged] = subprocess.Popen(
+        [nats_cluster.binary, "-c", str(nats_cluster.confs[damaged]), "-l", str(nats_cluster.logs[damaged])],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_port(nats_cluster.ports[damaged], nats_cluster.procs[damaged])
+
+    nc = await connect(nats_cluster.url, name="test-reader")
+    log = JetStreamLog(nc.jetstream(), cluster, replicas=3)
+
+    async def replicas_current() -> bool:
+        try:
+            i = await log.js.stream_info(log.subjects.inputs_stream)
+        except Exception:
+            return False
+        peers = i.cluster.replicas or []
+        return len(peers) == 2 and all(p.current for p in peers)
+
+    await eventually(replicas_current, timeout=60, what="every replica current")
+    # read through each member, the damaged one included (direct gets may be answered
+    # by any replica): INPUTS is whole everywhere
+    for name in nats_cluster.names:
+        member = await connect(f"nats://127.0.0.1:{nats_cluster.ports[name]}", name="member")
+        try:
+            member_log = JetStreamLog(member.jetstream(), cluster, replicas=3)
+            for _ in range(3):
+                assert await member_log.input_gaps() == [], name
+                inputs, _batches = await read_all(member_log)
+                assert [i.seq for i in inputs] == list(range(1, last + 1)), name
+        finally:
+            await member.close()
+    await nc.close()
+    done = audit_live(nats_cluster.url, cluster)
+    assert done.returncode == 0, done.stdout + done.stderr

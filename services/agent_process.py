@@ -138,32 +138,27 @@ class ProcessRuntime:
     async def launch(self, run: DesiredRun) -> bool:
         key = run.key
         if self.lease is not None and not self.lease.valid():
-            if key not in self._waiting:
-                self._waiting.add(key)
-                self.logger.info(
-                    "waiting to start",
-                    workload=run.workload,
-                    attempt=run.attempt,
-                    why="fenced: no heartbeat confirmed by the bus within the self-fence bound",
-                )
-            return False
+            return self._wait(
+                run, "fenced: no heartbeat confirmed by the bus within the self-fence bound"
+            )
         free = self._free_indices()
         addr = self.addr if run.master == self.node else self.peers.get(run.master)
-        if len(free) < run.slot_gpus or addr is None:
-            if key not in self._waiting:
-                self._waiting.add(key)
-                self.logger.info(
-                    "waiting to start",
-                    workload=run.workload,
-                    attempt=run.attempt,
-                    why="GPUs still held by a stopping run"
-                    if addr is not None
-                    else f"no heartbeat heard from {run.master} (MASTER_ADDR)",
-                )
-            return False
+        if addr is None:
+            return self._wait(run, f"no heartbeat heard from {run.master} (MASTER_ADDR)")
+        if len(free) < run.slot_gpus:
+            return self._wait(run, "GPUs still held by a stopping run")
         self._waiting.discard(key)
         await self._start(run, tuple(free[: run.slot_gpus]), addr)
         return True
+
+    def _wait(self, run: DesiredRun, why: str) -> bool:
+        """``run`` cannot start yet: say why once (until it starts); False."""
+        if run.key not in self._waiting:
+            self._waiting.add(run.key)
+            self.logger.info(
+                "waiting to start", workload=run.workload, attempt=run.attempt, why=why
+            )
+        return False
 
     # -- the rest ----------------------------------------------------------
     def adopt(self) -> None:

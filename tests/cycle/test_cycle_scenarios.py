@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from apportion.core import State
 from apportion.core.cycle import step
 from apportion.schemas.events import InputRejected, NodeDrained, WorkloadPlaced, WorkloadPreempted
 
@@ -196,16 +197,23 @@ def test_non_resumable_victim_ends_as_preempted():
     assert not pre.requeued and s.status_of("big") == "preempted"
 
 
-def test_two_teams_near_their_shares_do_not_thrash_inside_the_margin():
-    # a: 8 GPUs x 2 h, b: 8 GPUs x 1 h 57 min: b's ratio is 97.5% of a's, inside
-    # the 5% margin, so b may not preempt a (nor a preempt b).
-    s = two_teams(2).state()
+def near_shares(c: Cluster) -> State:
+    """a1 (a, 8 GPUs) from 0 and b1 (b, 8 GPUs) from 3 min on two nodes, at 2 h: b's
+    ratio is 97.5% of a's, both past their 10-minute contracts."""
+    s = c.state()
     submit(s, "a1", "a", 8, 10 * MIN)
     step(s)
     tick(s, 3 * MIN)
     submit(s, "b1", "b", 8, 10 * MIN)
     step(s)
     tick(s, 2 * HOUR)
+    return s
+
+
+def test_two_teams_near_their_shares_do_not_thrash_inside_the_margin():
+    # a: 8 GPUs x 2 h, b: 8 GPUs x 1 h 57 min: b's ratio is 97.5% of a's, inside
+    # the 5% margin, so b may not preempt a (nor a preempt b).
+    s = near_shares(two_teams(2))
     assert s.usage("a") == 8 * 2 * HOUR and s.usage("b") == 8 * (2 * HOUR - 3 * MIN)
     submit(s, "a2", "a", 8, 10 * MIN)
     submit(s, "b2", "b", 8, 10 * MIN)
@@ -217,13 +225,7 @@ def test_a_workload_that_waited_past_the_margin_wait_outranks_on_any_lower_ratio
     # As above (b's ratio just below a's, inside the 5% margin), with a margin wait
     # of 1 h: b2 is held to the margin for its first hour of waiting, the cycle
     # wakes when the hour ends, and then b2 preempts a1 (b is strictly lower).
-    s = two_teams(2, preemption_margin_ppm=50_000, preemption_margin_wait_ms=HOUR).state()
-    submit(s, "a1", "a", 8, 10 * MIN)
-    step(s)
-    tick(s, 3 * MIN)
-    submit(s, "b1", "b", 8, 10 * MIN)
-    step(s)
-    tick(s, 2 * HOUR)
+    s = near_shares(two_teams(2, preemption_margin_ppm=50_000, preemption_margin_wait_ms=HOUR))
     submit(s, "b2", "b", 8, 10 * MIN)
     r = step(s)
     assert preempted(r) == {} and placed(r) == {}

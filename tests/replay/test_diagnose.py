@@ -317,6 +317,18 @@ def test_unallocated_work_it_could_preempt():
     assert b["holders"] == {"c": pytest.approx(8.0)}
 
 
+def _inside_the_margin(margin_wait_ms: int) -> dict:
+    """b's row from 1 h on of the history the next two tests describe."""
+    run = Run({"a": 1, "b": 1, "c": 1}, margin_ppm=500_000, margin_wait_ms=margin_wait_ms)
+    run.submit("a0", "a", 8, 30 * MINUTE_MS).submit("b0", "b", 4, 30 * MINUTE_MS)
+    run.submit("c1", "c", 8, 4 * HOUR_MS).submit("b1", "b", 8, HOUR_MS)
+    run.batch().place("a0", "n1").place("b0", ("n2", 4)).place("c1", "n3")
+    run.at(HOUR_MS).batch()
+    run.at(2 * HOUR_MS).batch()
+    b = {r["team"]: r for r in diagnose(run.items).rows(from_ms=HOUR_MS)}["b"]
+    return b
+
+
 def test_margin_past_its_contract_inside_the_margin():
     """Three teams of weight 1 on 3 x 8 GPUs (owed 8 each), margin 50%. At 0 a0 (a,
     8 GPUs, 30 min) on n1, b0 (b, 4 GPUs, 30 min) on n2, c1 (c, 8, 4 h) on n3; b1
@@ -324,13 +336,7 @@ def test_margin_past_its_contract_inside_the_margin():
     margin (4 < 0.5 x 8 is false): a0 is at level 3. b runs 4 of 8 owed: short 4,
     explained by b1 (n1 level 3; n2: 4 free and b's own b0; n3 a contract):
     ``margin`` 4, held by a."""
-    run = Run({"a": 1, "b": 1, "c": 1}, margin_ppm=500_000)
-    run.submit("a0", "a", 8, 30 * MINUTE_MS).submit("b0", "b", 4, 30 * MINUTE_MS)
-    run.submit("c1", "c", 8, 4 * HOUR_MS).submit("b1", "b", 8, HOUR_MS)
-    run.batch().place("a0", "n1").place("b0", ("n2", 4)).place("c1", "n3")
-    run.at(HOUR_MS).batch()
-    run.at(2 * HOUR_MS).batch()
-    b = {r["team"]: r for r in diagnose(run.items).rows(from_ms=HOUR_MS)}["b"]
+    b = _inside_the_margin(0)
     assert b["shortfall_gpu_h"] == pytest.approx(4.0)
     assert split(b) == {"margin": pytest.approx(4.0)}
     assert b["holders"] == {"a": pytest.approx(4.0)}
@@ -341,13 +347,7 @@ def test_past_the_margin_wait_the_same_block_is_the_schedulers_not_the_margins()
     no longer held to the margin, and outranks a0 (b's ratio is strictly lower): a0
     is at level 2, work the cycle could take, so the shortfall is not ``margin``
     (a named cause the scheduler could have placed past: ``other``)."""
-    run = Run({"a": 1, "b": 1, "c": 1}, margin_ppm=500_000, margin_wait_ms=30 * MINUTE_MS)
-    run.submit("a0", "a", 8, 30 * MINUTE_MS).submit("b0", "b", 4, 30 * MINUTE_MS)
-    run.submit("c1", "c", 8, 4 * HOUR_MS).submit("b1", "b", 8, HOUR_MS)
-    run.batch().place("a0", "n1").place("b0", ("n2", 4)).place("c1", "n3")
-    run.at(HOUR_MS).batch()
-    run.at(2 * HOUR_MS).batch()
-    b = {r["team"]: r for r in diagnose(run.items).rows(from_ms=HOUR_MS)}["b"]
+    b = _inside_the_margin(30 * MINUTE_MS)
     assert b["shortfall_gpu_h"] == pytest.approx(4.0)
     assert split(b) == {"other": pytest.approx(4.0)}
 

@@ -198,21 +198,14 @@ async def test_replicated_inputs_survive_a_member_with_a_damaged_store(
     block file is damaged while it is stopped does not lose acknowledged inputs:
     the history read through every member (the damaged one included) is whole
     and audits."""
-    from test_lost_inputs import FILLER, damage_first_block
+    from test_lost_inputs import damage_first_block, publish_filler
 
     nc = await connect(nats_cluster.url, name="test-publisher")
     log = JetStreamLog(nc.jetstream(), cluster, replicas=3)
     await log.setup(attempts=120)
     for event in small_cluster(nodes=2):
         await publish_retrying(log, event)
-    for start in range(0, FILLER, 200):
-        futures = [
-            await log.js.publish_async(
-                log.subjects.input_subject("raw"), b"x" * 8000, headers={"Nats-Msg-Id": f"f-{i}"}
-            )
-            for i in range(start, min(FILLER, start + 200))
-        ]
-        await asyncio.gather(*futures)
+    await publish_filler(log)
     await publish_retrying(log, submit("after-filler", gpus=4))
     last = await log.last_input_seq()
     info = await log.js.stream_info(log.subjects.inputs_stream)

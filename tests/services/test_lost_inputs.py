@@ -29,6 +29,18 @@ FILLER = 1300
 """Raw inputs of 8 KB: INPUTS spans two 8 MB blocks, the damage hits the first."""
 
 
+async def publish_filler(log: JetStreamLog) -> None:
+    """:data:`FILLER` raw (undecodable) inputs of 8 KB, published in rounds of 200."""
+    for start in range(0, FILLER, 200):
+        futures = [
+            await log.js.publish_async(
+                log.subjects.input_subject("raw"), b"x" * 8000, headers={"Nats-Msg-Id": f"f-{i}"}
+            )
+            for i in range(start, min(FILLER, start + 200))
+        ]
+        await asyncio.gather(*futures)
+
+
 @pytest.fixture
 def own_server(tmp_path: Path):
     """A nats-server of this test alone (it is stopped, damaged and started again)."""
@@ -75,14 +87,7 @@ async def test_a_lost_input_is_reported_then_accepted_and_scheduling_resumes(
     log = JetStreamLog(nc.jetstream(), cluster)
     await log.setup()
     await log.publish_inputs(small_cluster())
-    for start in range(0, FILLER, 200):
-        futures = [
-            await log.js.publish_async(
-                log.subjects.input_subject("raw"), b"x" * 8000, headers={"Nats-Msg-Id": f"f-{i}"}
-            )
-            for i in range(start, min(FILLER, start + 200))
-        ]
-        await asyncio.gather(*futures)
+    await publish_filler(log)
     await log.publish_input(submit("before", gpus=4))
     last = await log.last_input_seq()
     first_scheduler = Scheduler(log)  # snapshots in memory: a restart folds the log

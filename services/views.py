@@ -24,7 +24,7 @@ from apportion.core.history import fold_item
 from apportion.core.ordering import FairShareView, queue_order
 from apportion.core.rules.contract import is_protected, may_use_reserved
 from apportion.core.rules.gpu_types import is_any, overlap, takes
-from apportion.core.state import State, Workload
+from apportion.core.state import ClusterNode, State, Workload
 from apportion.schemas.events import (
     HOUR_MS,
     InputRejected,
@@ -394,19 +394,18 @@ def explain(
             f"(largest block {largest}, {whole} whole nodes)"
         )
         usable = {n.node for n in fits}
-        blockers = sorted(
-            (
-                r
-                for r in state.running.values()
-                if is_protected(r, state.now_ms) and any(s.node in usable for s in r.placement)
-            ),
-            key=lambda r: (r.protected_until_ms, r.id),
-        )
-        if blockers:
-            b = blockers[0]
+        blockers = [
+            r
+            for r in state.running.values()
+            if is_protected(r, state.now_ms) and any(s.node in usable for s in r.placement)
+        ]
+        bound = protections_bound(state, w, fits)
+        if blockers and bound is not None:
+            until, b, node = bound
             reasons.append(
                 f"{len(blockers)} running allocated workloads on{kind} nodes it could use are "
-                f"protected; the first protection ends {when(b.protected_until_ms, now)} ({b.id})"
+                f"protected; protections alone keep it waiting until {when(until, now)} "
+                f"({b} on {node}, protected until then)"
             )
     competing = [a for a in ahead if overlap(a.gpu_type, w.gpu_type)]
     if competing:
@@ -438,6 +437,51 @@ def explain(
     out["position"] = pos
     out["reasons"] = reasons
     return out
+
+
+def protections_bound(
+    state: State, w: Workload, fits: list[ClusterNode]
+) -> tuple[int, str, str] | None:
+    """The earliest time at which protections alone stop keeping ``w`` from the nodes
+    ``fits`` (counting every running GPU as free once its protection ends, and
+    nothing about who may preempt whom), with the run whose protection ends then
+    and its node; ``None`` if no protected run stands in the way.
+
+    One node's worth or less: the first node where free GPUs plus those of runs
+    whose protections have ended reach ``w.gpus``. A gang of ``k`` whole nodes: the
+    ``k``-th node to be whole (a node is whole when its last protection ends), in
+    one pool of nodes of one size, the earliest pool."""
+    now = state.now_ms
+    running = state.running
+    best: tuple[int, str, str] | None = None
+    by_size: dict[int, list[ClusterNode]] = {}
+    for n in fits:
+        by_size.setdefault(n.gpus, []).append(n)
+    for size, nodes in sorted(by_size.items()):
+        if w.gpus > size and w.gpus % size:
+            continue
+        k = 1 if w.gpus <= size else w.gpus // size
+        want = min(w.gpus, size)
+        times: list[tuple[int, str, str]] = []  # (when, run, node) per node
+        for n in nodes:
+            runs = sorted((max(running[wid].protected_until_ms, now), wid) for wid in n.workloads)
+            have, at, who = n.free, now, ""
+            for until, wid in runs:
+                if have >= want:
+                    break
+                have += n.workloads[wid]
+                at, who = until, wid
+            if have >= want:
+                times.append((at, who, n.node))
+        if len(times) < k:
+            continue
+        times.sort()
+        option = times[k - 1]
+        if best is None or option < best:
+            best = option
+    if best is None or best[0] <= now or not best[1]:
+        return None
+    return best
 
 
 def replay_history(

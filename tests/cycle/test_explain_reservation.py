@@ -28,3 +28,26 @@ def test_explain_names_the_reservation_and_the_gate():
         long["reasons"]
     )
     assert long["reservation"] == {"workload": "big", "nodes": ["n001"], "start_ms": 7_200_000}
+
+
+def test_explain_names_the_protection_a_gang_waits_for_not_the_first_to_end():
+    """A gang of three whole nodes: n003 is free, a-debug (1 GPU) is protected on
+    n001 for 10 minutes, a-pt1 (8 GPUs) on n002 for 2 hours. The gang needs all three
+    nodes, so protections keep it waiting until a-pt1's ends, not a-debug's."""
+    s = Cluster().team("a", 1).team("b", 1).nodes(3).state()
+    submit(s, "a-pt1", "a", 8, 2 * HOUR)
+    submit(s, "a-debug", "a", 1, 10 * MIN)
+    step(s)
+    assert {w: s.running[w].placement[0].node for w in s.running} == {
+        "a-pt1": "n002",
+        "a-debug": "n001",
+    }
+    submit(s, "gang", "b", 24, HOUR)
+    step(s)
+    reasons = " ".join(explain(s, History(), "gang")["reasons"])
+    assert (
+        "2 running allocated workloads on nodes it could use are protected; protections "
+        "alone keep it waiting until 1970-01-01T02:00:00Z (in 2 h) (a-pt1 on n002, "
+        "protected until then)" in reasons
+    )
+    assert "a-debug" not in reasons

@@ -209,7 +209,7 @@ def route_of(request: Any) -> str:
 
 # -- the scheduler, the projector and the executor emulator -------------------------
 # Each service object owns a registry of its own (tests run several in one
-# process). ``apportion serve scheduler|projector --metrics-port N`` exposes it
+# process). ``apportion serve scheduler|projector|executor --metrics-port N`` exposes it
 # over HTTP (:func:`start_metrics_server`); ``apportion up`` appends it to the
 # gateway's ``/metrics`` (all services share one process there).
 

@@ -114,8 +114,8 @@ class GatewayMetrics:
             registry=r,
         )
         self.team_usage = Gauge(
-            "apportion_team_usage_gpu_hours",
-            "GPU-hours charged to a team inside the lookback window",
+            "apportion_team_usage_gpu_seconds",
+            "GPU-seconds charged to a team inside the lookback window",
             ["team"],
             registry=r,
         )
@@ -189,7 +189,7 @@ class GatewayMetrics:
         self.team_share.clear()
         for team in teams:
             usage = state.usage(team)
-            self.team_usage.labels(team).set(usage / 3_600_000)
+            self.team_usage.labels(team).set(usage / 1000)  # GPU-ms -> GPU-seconds
             allocation = float(tree.global_share(team)) * healthy * lookback
             self.team_share.labels(team).set(usage / allocation if allocation > 0 else 0.0)
 

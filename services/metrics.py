@@ -28,6 +28,9 @@ from prometheus_client.exposition import generate_latest
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 REJECTION_CLASSES = ("malformed", "stale", "authority", "duplicate", "invalid")
+REJECTION_SOURCES = ("scheduler", "gateway")
+"""Where an input was refused: ``scheduler`` (an ``InputRejected`` decision folded)
+or ``gateway`` (a 4xx answer to a request that would have published an input)."""
 
 
 _CLASS_OF_CODE = {
@@ -36,6 +39,7 @@ _CLASS_OF_CODE = {
     R.ALREADY_ENDED: "stale",
     R.NO_CHANGE: "stale",
     R.NOT_AUTHORISED: "authority",
+    R.NOT_AUTHENTICATED: "authority",  # the gateway's own (401)
     R.DUPLICATE_ID: "duplicate",
 }
 
@@ -82,8 +86,9 @@ class GatewayMetrics:
         )
         self.rejections = Counter(
             "apportion_rejections",
-            "InputRejected decisions folded, by reason class",
-            ["reason_class"],
+            "Inputs refused, by source (scheduler: InputRejected decisions folded; "
+            "gateway: 4xx answers to requests that would publish an input) and reason class",
+            ["source", "reason_class"],
             registry=r,
         )
         self.pending = Gauge(
@@ -135,8 +140,9 @@ class GatewayMetrics:
         )
         for kind in ("WorkloadPlaced", "WorkloadPreempted", "NodeDrained", "InputRejected"):
             self.decisions.labels(kind)
-        for c in REJECTION_CLASSES:
-            self.rejections.labels(c)
+        for source in REJECTION_SOURCES:
+            for c in REJECTION_CLASSES:
+                self.rejections.labels(source, c)
 
     def observe(self, items: Iterable[HistoryItem]) -> None:
         """Count the decisions of the batches among ``items`` (as they are folded)."""
@@ -149,10 +155,15 @@ class GatewayMetrics:
                     self.preemptions.labels(d.reason).inc()
                 elif isinstance(d, InputRejected):
                     code = d.code if isinstance(d.code, str) else None
-                    self.rejections.labels(rejection_class(d.reason, code)).inc()
+                    self.rejections.labels("scheduler", rejection_class(d.reason, code)).inc()
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.latency.labels(route, method, str(status)).observe(seconds)
+
+    def refused(self, code: str) -> None:
+        """A request that would have published an input, answered 4xx with ``code``:
+        it never reaches the log, so no ``InputRejected`` will count it."""
+        self.rejections.labels("gateway", rejection_class("", code)).inc()
 
     def update(self, state: State, inputs_stored: int | None, now_ms: int | None = None) -> None:
         """Set the gauges from ``state`` (``inputs_stored``: INPUTS' last sequence,

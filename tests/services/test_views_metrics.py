@@ -112,8 +112,10 @@ async def test_metrics_endpoint(jlog: JetStreamLog, creds: Credentials) -> None:
         assert sample(text, "apportion_gpus_in_use", contract="allocated") == 16
         assert sample(text, "apportion_gpus", health="healthy") == 16
         assert sample(text, "apportion_decisions_total", kind="WorkloadPlaced") == 1
-        assert sample(text, "apportion_rejections_total", reason_class="invalid") == 1
-        assert sample(text, "apportion_rejections_total", reason_class="malformed") == 1
+        rejected = "apportion_rejections_total"
+        assert sample(text, rejected, source="scheduler", reason_class="invalid") == 1
+        assert sample(text, rejected, source="scheduler", reason_class="malformed") == 1
+        assert sample(text, rejected, source="gateway", reason_class="invalid") == 0
         assert sample(text, "apportion_input_lag") == 0
         assert sample(text, "apportion_inputs_stored") == last
         assert sample(text, "apportion_team_usage_of_share_ratio", team="llm") is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -74,12 +74,56 @@ def _policy_path(path: Path | None, policy: str, compare: bool, suffix: str) -> 
     return path
 
 
+PLAIN_PROGRESS_LINES = 40
+"""Without a terminal: one progress line per simulated day, or every few days so a
+run prints at most about this many."""
+
+
+def _plain_progress(
+    policy: str, horizon_days: float
+) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """A ``progress(ms)`` callback printing plain lines on stderr (no terminal: CI logs,
+    ``make run > file``): one per simulated day (every few days on long runs), then a
+    last line with the total."""
+    import math
+    import time
+
+    total_days = max(1, math.ceil(horizon_days))
+    step = max(1, math.ceil(total_days / PLAIN_PROGRESS_LINES))
+    t0 = time.monotonic()
+    shown = [0]
+
+    def progress(ms: int) -> None:
+        day = min(total_days, ms // 86_400_000)
+        if day >= total_days or day < shown[0] + step:
+            return
+        shown[0] = day
+        click.echo(
+            f"simulating {policy}: day {day}/{total_days} "
+            f"({100 * day // total_days}%), {time.monotonic() - t0:.0f} s",
+            err=True,
+        )
+
+    def done() -> None:
+        click.echo(
+            f"simulating {policy}: done, {_plural(total_days, 'day')} in {time.monotonic() - t0:.0f} s",
+            err=True,
+        )
+
+    return progress, done
+
+
 def _run_with_progress(inp: Any, policy: str, quiet: bool, **kw: Any) -> tuple[Any, dict[str, Any]]:
     from apportion.replay.run import run_policy
 
     total_h = max(1, int(inp.horizon_days() * 24))
-    if quiet or not sys.stderr.isatty():
+    if quiet:
         return run_policy(inp, policy, **kw)
+    if not sys.stderr.isatty():  # the bar only draws on a terminal: plain lines instead
+        plain, finished = _plain_progress(policy, inp.horizon_days())
+        result = run_policy(inp, policy, progress=plain, **kw)
+        finished()
+        return result
     with click.progressbar(
         length=total_h,
         label=f"simulating {policy:8s}",
@@ -153,7 +197,12 @@ def _run_with_progress(inp: Any, policy: str, quiet: bool, **kw: Any) -> tuple[A
     "into the estimates table and the estimate_* KPIs; costly (about 0.2 s each on ai2)",
 )
 @_knob_option
-@click.option("--quiet", "-q", is_flag=True, help="no progress bar")
+@click.option(
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="no progress (a bar on a terminal, else one line per simulated day on stderr)",
+)
 def simulate(
     cluster,
     trace,

@@ -91,8 +91,11 @@ def load_inputs(
         doc = scenario_cluster_doc(sc)
         inp.cluster_events = list(cluster_from_dict(doc, f"<scenario {sc.name}>").events)
         inp.trace, inp.health, inp.days = sc.trace, sc.health, sc.days
-        inp.label = f"scenario {sc.name}, seed {seed}, {sc.days} days" + (
-            f" ({', '.join(knobs)})" if knobs else ""
+        measured = sc.days - inp.warmup_days  # the days the KPI table counts
+        warmup = f" (+{inp.warmup_days} warm-up)" if inp.warmup_days else ""
+        inp.label = (
+            f"scenario {sc.name}, seed {seed}, {measured:g} day{'' if measured == 1 else 's'}{warmup}"
+            + (f" ({', '.join(knobs)})" if knobs else "")
         )
         return inp
     if knobs:

@@ -211,6 +211,16 @@ class _HttpError(Exception):
         self.headers = headers
 
 
+_CODE_KEY: Any = web.ResponseKey("code", str) if hasattr(web, "ResponseKey") else "apportion.code"
+"""Where an error response keeps its reason code (``ResponseKey`` from aiohttp 3.13)."""
+
+
+def publishes_input(method: str, path: str) -> bool:
+    """A request that publishes an input when it is accepted: every ``/v1/...``
+    request but a read (a refused one counts in ``apportion_rejections_total``)."""
+    return path.startswith("/v1/") and method not in ("GET", "HEAD", "OPTIONS")
+
+
 def _error(
     code: str,
     reason: str,
@@ -221,11 +231,13 @@ def _error(
 ) -> web.Response:
     """The error body of ``code`` with its status (:data:`HTTP_STATUS`; ``status``
     only for an error of aiohttp's own that no code names)."""
-    return web.json_response(
+    response = web.json_response(
         {"error": reason, "code": code, **extra},
         status=HTTP_STATUS[code] if status is None else status,
         headers=headers,
     )
+    response[_CODE_KEY] = code  # for the metrics (a refused input, by its code)
+    return response
 
 
 def _refused(refusal: Refusal) -> web.Response:
@@ -389,9 +401,11 @@ class Gateway:
     async def _measure(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        """Every request's latency into the histogram, by route template and status."""
+        """Every request's latency into the histogram, by route template and status;
+        a refused request that would have published an input into the rejections."""
         t0 = time.perf_counter()
         status = 500
+        response: web.StreamResponse | None = None
         try:
             response = await handler(request)
             status = response.status
@@ -400,6 +414,13 @@ class Gateway:
             self.metrics.request(
                 route_of(request), request.method, status, time.perf_counter() - t0
             )
+            if (
+                response is not None
+                and 400 <= status < 500
+                and publishes_input(request.method, request.path)
+            ):
+                code = response.get(_CODE_KEY)
+                self.metrics.refused(code if isinstance(code, str) else R.HTTP_ERROR)
 
     def now_ms(self) -> int:
         """The wall clock (never before the last event folded): what waits are measured to."""

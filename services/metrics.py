@@ -28,6 +28,9 @@ from prometheus_client.exposition import generate_latest
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 REJECTION_CLASSES = ("malformed", "stale", "authority", "duplicate", "invalid")
+REJECTION_SOURCES = ("scheduler", "gateway")
+"""Where an input was refused: ``scheduler`` (an ``InputRejected`` decision folded)
+or ``gateway`` (a 4xx answer to a request that would have published an input)."""
 
 
 _CLASS_OF_CODE = {
@@ -36,6 +39,7 @@ _CLASS_OF_CODE = {
     R.ALREADY_ENDED: "stale",
     R.NO_CHANGE: "stale",
     R.NOT_AUTHORISED: "authority",
+    R.NOT_AUTHENTICATED: "authority",  # the gateway's own (401)
     R.DUPLICATE_ID: "duplicate",
 }
 
@@ -82,8 +86,9 @@ class GatewayMetrics:
         )
         self.rejections = Counter(
             "apportion_rejections",
-            "InputRejected decisions folded, by reason class",
-            ["reason_class"],
+            "Inputs refused, by source (scheduler: InputRejected decisions folded; "
+            "gateway: 4xx answers to requests that would publish an input) and reason class",
+            ["source", "reason_class"],
             registry=r,
         )
         self.pending = Gauge(
@@ -114,8 +119,8 @@ class GatewayMetrics:
             registry=r,
         )
         self.team_usage = Gauge(
-            "apportion_team_usage_gpu_hours",
-            "GPU-hours charged to a team inside the lookback window",
+            "apportion_team_usage_gpu_seconds",
+            "GPU-seconds charged to a team inside the lookback window",
             ["team"],
             registry=r,
         )
@@ -135,8 +140,9 @@ class GatewayMetrics:
         )
         for kind in ("WorkloadPlaced", "WorkloadPreempted", "NodeDrained", "InputRejected"):
             self.decisions.labels(kind)
-        for c in REJECTION_CLASSES:
-            self.rejections.labels(c)
+        for source in REJECTION_SOURCES:
+            for c in REJECTION_CLASSES:
+                self.rejections.labels(source, c)
 
     def observe(self, items: Iterable[HistoryItem]) -> None:
         """Count the decisions of the batches among ``items`` (as they are folded)."""
@@ -149,10 +155,15 @@ class GatewayMetrics:
                     self.preemptions.labels(d.reason).inc()
                 elif isinstance(d, InputRejected):
                     code = d.code if isinstance(d.code, str) else None
-                    self.rejections.labels(rejection_class(d.reason, code)).inc()
+                    self.rejections.labels("scheduler", rejection_class(d.reason, code)).inc()
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.latency.labels(route, method, str(status)).observe(seconds)
+
+    def refused(self, code: str) -> None:
+        """A request that would have published an input, answered 4xx with ``code``:
+        it never reaches the log, so no ``InputRejected`` will count it."""
+        self.rejections.labels("gateway", rejection_class("", code)).inc()
 
     def update(self, state: State, inputs_stored: int | None, now_ms: int | None = None) -> None:
         """Set the gauges from ``state`` (``inputs_stored``: INPUTS' last sequence,
@@ -189,7 +200,7 @@ class GatewayMetrics:
         self.team_share.clear()
         for team in teams:
             usage = state.usage(team)
-            self.team_usage.labels(team).set(usage / 3_600_000)
+            self.team_usage.labels(team).set(usage / 1000)  # GPU-ms -> GPU-seconds
             allocation = float(tree.global_share(team)) * healthy * lookback
             self.team_share.labels(team).set(usage / allocation if allocation > 0 else 0.0)
 
@@ -209,7 +220,7 @@ def route_of(request: Any) -> str:
 
 # -- the scheduler, the projector and the executor emulator -------------------------
 # Each service object owns a registry of its own (tests run several in one
-# process). ``apportion serve scheduler|projector --metrics-port N`` exposes it
+# process). ``apportion serve scheduler|projector|executor --metrics-port N`` exposes it
 # over HTTP (:func:`start_metrics_server`); ``apportion up`` appends it to the
 # gateway's ``/metrics`` (all services share one process there).
 

@@ -433,6 +433,72 @@ def stored(inputs: list[InputItem], workload: str) -> int:
     )
 
 
+async def test_refused_requests_count_in_rejections_by_source(
+    jlog: JetStreamLog, creds: Credentials
+) -> None:
+    """A request the gateway answers 4xx never becomes an input (so no ``InputRejected``):
+    it counts in ``apportion_rejections_total{source="gateway"}`` by the class of its
+    code; reads answered 4xx do not count; the scheduler's rejections stay apart."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from services_helpers import submit as submit_event
+
+    async with (
+        gateway_on(jlog, creds.authenticator) as gateway,
+        aiohttp.ClientSession() as session,
+    ):
+        url = gateway.url
+
+        async def call(method: str, path: str, as_: str | None = "ops", **kw: Any) -> int:
+            headers = creds.headers(as_) if as_ else {}
+            async with session.request(method, f"{url}{path}", headers=headers, **kw) as r:
+                return r.status
+
+        async def rejections() -> dict[tuple[str, str], float]:
+            async with session.get(f"{url}/metrics") as r:
+                text = await r.text()
+            return {
+                (s.labels["source"], s.labels["reason_class"]): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name == "apportion_rejections_total"
+            }
+
+        before = await rejections()
+        assert before == {
+            (source, c): 0.0
+            for source in ("scheduler", "gateway")
+            for c in ("malformed", "stale", "authority", "duplicate", "invalid")
+        }
+        W = "/v1/workloads"
+        assert await call("POST", W, json={**good_submit, "id": "dup"}) == 202
+        await eventually(lambda: "dup" in gateway.state.workloads, what="dup folded")
+        refused = [
+            (await call("POST", W, data=b"{not json"), "malformed"),
+            (await call("POST", W, json={**good_submit, "owner": "nope"}), "invalid"),
+            (await call("POST", "/v1/nope", json={}), "invalid"),  # no_such_path
+            (await call("POST", W, "mallory", json=good_submit), "authority"),
+            (await call("POST", W, None, json=good_submit), "authority"),  # no token: 401
+            (await call("POST", f"{W}/dup/cancel", "mallory", json={}), "authority"),
+            (await call("POST", W, json={**good_submit, "id": "dup"}), "duplicate"),
+            (await call("POST", f"{W}/ghost/cancel", json={}), "invalid"),  # 404
+        ]
+        assert [status for status, _ in refused] == [400, 400, 404, 403, 401, 403, 409, 404]
+        # reads answered 4xx are not refused inputs
+        assert await call("GET", f"{W}/ghost") == 404
+        assert await call("GET", "/v1/explain/ghost") == 404
+        assert await call("GET", "/v1/queue", None) == 401
+        # an input the scheduler refuses (published past the gateway): the other source
+        await jlog.publish_input(submit_event("x", owner="no/such"))
+        last = await jlog.last_input_seq()
+        await eventually(lambda: gateway.history.basis == last, what="the rejection folded")
+        after = await rejections()
+    expected = dict(before)
+    for _, c in refused:
+        expected["gateway", c] += 1
+    expected["scheduler", "invalid"] += 1
+    assert after == expected
+
+
 async def test_an_outage_is_a_504_and_a_retry_with_the_same_id_is_stored_once(
     tmp_path: Path, cluster: str, creds: Credentials
 ) -> None:

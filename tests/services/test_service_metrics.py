@@ -189,9 +189,46 @@ async def test_serve_exposes_the_scheduler_metrics(
         await task
 
 
+async def test_serve_exposes_the_executor_metrics(
+    nats_server: NatsServer, jlog: JetStreamLog, cluster: str
+) -> None:
+    """``apportion serve executor --metrics-port N`` (docs/services.md, Metrics): the
+    emulator's own metrics, and nothing of the gateway's."""
+    await jlog.publish_inputs(small_cluster(nodes=1))
+    port = free_port()
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        serve("executor", nats_server.url, cluster, metrics_port=port, stop=stop, ready=ready)
+    )
+    try:
+        await eventually(ready.is_set, what="the executor started")
+        samples = await scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        stop.set()
+        await task
+    assert value(samples, "apportion_executor_runs_running") == 0
+    assert ("apportion_executor_inputs_folded", ()) in samples
+    assert not any(name.startswith("apportion_scheduler_") for name, _ in samples)
+    assert ("apportion_inputs_folded", ()) not in samples  # the gateway's
+
+
 async def test_metrics_port_is_refused_for_the_gateway(nats_server: NatsServer) -> None:
     with pytest.raises(ValueError, match="metrics-port"):
         await serve("gateway", nats_server.url, "x", metrics_port=0, insecure=True)
+
+
+def test_cli_refuses_metrics_port_for_the_gateway_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One line before anything connects; the other services accept the option."""
+    from click.testing import CliRunner
+
+    from apportion.cli import main
+
+    monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")  # never reached
+    r = CliRunner().invoke(main, ["serve", "gateway", "--metrics-port", "9100", "--no-auth"])
+    assert r.exit_code != 0
+    assert "--metrics-port is not for the gateway: it serves /metrics on --port" in r.stderr
+    help_text = CliRunner().invoke(main, ["serve", "--help"]).output
+    assert "scheduler, projector, executor: serve Prometheus metrics" in " ".join(help_text.split())
 
 
 async def test_executor_metrics_count_runs_by_outcome(jlog: JetStreamLog, tmp_path: Path) -> None:

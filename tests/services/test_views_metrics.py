@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
+from apportion.core import State
 from apportion.replay.eventlog import Header, write_log
+from apportion.replay.run import load_inputs, run_policy
 from apportion.services.bus import JetStreamLog
 from apportion.services.canonical import read_history
-from apportion.services.metrics import rejection_class
+from apportion.services.metrics import GatewayMetrics, rejection_class
 from services_helpers import APPORTION_CMD, eventually, gateway_on, submit
 
 if TYPE_CHECKING:
@@ -108,8 +112,10 @@ async def test_metrics_endpoint(jlog: JetStreamLog, creds: Credentials) -> None:
         assert sample(text, "apportion_gpus_in_use", contract="allocated") == 16
         assert sample(text, "apportion_gpus", health="healthy") == 16
         assert sample(text, "apportion_decisions_total", kind="WorkloadPlaced") == 1
-        assert sample(text, "apportion_rejections_total", reason_class="invalid") == 1
-        assert sample(text, "apportion_rejections_total", reason_class="malformed") == 1
+        rejected = "apportion_rejections_total"
+        assert sample(text, rejected, source="scheduler", reason_class="invalid") == 1
+        assert sample(text, rejected, source="scheduler", reason_class="malformed") == 1
+        assert sample(text, rejected, source="gateway", reason_class="invalid") == 0
         assert sample(text, "apportion_input_lag") == 0
         assert sample(text, "apportion_inputs_stored") == last
         assert sample(text, "apportion_team_usage_of_share_ratio", team="llm") is not None
@@ -160,3 +166,36 @@ def test_rejection_classes_from_codes_agree_with_the_words() -> None:
     assert {"malformed", "authority", "invalid", "stale"} <= seen
     assert rejection_class("x", "duplicate_id") == "duplicate"
     assert rejection_class("x", "wrong_node") == "invalid"
+
+
+def _simulated_gateway_metrics() -> tuple[GatewayMetrics, State]:
+    """The gateway's metrics set from the state a one-day ``debug`` simulation ends in."""
+    inp = load_inputs(None, None, None, seed=1, days=1, scenario="debug")
+    result, _ = run_policy(inp, "budget")
+    metrics = GatewayMetrics()
+    metrics.update(result.state, result.state.input_seq, now_ms=result.state.now_ms)
+    return metrics, result.state
+
+
+def test_team_usage_is_in_gpu_seconds() -> None:
+    """``apportion_team_usage_gpu_seconds`` (base unit seconds; was ``_gpu_hours``):
+    the state's GPU-ms charged in the window, / 1000."""
+    metrics, state = _simulated_gateway_metrics()
+    text = metrics.render().decode()
+    assert "apportion_team_usage_gpu_hours" not in text
+    teams = {"dev": state.usage("dev"), "train": state.usage("train")}
+    assert all(ms > 0 for ms in teams.values()), teams
+    for team, gpu_ms in teams.items():
+        assert sample(text, "apportion_team_usage_gpu_seconds", team=team) == gpu_ms / 1000
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (Debian: prometheus)")
+def test_gateway_metrics_pass_promtool() -> None:
+    metrics, _ = _simulated_gateway_metrics()
+    p = subprocess.run(
+        ["promtool", "check", "metrics"],
+        input=metrics.render(),
+        capture_output=True,
+        timeout=60,
+    )
+    assert p.returncode == 0 and not p.stdout and not p.stderr, (p.stdout + p.stderr).decode()

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow bench outcomes lint typecheck venv clean browser
+.PHONY: run test test-slow bench outcomes lint typecheck venv clean browser promtool
 
 venv: $(STAMP)
 
@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m apportion simulate --compare
 
-test: $(STAMP) browser
+test: $(STAMP) browser promtool
 	$(PY) -m pytest -m "not slow" -q
 
-test-slow: $(STAMP) browser
+test-slow: $(STAMP) browser promtool
 	$(PY) -m pytest -q
 
 # The dashboard's browser test drives Debian's chromium (Playwright via executable_path).
@@ -32,6 +32,16 @@ browser:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
 			|| echo "browser: could not install chromium; the browser test will skip"; \
 	else echo "browser: no chromium (not root, or no apt-get); the browser test will skip"; fi
+
+# The metrics test checks /metrics with promtool (Debian's prometheus package). Install it
+# when missing and we are root; never fail: without it that test skips.
+promtool:
+	@if command -v promtool >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "promtool: installing prometheus (apt-get) for the metrics format test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
+			|| echo "promtool: could not install prometheus; the promtool test will skip"; \
+	else echo "promtool: not root or no apt-get; the promtool test will skip"; fi
 
 outcomes: $(STAMP)
 	$(PY) -m apportion outcomes $(ARGS)

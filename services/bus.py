@@ -5,6 +5,7 @@ Subjects and streams for cluster ``C`` (a name of letters, digits, ``_``, ``-``)
 | what | subject | stream |
 |---|---|---|
 | inputs | ``apportion.C.inputs.<kind>`` (``<kind>`` is the event tag, ``raw`` for anything else) | ``INPUTS_C`` |
+| a host agent's inputs | ``apportion.C.inputs.<kind>.<node>`` | ``INPUTS_C`` |
 | decision batches | ``apportion.C.decisions`` | ``DECISIONS_C`` |
 | scheduler snapshots | object ``scheduler`` | object store ``apportion_C_snapshots`` |
 | scheduler lease | key ``scheduler`` | KV bucket ``apportion_C_leases`` |
@@ -45,6 +46,8 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
+from apportion.core.rules.authority import AGENT_PREFIX
+from apportion.core.rules.subjects import AGENT_KINDS
 from apportion.schemas.codec import EventDecodeError, decode_batch, decode_input, encode
 from apportion.schemas.events import DecisionBatch, Input, kind_of
 from apportion.schemas.history import BatchItem, InputItem, malformed_item
@@ -111,8 +114,23 @@ class Subjects:
         self.heartbeats = f"apportion.{cluster}.heartbeat.>"
         """Every host agent's heartbeat (plain NATS, not a stream)."""
 
-    def input_subject(self, kind: str) -> str:
-        return f"{self.inputs_prefix}.{kind}"
+    def input_subject(self, kind: str, host: str | None = None) -> str:
+        """``apportion.C.inputs.<kind>``, or the agent of ``host``'s own
+        ``apportion.C.inputs.<kind>.<host>``."""
+        if host is None:
+            return f"{self.inputs_prefix}.{kind}"
+        return f"{self.inputs_prefix}.{kind}.{host}"
+
+    def subject_of(self, event: Input) -> str:
+        """Where ``event`` is published: a host agent's input (an agent kind whose
+        actor is ``agent:<host>``) on its host's subject, any other on its kind's.
+        The fold binds both (:mod:`apportion.core.rules.subjects`), and NATS
+        permissions let each credential publish on its own subjects only."""
+        kind = kind_of(event)
+        actor = getattr(event, "actor", "")
+        if kind in AGENT_KINDS and actor.startswith(AGENT_PREFIX) and actor != AGENT_PREFIX:
+            return self.input_subject(kind, actor[len(AGENT_PREFIX) :])
+        return self.input_subject(kind)
 
     def heartbeat(self, node: str) -> str:
         """Where the agent of ``node`` heartbeats (JSON ``{"node", "addr", "at_ms", ...}``)."""
@@ -129,15 +147,18 @@ class PublishResult(msgspec.Struct, frozen=True):
     duplicate: bool = False
 
 
-def to_input_item(seq: int, at_ms: int, data: bytes, msg_id: str | None) -> InputItem:
-    """Decode stored bytes; event time becomes ``at_ms`` (the log's ingestion time)."""
+def to_input_item(
+    seq: int, at_ms: int, data: bytes, msg_id: str | None, subject: str | None = None
+) -> InputItem:
+    """Decode stored bytes; event time becomes ``at_ms`` (the log's ingestion time);
+    ``subject`` is the one it was stored on (the fold checks the event against it)."""
     try:
         event = decode_input(data)
     except EventDecodeError as exc:
         return malformed_item(seq, at_ms, msg_id or f"seq:{seq}", str(exc))
     if event.at_ms != at_ms:
         event = msgspec.structs.replace(event, at_ms=at_ms)
-    return InputItem(seq=seq, at_ms=at_ms, ref=event.id, event=event)
+    return InputItem(seq=seq, at_ms=at_ms, ref=event.id, event=event, subject=subject)
 
 
 class Tail(Protocol[T]):
@@ -266,11 +287,11 @@ class MemoryLog:
         self._last_ms = max(self._last_ms, self.clock())
         return self._last_ms
 
-    def _append_input(self, data: bytes, msg_id: str | None) -> PublishResult:
+    def _append_input(self, data: bytes, msg_id: str | None, subject: str) -> PublishResult:
         if msg_id is not None and msg_id in self._ids:
             return PublishResult(seq=self._ids[msg_id], duplicate=True)
         seq = len(self.inputs) + 1
-        self.inputs.append(to_input_item(seq, self._now(), data, msg_id))
+        self.inputs.append(to_input_item(seq, self._now(), data, msg_id, subject))
         if msg_id is not None:
             self._ids[msg_id] = seq
         for w in self._input_waiters:
@@ -278,13 +299,14 @@ class MemoryLog:
         return PublishResult(seq=seq)
 
     async def publish_input(self, event: Input) -> PublishResult:
-        return self._append_input(encode(event), event.id)
+        return self._append_input(encode(event), event.id, self.subjects.subject_of(event))
 
     async def publish_inputs(self, events: list[Input]) -> list[PublishResult]:
-        return [self._append_input(encode(e), e.id) for e in events]
+        subject = self.subjects.subject_of
+        return [self._append_input(encode(e), e.id, subject(e)) for e in events]
 
     async def publish_raw_input(self, data: bytes, msg_id: str | None = None) -> PublishResult:
-        return self._append_input(data, msg_id)
+        return self._append_input(data, msg_id, self.subjects.input_subject("raw"))
 
     async def publish_batch(self, batch: DecisionBatch, expected_last_seq: int) -> int:
         if len(self.batches) != expected_last_seq:
@@ -358,7 +380,9 @@ def parse_ack_reply(reply: str) -> tuple[int, int, int]:
 
 
 def _convert_input(m: StoredMessage) -> InputItem:
-    return to_input_item(m.seq, m.ts_ns // 1_000_000, m.data, m.headers.get(HDR_MSG_ID))
+    return to_input_item(
+        m.seq, m.ts_ns // 1_000_000, m.data, m.headers.get(HDR_MSG_ID), m.subject or None
+    )
 
 
 def _convert_batch(m: StoredMessage) -> BatchItem | None:
@@ -456,7 +480,7 @@ class JetStreamLog:
     # -- publishing ---------------------------------------------------
     async def publish_input(self, event: Input) -> PublishResult:
         ack = await self.js.publish(
-            self.subjects.input_subject(kind_of(event)),
+            self.subjects.subject_of(event),
             encode(event),
             headers={HDR_MSG_ID: event.id},
         )
@@ -465,11 +489,11 @@ class JetStreamLog:
     async def publish_inputs(self, events: list[Input]) -> list[PublishResult]:
         """Pipelined publishes (``publish_async``), acknowledged together, in order."""
         futures = []
-        subject = self.subjects.input_subject
+        subject = self.subjects.subject_of
         for event in events:
             futures.append(
                 await self.js.publish_async(
-                    subject(kind_of(event)), encode(event), headers={HDR_MSG_ID: event.id}
+                    subject(event), encode(event), headers={HDR_MSG_ID: event.id}
                 )
             )
         acks = await asyncio.gather(*futures)

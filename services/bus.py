@@ -53,7 +53,7 @@ from apportion.schemas.events import DecisionBatch, Input, kind_of
 from apportion.schemas.history import BatchItem, InputItem, malformed_item
 
 from . import logs
-from .direct import DirectTail, StoredMessage
+from .direct import DirectTail, StoredMessage, last_sequence
 
 T = TypeVar("T")
 
@@ -531,12 +531,12 @@ class JetStreamLog:
 
     # -- reading ------------------------------------------------------
     async def last_input_seq(self) -> int:
-        info = await self.js.stream_info(self.subjects.inputs_stream)
-        return info.state.last_seq
+        s = self.subjects
+        return await last_sequence(self.nc, s.inputs_stream, s.inputs_all)
 
     async def last_batch_seq(self) -> int:
-        info = await self.js.stream_info(self.subjects.decisions_stream)
-        return info.state.last_seq
+        s = self.subjects
+        return await last_sequence(self.nc, s.decisions_stream, s.decisions)
 
     def tail_inputs(self, from_seq: int) -> DirectTail[InputItem]:
         s = self.subjects
@@ -736,8 +736,12 @@ async def connect(
     runs (servers may restart under it) and logs each connection error as one
     line, never a traceback; a one-shot client (``reconnect=False``) tries each
     server a few more times, quietly, and then its requests fail."""
+    from urllib.parse import unquote, urlparse
+
     import nats
     import nats.errors
+
+    from .natsconf import inbox_prefix
 
     limit = client_timeout_s() if timeout_s is None else timeout_s
     servers = [u.strip() for u in url.split(",") if u.strip()]
@@ -755,6 +759,7 @@ async def connect(
 
     options: dict[str, Any] = {
         "name": name,
+        "inbox_prefix": inbox_prefix(unquote(urlparse(servers[0]).username or "")),
         "error_cb": on_error,
         "max_reconnect_attempts": -1,  # the first connection: until the time limit
         "reconnect_time_wait": 0.5,

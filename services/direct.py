@@ -116,6 +116,28 @@ async def get_batch(
     raise error(f"direct get on {stream}: {status} {detail}".strip())
 
 
+async def last_sequence(
+    nc: Any, stream: str, subjects: str, timeout_s: float = REQUEST_TIMEOUT_S
+) -> int:
+    """The sequence of the last message ``stream`` stores on ``subjects`` (a
+    wildcard may be used), ``0`` if none: a direct get of ``last_by_subj``.
+
+    Readers ask this instead of ``$JS.API.STREAM.INFO``: the JetStream API
+    answers only inside the account that holds the streams, while a direct get
+    is a service other accounts import (docs/security.md, "The bus")."""
+    request = json.dumps({"last_by_subj": subjects}).encode()
+    msg = await nc.request(f"$JS.API.DIRECT.GET.{stream}", request, timeout=timeout_s)
+    headers = msg.headers or {}
+    status = headers.get("Status")
+    if status is None:
+        return int(headers["Nats-Sequence"])
+    if status == "404":
+        return 0
+    detail = headers.get("Description", "")
+    error = DirectGetUnavailable if status == "503" else DirectGetError
+    raise error(f"direct get on {stream}: {status} {detail}".strip())
+
+
 class DirectTail(Generic[T]):
     """A :class:`~apportion.services.bus.Tail` over ``stream`` from ``from_seq``,
     by batched direct gets; ``convert`` turns a :class:`StoredMessage` into an item,

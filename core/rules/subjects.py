@@ -103,4 +103,4 @@ def as_agent(event: Input, host: str) -> Input:
     actor = agent_of(host)
     if getattr(event, "actor", actor) == actor:
         return event
-    return msgspec.structs.replace(event, actor=actor)  # type: ignore[type-var]
+    return msgspec.structs.replace(event, actor=actor)

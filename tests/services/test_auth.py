@@ -701,3 +701,31 @@ async def test_up_runs_nats_with_the_users_of_production(tmp_path: Path) -> None
                     await other.request("$JS.API.STREAM.DELETE.INPUTS_demo", b"", timeout=0.5)
             finally:
                 await other.close()
+
+
+async def test_an_older_data_folder_keeps_its_history_under_users(tmp_path: Path) -> None:
+    """The streams an `up` of before NATS users made (in the server's global
+    account) are moved to the APPORTION account before the server starts with users."""
+    from apportion.services.bus import connect
+    from apportion.services.natsconf import NATS_CONF_FILE, ensure_nats_credentials, user_url
+    from apportion.services.stack import adopt_unowned_streams, start_nats_server
+
+    data = tmp_path / "nats"
+    server = start_nats_server(data)
+    try:
+        nc = await connect(server.url, timeout_s=10)
+        log = JetStreamLog(nc.jetstream(), "demo")
+        await log.setup()
+        await log.publish_inputs(small_cluster())
+        await nc.close()
+    finally:
+        server.stop()
+    users = ensure_nats_credentials(tmp_path / "credentials", "demo", ["h000"], server="")
+    assert adopt_unowned_streams(data) and not adopt_unowned_streams(data)
+    server = start_nats_server(data, config=tmp_path / "credentials" / NATS_CONF_FILE)
+    try:
+        nc = await connect(user_url(server.url, "auditor", users["auditor"]), timeout_s=10)
+        assert await JetStreamLog(nc.jetstream(), "demo").last_input_seq() == len(small_cluster())
+        await nc.close()
+    finally:
+        server.stop()

@@ -188,6 +188,10 @@ HTTP_STATUS: dict[str, int] = {
 }
 """The HTTP status of every reason code: the only place a refusal's status comes from."""
 
+UNAUTHENTICATED_LOG_S = 60.0
+"""At most one log line per this many seconds for requests answered 401 (each is
+counted in ``apportion_gateway_unauthenticated_total``)."""
+
 _HTTP_CODES = {404: R.NO_SUCH_PATH, 405: R.METHOD_NOT_ALLOWED, 413: R.TOO_LARGE}
 """The code of an error aiohttp raised itself (before a handler ran), by its status;
 any other status keeps aiohttp's own with :data:`~apportion.schemas.reasons.HTTP_ERROR`."""
@@ -296,6 +300,8 @@ class Gateway:
         self.url: str | None = None
         self.ready = asyncio.Event()
         self.metrics = GatewayMetrics()
+        self._unauthenticated_logged_at = -float("inf")
+        self._unauthenticated_unlogged = 0
         self._estimates: tuple[tuple[int, int, int | None], Estimates] | None = None
         self._estimating: tuple[tuple[int, int, int | None], asyncio.Future[Estimates]] | None = (
             None
@@ -429,6 +435,9 @@ class Gateway:
             reason = _http_reason(request, exc)
             if code is None:
                 return _error(R.HTTP_ERROR, reason, status=exc.status)
+            if isinstance(exc, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 says what is allowed
+                allow = ", ".join(sorted(exc.allowed_methods))
+                return _error(code, reason, headers={"Allow": allow})
             return _error(code, reason)
         except _Unacknowledged as exc:
             self.logger.warning("publish not acknowledged", path=request.path, error=str(exc))
@@ -451,9 +460,7 @@ class Gateway:
             try:
                 request[_PRINCIPAL_KEY] = self.auth.authenticate(request.headers)
             except AuthError as exc:
-                self.logger.warning(
-                    "not authenticated", method=request.method, path=request.path, why=exc.reason
-                )
+                self._not_authenticated(request, exc.reason)
                 challenge = self.auth.challenge
                 if exc.error:
                     challenge += f', error="{exc.error}"'
@@ -463,6 +470,25 @@ class Gateway:
                     {"WWW-Authenticate": challenge},
                 ) from None
         return await handler(request)
+
+    def _not_authenticated(self, request: web.Request, why: str) -> None:
+        """Count a 401 (``apportion_gateway_unauthenticated_total``) and log it, at
+        most one line every :data:`UNAUTHENTICATED_LOG_S` seconds (with how many
+        came since the last line), so that a flood of bad requests cannot flood the log."""
+        self.metrics.unauthenticated.inc()
+        self._unauthenticated_unlogged += 1
+        now = time.monotonic()
+        if now - self._unauthenticated_logged_at < UNAUTHENTICATED_LOG_S:
+            return
+        self.logger.warning(
+            "not authenticated",
+            method=request.method,
+            path=request.path,
+            why=why,
+            since_last_line=self._unauthenticated_unlogged,
+        )
+        self._unauthenticated_logged_at = now
+        self._unauthenticated_unlogged = 0
 
     def _actor(self, request: web.Request, stated: str) -> str:
         """Who acts: the authenticated principal; ``stated`` (from the body) only

@@ -729,3 +729,57 @@ async def test_an_older_data_folder_keeps_its_history_under_users(tmp_path: Path
         await nc.close()
     finally:
         server.stop()
+
+
+async def test_a_flood_of_401s_is_counted_and_logged_once(
+    jlog: JetStreamLog, creds: Credentials
+) -> None:
+    """Every 401 counts in ``apportion_gateway_unauthenticated_total``; the log gets
+    at most one line a minute (issue 24, item 6: log flooding)."""
+    lines: list[tuple[str, dict[str, Any]]] = []
+
+    class Recorder:
+        def warning(self, event: str, **kw: Any) -> None:
+            lines.append((event, kw))
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a, **kw: None
+
+    async with gateway_on(jlog, creds.authenticator) as gateway:
+        gateway.logger = Recorder()  # type: ignore[assignment]
+        for _ in range(30):
+            status, _, _ = await asyncio.to_thread(
+                http, "GET", f"{gateway.url}/v1/queue", None, bearer("apt_nope")
+            )
+            assert status == 401
+        assert [e for e, _ in lines] == ["not authenticated"], lines
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"{gateway.url}/metrics", timeout=30) as resp:
+                return str(resp.read().decode())
+
+        text = await asyncio.to_thread(scrape)
+        assert "apportion_gateway_unauthenticated_total 30.0" in text
+
+
+async def test_405_says_what_is_allowed_and_a_nul_is_refused(
+    jlog: JetStreamLog, creds: Credentials
+) -> None:
+    async with gateway_on(jlog, creds.authenticator) as gateway:
+        status, answer, headers = await asyncio.to_thread(
+            http, "DELETE", f"{gateway.url}/v1/queue", None, creds.headers()
+        )
+        assert status == 405 and answer["code"] == "method_not_allowed"
+        assert headers["Allow"] == "GET, HEAD"
+        for body in (
+            {"command": ["sh", "-c", "a\x00b"]},
+            {"command": ["true"], "env": {"X": "\x00"}},
+        ):
+            status, answer, _ = await asyncio.to_thread(
+                http,
+                "POST",
+                f"{gateway.url}/v1/workloads",
+                {"owner": "llm/a", "gpus": 1, "min_runtime_ms": 0, **body},
+                creds.headers(),
+            )
+            assert (status, answer["code"]) == (400, "invalid_text"), answer

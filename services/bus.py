@@ -725,6 +725,23 @@ class NatsUnreachable(ConnectionError):
     """No NATS server answered within the connect timeout (one line: where, how long, why)."""
 
 
+def _share_userinfo(servers: list[str]) -> list[str]:
+    """The first server's ``user:password@`` given to every other that has none
+    (``nats://u:p@a:4222,b:4222`` names one user on a cluster)."""
+    first = servers[0]
+    scheme, sep, rest = first.partition("://")
+    if not sep or "@" not in rest:
+        return servers
+    userinfo = rest.rsplit("@", 1)[0]
+    out = [first]
+    for one in servers[1:]:
+        s, sep2, r = one.partition("://")
+        if not sep2:
+            s, r = scheme, one
+        out.append(one if "@" in r else f"{s}://{userinfo}@{r}")
+    return out
+
+
 async def connect(
     url: str, name: str = "apportion", *, timeout_s: float | None = None, reconnect: bool = True
 ) -> Any:
@@ -747,6 +764,7 @@ async def connect(
     servers = [u.strip() for u in url.split(",") if u.strip()]
     if not servers:
         raise NatsUnreachable(f"no NATS server in the URL {url!r}")
+    servers = _share_userinfo(servers)
     logger = logs.get("nats", name=name)
     last: list[BaseException] = []
     connected = False

@@ -115,3 +115,60 @@ def test_without_a_subject_nothing_changes() -> None:
     other_finish = msgspec.structs.replace(finish)
     assert fold_on(other, other_finish, f"{C}.WorkloadFinished") == (None, None)
     assert state.to_bytes() == other.to_bytes()
+
+
+def _history() -> list[InputItem]:
+    from apportion.schemas.events import BudgetSet as B
+
+    return [
+        InputItem(
+            seq=1,
+            at_ms=0,
+            ref="root",
+            event=B(id="root", at_ms=0, path="", weight=1, owner="admin", actor="admin"),
+            subject=f"{C}.BudgetSet",
+        ),
+        InputItem(
+            seq=2,
+            at_ms=0,
+            ref="p",
+            event=PolicySet(id="p", at_ms=0, actor="admin", operators=("mallory",)),
+            subject=f"{C}.WorkloadCancelled",
+        ),
+        InputItem(seq=3, at_ms=0, ref="t", event=ClockTicked(id="t", at_ms=0)),
+    ]
+
+
+def test_a_log_file_keeps_the_subjects_and_folds_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The JSON-lines log keeps each input's subject, so replay and audit of a file
+    refuse what the live fold refused (a file without subjects folds as before)."""
+    from apportion.core.history import fold_history
+    from apportion.replay.eventlog import Header, LogWriter, read_file
+
+    items = _history()
+    writer = LogWriter(tmp_path / "log.jsonl", Header())
+    for item in items:
+        writer.add(item)
+    writer.close()
+    back = list(read_file(tmp_path / "log.jsonl"))
+    assert [i.subject for i in back] == [i.subject for i in items]  # type: ignore[union-attr]
+    state = fold_history(back)
+    assert state.policy.operators == () and state.rejections[0][2] == "wrong_subject"
+
+
+def test_a_projection_keeps_the_subjects_and_folds_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import duckdb
+    from apportion.core.history import fold_history
+    from apportion.replay.eventlog import read_duckdb
+    from apportion.replay.projection import Projection
+
+    items = _history()
+    path = tmp_path / "p.duckdb"
+    projection = Projection(duckdb.connect(str(path)))
+    state = fold_history(items, observer=projection)
+    projection.commit(state)
+    projection.con.close()
+    back = list(read_duckdb(path))
+    assert [i.subject for i in back] == [i.subject for i in items]  # type: ignore[union-attr]
+    again = fold_history(back)
+    assert again.digest() == state.digest() and again.rejections[0][2] == "wrong_subject"

@@ -125,7 +125,11 @@ async def last_sequence(
     Readers ask this instead of ``$JS.API.STREAM.INFO``: the JetStream API
     answers only inside the account that holds the streams, while a direct get
     is a service other accounts import (docs/security.md, "The bus")."""
+    from nats.js.errors import APIError, ServiceUnavailableError
+
     request = json.dumps({"last_by_subj": subjects}).encode()
+    # no responders (no such stream, or a cluster electing its leader) raises
+    # nats' own NoRespondersError, a transient error to the services
     msg = await nc.request(f"$JS.API.DIRECT.GET.{stream}", request, timeout=timeout_s)
     headers = msg.headers or {}
     status = headers.get("Status")
@@ -133,9 +137,10 @@ async def last_sequence(
         return int(headers["Nats-Sequence"])
     if status == "404":
         return 0
-    detail = headers.get("Description", "")
-    error = DirectGetUnavailable if status == "503" else DirectGetError
-    raise error(f"direct get on {stream}: {status} {detail}".strip())
+    detail = f"direct get on {stream}: {headers.get('Description', '')}".strip()
+    if status == "503":  # as stream info answered while the stream had no leader
+        raise ServiceUnavailableError(code=503, description=detail)
+    raise APIError(code=int(status) if status.isdigit() else None, description=detail)
 
 
 class DirectTail(Generic[T]):

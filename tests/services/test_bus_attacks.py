@@ -280,3 +280,66 @@ async def test_an_agent_speaks_for_its_own_host_only(bus: Bus) -> None:
     assert "w1" in again.state.running
     assert [c for ref, _, c in again.state.rejections if ref == "evil-finish"] == ["wrong_host"]
     await again._tail.close()
+
+
+async def test_the_services_run_each_as_its_own_user(secure: int, tmp_path: Path) -> None:
+    """Production's shape on infra/accounts.conf: `serve` scheduler, projector,
+    executor and gateway, each connected as its own user (only the scheduler has
+    the JetStream API; the others read by direct get), place and finish work
+    that the operator's bootstrap and the gateway's submission asked for."""
+    from apportion.services.runner import serve
+    from services_helpers import eventually
+
+    url = "nats://{0}:{0}-secret@127.0.0.1:" + str(secure)
+    stop = asyncio.Event()
+    port = __import__("apportion.services.stack", fromlist=["free_port"]).free_port()
+    tasks = [
+        asyncio.create_task(serve("scheduler", url.format("scheduler"), "demo", stop=stop)),
+        asyncio.create_task(
+            serve("projector", url.format("projector"), "demo", db=tmp_path / "p.duckdb", stop=stop)
+        ),
+        asyncio.create_task(serve("executor", url.format("executor"), "demo", stop=stop)),
+        asyncio.create_task(
+            serve("gateway", url.format("gateway"), "demo", port=port, insecure=True, stop=stop)
+        ),
+    ]
+    b = Bus(secure)
+    try:
+        auditor = JetStreamLog((await b.as_user("auditor")).jetstream(timeout=5.0), "demo")
+
+        async def streams_exist() -> bool:
+            try:
+                await auditor.last_batch_seq()
+            except Exception:
+                return False
+            return True
+
+        await eventually(streams_exist, what="the scheduler set the streams up")
+        op = JetStreamLog((await b.as_user("operator")).jetstream(timeout=5.0), "demo")
+        await op.publish_inputs(small_cluster())
+        gateway = JetStreamLog((await b.as_user("gateway")).jetstream(timeout=5.0), "demo")
+        await gateway.publish_input(submit("w1", duration_ms=500))
+
+        async def finished() -> bool:
+            tail = auditor.tail_inputs(1)
+            items: list[Any] = []
+            while True:
+                got = await tail.take(1000, 0.5)
+                if not got:
+                    break
+                items += got
+            await tail.close()
+            return any(
+                getattr(i.event, "workload", None) == "w1"
+                and type(i.event).__name__ == "WorkloadFinished"
+                and i.subject == f"{IN}.WorkloadFinished.h000"
+                for i in items
+            )
+
+        await eventually(finished, timeout=60, what="w1 placed, run and reported by its host")
+        for t in tasks:
+            assert not t.done(), t
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await b.close()

@@ -131,9 +131,16 @@ def auth_revoke(principal: str, file: Path | None, hash_prefix: str) -> None:
     help='a nats-users.toml ([users] name = "password"); users it lacks get a new random password',
 )
 @click.option(
+    "--no-executor",
+    is_flag=True,
+    help="leave out the executor emulator's user (it may report runs on every host)",
+)
+@click.option(
     "--example", is_flag=True, help="infra/accounts.conf: the demo cluster, '<user>-secret'"
 )
-def nats_config(cluster_file: Path | None, passwords_file: Path | None, example: bool) -> None:
+def nats_config(
+    cluster_file: Path | None, passwords_file: Path | None, no_executor: bool, example: bool
+) -> None:
     """Print the NATS accounts and users of a cluster (docs/security.md, "The bus"):
     the streams in an account of their own with the scheduler, every other role
     and every host's agent in an account of its own. Include it from your
@@ -164,4 +171,4 @@ def nats_config(cluster_file: Path | None, passwords_file: Path | None, example:
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise UserError(f"{passwords_file}: {exc}") from None
     passwords = {u: known.get(u) or secrets.token_urlsafe(24) for u in users_of(hosts)}
-    click.echo(accounts_conf(spec.name, hosts, passwords), nl=False)
+    click.echo(accounts_conf(spec.name, hosts, passwords, executor=not no_executor), nl=False)

@@ -106,10 +106,13 @@ def accounts_conf(
     passwords: Mapping[str, str],
     *,
     server: str = "",
+    executor: bool = True,
 ) -> str:
     """The ``accounts`` block for cluster ``cluster`` with an agent for each of
     ``hosts``; ``passwords`` maps every user (:func:`users_of`) to its password.
-    ``server`` is put first (``listen``, ``jetstream { ... }``, ...)."""
+    ``server`` is put first (``listen``, ``jetstream { ... }``, ...).
+    ``executor``: with the executor emulator's user, which may report runs on
+    every host (a demo device: leave it out where real agents run)."""
     hosts = list(hosts)
     c = cluster
     inputs = f"apportion.{c}.inputs"
@@ -131,6 +134,8 @@ def accounts_conf(
         "auditor": [],
         "executor": [f"{inputs}.{k}.>" for k in EXECUTOR_KINDS],
     }
+    if not executor:
+        del publishes["executor"]
     hears: dict[str, list[str]] = {}
     for h in hosts:
         user = agent_user(h)

@@ -240,3 +240,35 @@ def test_accounts_conf_is_the_generated_one() -> None:
     from apportion.services.natsconf import example_conf
 
     assert (INFRA / "accounts.conf").read_text() == example_conf()
+
+
+def test_nats_config_writes_a_valid_file_for_a_cluster(tmp_path: Path) -> None:
+    """`apportion nats-config --cluster FILE` for another cluster: valid for
+    nats-server, one agent user per host, the passwords given kept."""
+    import sys
+
+    from apportion.services.stack import DEMO_CLUSTER_TOML
+    from conftest import nats_server_binary
+
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(DEMO_CLUSTER_TOML.replace('name = "demo"', 'name = "ai2"'))
+    passwords = tmp_path / "users.toml"
+    passwords.write_text('[users]\ngateway = "kept-password"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "apportion", "nats-config", "--cluster", str(cluster)]
+        + ["--passwords", str(passwords), "--no-executor"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert 'user: "gateway", password: "kept-password"' in text
+    assert "AGENT_a100-001" in text and "$JS.API.DIRECT.GET.INPUTS_ai2" in text
+    assert "EXECUTOR" not in text
+    binary = nats_server_binary()
+    if binary is not None:
+        conf = tmp_path / "accounts.conf"
+        conf.write_text(text)
+        check = subprocess.run([binary, "-t", "-c", str(conf)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr + check.stdout

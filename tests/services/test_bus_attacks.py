@@ -168,7 +168,11 @@ ATTACKERS = {
 async def test_a_reply_subject_writes_only_where_the_credential_may_publish(
     bus: Bus, user: str
 ) -> None:
-    _, lease = await bus.setup()
+    sched_log, lease = await bus.setup()
+    s = Scheduler(sched_log, await sched_log.snapshots(), await sched_log.lease("s2"))
+    await s.recover()
+    assert await s.cycle() is not None  # DECISIONS holds a batch, which has no Nats-Msg-Id
+    await s._tail.close()
     inputs_before = len(await bus.stored("INPUTS_demo"))
     decisions_before = len(await bus.stored("DECISIONS_demo"))
     revision = lease.revision

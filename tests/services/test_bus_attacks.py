@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,6 @@ from apportion.services.natsconf import ROLE_KINDS, agent_user
 from apportion.services.scheduler import Scheduler
 from services_helpers import small_cluster, submit
 
-INFRA = Path(__file__).resolve().parents[2] / "infra"
 ONE_ACCOUNT = Path(__file__).resolve().parent / "data" / "accounts-one-account.conf"
 
 H0, H1 = "h100-000", "h100-001"
@@ -55,37 +53,12 @@ TARGETS = [
 """Where an attacker would like the server to publish."""
 
 
-def _start(conf_text: str, tmp: Path) -> tuple[subprocess.Popen, int]:
-    from conftest import _wait_port, free_port, nats_server_binary
-
-    binary = nats_server_binary()
-    if binary is None:
-        pytest.skip("no nats-server binary")
-    port = free_port()
-    conf = tmp / "server.conf"
-    conf.write_text(conf_text.replace('"./.apportion/nats-secure"', f'"{tmp / "js"}"'))
-    proc = subprocess.Popen(
-        [binary, "-c", str(conf), "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    _wait_port(port, proc)
-    return proc, port
-
-
-@pytest.fixture
-def secure(tmp_path: Path) -> Iterator[int]:
-    """nats-server with infra/accounts.conf; its port."""
-    proc, port = _start((INFRA / "accounts.conf").read_text(), tmp_path)
-    yield port
-    proc.terminate()
-    proc.wait(10)
-
-
 @pytest.fixture
 def one_account(tmp_path: Path) -> Iterator[int]:
     """nats-server with the one-account file of before issue 24; its port."""
-    proc, port = _start(ONE_ACCOUNT.read_text(), tmp_path)
+    from conftest import start_configured_server
+
+    proc, port = start_configured_server(ONE_ACCOUNT.read_text(), tmp_path)
     yield port
     proc.terminate()
     proc.wait(10)
@@ -131,8 +104,8 @@ class Bus:
 
 
 @pytest.fixture
-async def bus(secure: int) -> AsyncIterator[Bus]:
-    b = Bus(secure)
+async def bus(secure_server: int) -> AsyncIterator[Bus]:
+    b = Bus(secure_server)
     try:
         yield b
     finally:
@@ -286,7 +259,7 @@ async def test_an_agent_speaks_for_its_own_host_only(bus: Bus) -> None:
     await again._tail.close()
 
 
-async def test_the_services_run_each_as_its_own_user(secure: int, tmp_path: Path) -> None:
+async def test_the_services_run_each_as_its_own_user(secure_server: int, tmp_path: Path) -> None:
     """Production's shape on infra/accounts.conf: `serve` scheduler, projector,
     executor and gateway, each connected as its own user (only the scheduler has
     the JetStream API; the others read by direct get), place and finish work
@@ -294,7 +267,7 @@ async def test_the_services_run_each_as_its_own_user(secure: int, tmp_path: Path
     from apportion.services.runner import serve
     from services_helpers import eventually
 
-    url = "nats://{0}:{0}-secret@127.0.0.1:" + str(secure)
+    url = "nats://{0}:{0}-secret@127.0.0.1:" + str(secure_server)
     stop = asyncio.Event()
     port = __import__("apportion.services.stack", fromlist=["free_port"]).free_port()
     tasks = [
@@ -307,7 +280,7 @@ async def test_the_services_run_each_as_its_own_user(secure: int, tmp_path: Path
             serve("gateway", url.format("gateway"), "demo", port=port, insecure=True, stop=stop)
         ),
     ]
-    b = Bus(secure)
+    b = Bus(secure_server)
     try:
         auditor = JetStreamLog((await b.as_user("auditor")).jetstream(timeout=5.0), "demo")
 

@@ -27,30 +27,6 @@ def test_config_is_valid(name: str) -> None:
     assert out.returncode == 0, out.stderr + out.stdout
 
 
-@pytest.fixture
-def secure_server(tmp_path: Path):
-    from conftest import free_port, nats_server_binary
-
-    binary = nats_server_binary()
-    if binary is None:
-        pytest.skip("no nats-server binary")
-    port = free_port()
-    text = (INFRA / "accounts.conf").read_text()
-    conf = tmp_path / "accounts.conf"
-    conf.write_text(text.replace('"./.apportion/nats-secure"', f'"{tmp_path / "js"}"'))
-    proc = subprocess.Popen(
-        [binary, "-c", str(conf), "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    from conftest import _wait_port
-
-    _wait_port(port, proc)
-    yield port
-    proc.terminate()
-    proc.wait(10)
-
-
 async def _connect(port: int, user: str):
     import nats
     from apportion.services.natsconf import inbox_prefix

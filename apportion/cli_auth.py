@@ -115,3 +115,60 @@ def auth_revoke(principal: str, file: Path | None, hash_prefix: str) -> None:
     if not gone:
         raise UserError(f"no token of {principal!r} in {path} matches")
     click.echo(f"revoked {gone} token{'s' if gone != 1 else ''} of {principal!r} in {path}")
+
+
+@main.command("nats-config")
+@click.option(
+    "--cluster",
+    "cluster_file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="cluster file (TOML); default: the bundled demo cluster",
+)
+@click.option(
+    "--passwords",
+    "passwords_file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help='a nats-users.toml ([users] name = "password"); users it lacks get a new random password',
+)
+@click.option(
+    "--no-executor",
+    is_flag=True,
+    help="leave out the executor emulator's user (it may report runs on every host)",
+)
+@click.option(
+    "--example", is_flag=True, help="infra/accounts.conf: the demo cluster, '<user>-secret'"
+)
+def nats_config(
+    cluster_file: Path | None, passwords_file: Path | None, no_executor: bool, example: bool
+) -> None:
+    """Print the NATS accounts and users of a cluster (docs/security.md, "The bus"):
+    the streams in an account of their own with the scheduler, every other role
+    and every host's agent in an account of its own. Include it from your
+    nats-server configuration; keep it readable by the server's user only."""
+    import secrets
+    import tomllib
+
+    from apportion.replay.errors import InputFileError
+    from apportion.schemas.events import NodeRegistered
+    from apportion.services.natsconf import accounts_conf, example_conf, users_of
+    from apportion.services.stack import load_cluster_spec
+
+    if example:
+        click.echo(example_conf(), nl=False)
+        return
+    try:
+        spec = load_cluster_spec(cluster_file)
+    except InputFileError as exc:
+        raise UserError(str(exc)) from None
+    hosts = [e.node for e in spec.events if isinstance(e, NodeRegistered)]
+    known: dict[str, str] = {}
+    if passwords_file is not None:
+        try:
+            known = {
+                str(k): str(v)
+                for k, v in tomllib.loads(passwords_file.read_text()).get("users", {}).items()
+            }
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise UserError(f"{passwords_file}: {exc}") from None
+    passwords = {u: known.get(u) or secrets.token_urlsafe(24) for u in users_of(hosts)}
+    click.echo(accounts_conf(spec.name, hosts, passwords, executor=not no_executor), nl=False)

@@ -165,14 +165,26 @@ def up(
     if no_auth:
         click.echo(
             "apportion up: WARNING: --no-auth: the gateway authenticates nobody; anyone who "
-            "can reach it may act as anyone (actors come from request bodies)",
+            "can reach it may act as anyone (actors come from request bodies); NATS runs "
+            "without users: any local process may publish decisions or delete the streams",
             err=True,
         )
     url = os.environ.get("NATS_URL")
     server = None
+    nats_users = None
     if not url:
+        config = None
+        if not no_auth:
+            from apportion.services.natsconf import NATS_CONF_FILE, ensure_nats_credentials
+            from apportion.services.stack import adopt_unowned_streams
+
+            folder = data_dir / "credentials"
+            hosts = [e.node for e in spec.events if isinstance(e, NodeRegistered)]
+            nats_users = ensure_nats_credentials(folder, spec.name, hosts, server="")
+            config = folder / NATS_CONF_FILE
+            adopt_unowned_streams(data_dir / "nats")
         try:
-            server = start_nats_server(data_dir / "nats")
+            server = start_nats_server(data_dir / "nats", config=config)
         except (FileNotFoundError, RuntimeError) as exc:
             raise UserError(str(exc)) from None
         url = server.url
@@ -189,6 +201,7 @@ def up(
                 not no_auth,
                 server,
                 agents,
+                nats_users,
             )
         )
     except (OSError, ValueError, CredentialsError) as exc:
@@ -209,6 +222,7 @@ async def _up(
     auth: bool = True,
     nats: Any = None,
     agents: int = 0,
+    nats_users: dict[str, str] | None = None,
 ) -> None:
     from apportion.services.runner import STOP_GRACE_S
     from apportion.services.stack import Stack
@@ -227,6 +241,7 @@ async def _up(
         executor=executor,
         auth=auth,
         agents=agents,
+        nats_users=nats_users,
         nats=nats,  # supervised: started again if it dies
         exit_grace_s=3 * STOP_GRACE_S,  # a stop that hangs ends the process
     )
@@ -240,6 +255,7 @@ async def _up(
             f"gateway: {gw}\n"
             f"  export APPORTION_URL={gw}\n"
             + _credentials_text(stack.tokens, data_dir)
+            + _nats_users_text(nats_users, data_dir)
             + (
                 f"agents: {', '.join(stack.agents) or agents} (fake GPUs; attempts and logs in "
                 f"{(data_dir / 'agents').resolve()})\n"
@@ -285,6 +301,19 @@ def _credentials_text(tokens: dict[str, Path], data_dir: Path) -> str:
         f"apportion auth issue NAME --file {credentials_file(data_dir).resolve()}"
     )
     return "\n".join(lines) + "\n"
+
+
+def _nats_users_text(users: dict[str, str] | None, data_dir: Path) -> str:
+    """What ``up`` prints about its NATS users."""
+    from apportion.services.natsconf import NATS_USERS_FILE
+
+    if users is None:
+        return ""
+    file = (data_dir / "credentials" / NATS_USERS_FILE).resolve()
+    return (
+        f"nats: a user per role and per host ({len(users)}), passwords readable by you only in {file}\n"
+        "  (audit or replay --cluster as the auditor: NATS_URL=nats://auditor:<password>@host:port)\n"
+    )
 
 
 def _first_leaf(spec: Any) -> str:

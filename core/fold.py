@@ -93,6 +93,15 @@ def fold(events: Iterable[Event], state: State | None = None) -> State:
     return state
 
 
+def refuse(state: State, event: Event, refusal: Refusal) -> State:
+    """Fold input ``event`` as refused before its own checks (the subject it came
+    on does not allow it: :mod:`apportion.core.rules.subjects`): the clock and the
+    input sequence move, and the refusal is recorded; nothing else changes."""
+    _tick(state, event)
+    _reject(state, event, refusal)
+    return state
+
+
 def _tick(state: State, event: Event) -> None:
     """Advance the clock for an input; time never goes backwards. Runs stopping
     with notice whose deadline the clock reaches end first, each at its deadline."""

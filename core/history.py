@@ -10,7 +10,9 @@ same loop::
 
 :func:`fold_item` is the only place that folds a history item: an input (a
 decoded event, or bytes that did not decode, which are recorded as a rejected
-input) or a decision batch. It checks canonical order: input ``k`` must follow
+input) or a decision batch. An input stored on a subject is checked against
+it first (:mod:`apportion.core.rules.subjects`: the kind its subject names,
+and a host agent's own host and identity). It checks canonical order: input ``k`` must follow
 input ``k - 1`` and a batch must be based on the last input folded; anything
 else raises :class:`HistoryOrderError` and changes nothing.
 
@@ -35,13 +37,14 @@ from typing import Protocol
 
 from apportion.schemas.bounds import clip_reason
 from apportion.schemas.codec import encode
-from apportion.schemas.events import DecisionBatch, InputsLost
+from apportion.schemas.events import DecisionBatch, InputsLost, kind_of
 from apportion.schemas.history import HistoryItem, InputItem
 from apportion.schemas.reasons import MALFORMED
 from msgspec import UNSET
 
 from .cycle import CycleResult, decide
-from .fold import apply
+from .fold import apply, refuse
+from .rules.subjects import as_agent, host_refusal, subject_host, subject_refusal
 from .state import CorruptHistory, State
 
 Decider = Callable[[State], CycleResult]
@@ -104,8 +107,21 @@ def fold_item(state: State, item: HistoryItem) -> str | None:
             )
         rejections = state.rejections
         before = len(rejections)
-        if item.event is not None:
-            apply(state, item.event)
+        event = item.event
+        if event is not None:
+            subject = item.subject
+            if subject is None:  # not recorded (simulations, older files): not checked
+                apply(state, event)
+            else:
+                refusal = subject_refusal(subject, kind_of(event))
+                host = subject_host(subject) if refusal is None else None
+                if host is not None:
+                    event = as_agent(event, host)  # the actor is the subject's host's agent
+                    refusal = host_refusal(state, host, event)
+                if refusal is None:
+                    apply(state, event)
+                else:
+                    refuse(state, event, refusal)
         else:
             # bytes that did not decode: the clock and the sequence move, nothing else
             state.input_seq += 1

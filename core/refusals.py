@@ -21,6 +21,7 @@ from apportion.schemas.reasons import Refusal
 
 from .budget import ROOT, parent_of, path_error
 from .rules.authority import (
+    AGENT_PREFIX,
     cancel_authority_error,
     may_manage_node,
     not_operator,
@@ -92,6 +93,12 @@ def budget_set_refusal(state: State, e: BudgetSet) -> Refusal | None:
         )
     if not e.owner:
         return Refusal(R.INVALID_NAME, f"budget {e.path!r}: owner is empty")
+    if is_reserved(e.owner):
+        return Refusal(
+            R.RESERVED_NAME,
+            f"budget {e.path!r}: owner {e.owner!r} is reserved for the bus's own roles "
+            f"({SCHEDULER!r}, '{AGENT_PREFIX}<host>'); no person may act as it",
+        )
     if e.path != ROOT:
         parent = parent_of(e.path)
         if parent not in tree.nodes:
@@ -219,12 +226,32 @@ def submission_refusal(state: State, e: WorkloadSubmitted) -> Refusal | None:
             R.OVER_CAP,
             f"grace must be between 0 and {grace_cap // 1000} s (the policy's max_grace), got {e.grace_ms} ms",
         )
+    if e.command or e.env:
+        problem = _nul_error(e)
+        if problem:
+            return Refusal(R.INVALID_TEXT, problem)
     key = (e.gpu_type, e.gpus)
     gang_errors = state.gang_errors
     if key in gang_errors:
         return gang_errors[key]
     gang_errors[key] = error = _gang_error(state, e.gpu_type, e.gpus)
     return error
+
+
+def is_reserved(name: str) -> bool:
+    """A name the bus's own roles act as: ``scheduler`` and ``agent:<host>``."""
+    return name == SCHEDULER or name.startswith(AGENT_PREFIX)
+
+
+def _nul_error(e: WorkloadSubmitted) -> str | None:
+    """Where ``e``'s command or environment holds a NUL (no process can receive one)."""
+    for i, arg in enumerate(e.command):
+        if "\0" in arg:
+            return f"command argument {i} holds a NUL character, which no process can receive"
+    for name, value in e.env.items():
+        if "\0" in value:
+            return f"environment value {name} holds a NUL character, which no process can receive"
+    return None
 
 
 def submission_error(state: State, e: WorkloadSubmitted) -> str | None:

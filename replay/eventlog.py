@@ -6,7 +6,9 @@ input 2, ...):
 - ``{"header": {"version": 1, "policy": "budget", "source": "simulate", "cluster": "..."}}``
   first (``policy`` is the one that computed the batches: ``budget`` or ``priority``);
 - ``{"seq": k, "input": <event>}``: input ``k`` of ``INPUTS`` (``at_ms`` is the
-  time the log recorded it);
+  time the log recorded it), with ``"subject": "<subject>"`` after ``seq`` when
+  the subject it was stored on is known (the fold checks the event against it:
+  :mod:`apportion.core.rules.subjects`; older files have none);
 - ``{"seq": k, "malformed": {"at_ms": ..., "ref": ..., "reason": ...}}``: an
   input whose bytes did not decode (the scheduler folds it as a rejection);
 - ``{"batch": <DecisionBatch>}``: right after the input named by its ``basis``;
@@ -76,6 +78,7 @@ class _MalformedBody(msgspec.Struct, kw_only=True):
 class _Line(msgspec.Struct, kw_only=True):
     header: Header | None = None
     seq: int | None = None
+    subject: str | None = None
     input: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
     malformed: _MalformedBody | None = None
     batch: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
@@ -116,7 +119,8 @@ class LogWriter:
             return
         self.inputs = item.seq
         if item.event is not None:
-            f.write(b'{"seq":%d,"input":' % item.seq + encode(item.event) + b"}\n")
+            subject = b"" if item.subject is None else b',"subject":' + _enc.encode(item.subject)
+            f.write(b'{"seq":%d%s,"input":' % (item.seq, subject) + encode(item.event) + b"}\n")
         else:
             body = _MalformedBody(at_ms=item.at_ms, ref=item.ref, reason=item.rejection or "")
             f.write(b'{"seq":%d,"malformed":' % item.seq + _enc.encode(body) + b"}\n")
@@ -266,7 +270,10 @@ def _file_items(path: Path, log: CanonicalLog) -> Iterator[HistoryItem]:
             try:
                 line = _line_decoder.decode(raw)
                 if line.input and line.seq is not None:
-                    yield input_item(line.seq, decode_input(line.input))
+                    item = input_item(line.seq, decode_input(line.input))
+                    if line.subject is not None and item.event is not None:
+                        item = msgspec.structs.replace(item, subject=line.subject)
+                    yield item
                 elif line.malformed is not None and line.seq is not None:
                     m = line.malformed
                     yield InputItem(seq=line.seq, at_ms=m.at_ms, ref=m.ref, rejection=m.reason)
@@ -370,14 +377,19 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
             "AND column_name = 'logic'"
         ).fetchone()
         logic_col = "logic" if has_logic and has_logic[0] else "NULL"  # files before versions
+        has_subject = con.execute(
+            "SELECT COUNT(*) FROM duckdb_columns() WHERE table_name = 'events' "
+            "AND column_name = 'subject'"
+        ).fetchone()
+        subject_col = "subject" if has_subject and has_subject[0] else "NULL"  # files before
         batches = con.execute(
             f"SELECT basis, pos, decisions, next_wakeup_ms, v, batch, {logic_col} FROM batches "
             "ORDER BY batch"
         ).fetchall()
         icur, dcur = con.cursor(), con.cursor()
         icur.execute(
-            "SELECT pos, body FROM events WHERE pos <= ? AND kind IN (SELECT unnest(?::VARCHAR[])) "
-            "ORDER BY pos",
+            f"SELECT pos, body, {subject_col} FROM events WHERE pos <= ? "
+            "AND kind IN (SELECT unnest(?::VARCHAR[])) ORDER BY pos",
             [last_pos, kinds],
         )
         dcur.execute(
@@ -403,7 +415,10 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                     raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
                 if isinstance(event, InputsLost) and event.first == seq < event.through:
                     seq = event.through  # a loss accepted at its gap: the inputs it names
-                yield input_item(seq, event)
+                item = input_item(seq, event)
+                if row[2] is not None and item.event is not None:
+                    item = msgspec.structs.replace(item, subject=row[2])
+                yield item
             run = bi
             while run < len(batches) and batches[run][0] == seq:
                 run += 1

@@ -13,9 +13,11 @@ and no gap. docs/formats.md documents every table.
 Tables (the first columns of each are the interface scripts rely on; later
 columns are additions):
 
-- ``events(pos, at_ms, kind, workload, node, body)``: every input and decision,
+- ``events(pos, at_ms, kind, workload, node, body, subject)``: every input and decision,
   ``pos`` counting from 1 in canonical order; ``body`` is the event's JSON;
-  ``at_ms`` the time the fold gave it (inputs never go back in time).
+  ``at_ms`` the time the fold gave it (inputs never go back in time);
+  ``subject`` the subject an input was stored on, when known (NULL for
+  decisions, simulations, and rows written before it was kept).
 - ``workloads(workload, owner, gpus, min_runtime_ms, resumable, priority,
   submitted_ms, first_placed_ms, ended_ms, status, preemptions, gpu_type,
   duration_ms, legacy_priority, legacy_preemptible)``; a rejected submission
@@ -113,7 +115,8 @@ from apportion.schemas.events import (
 from apportion.schemas.history import BatchItem, HistoryItem, InputItem
 
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS events(pos BIGINT, at_ms BIGINT, kind VARCHAR, workload VARCHAR, node VARCHAR, body VARCHAR);
+CREATE TABLE IF NOT EXISTS events(pos BIGINT, at_ms BIGINT, kind VARCHAR, workload VARCHAR, node VARCHAR, body VARCHAR,
+    subject VARCHAR);
 CREATE TABLE IF NOT EXISTS workloads(workload VARCHAR, owner VARCHAR, gpus INTEGER, min_runtime_ms BIGINT,
     resumable BOOLEAN, priority INTEGER, submitted_ms BIGINT, first_placed_ms BIGINT, ended_ms BIGINT,
     status VARCHAR, preemptions INTEGER, gpu_type VARCHAR, duration_ms BIGINT, legacy_priority VARCHAR,
@@ -140,6 +143,7 @@ MIGRATE = f"""
 ALTER TABLE workloads ADD COLUMN IF NOT EXISTS team VARCHAR;
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS team VARCHAR;
 ALTER TABLE batches ADD COLUMN IF NOT EXISTS logic VARCHAR;
+ALTER TABLE events ADD COLUMN IF NOT EXISTS subject VARCHAR;
 UPDATE workloads SET team = {team_sql("owner")} WHERE team IS NULL AND owner IS NOT NULL;
 UPDATE runs SET team = (SELECT w.team FROM workloads w WHERE w.workload = runs.workload)
  WHERE team IS NULL;
@@ -279,7 +283,7 @@ def snapshot_path(db: str | Path) -> Path:
 
 
 _TYPES = {
-    "events": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR"),
+    "events": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR"),
     "workloads": (
         "VARCHAR",
         "VARCHAR",
@@ -510,7 +514,11 @@ class Projection:
             else:
                 event, now = item.event, state.now_ms
                 self._event_row(
-                    event, now, getattr(event, "workload", None), getattr(event, "node", None)
+                    event,
+                    now,
+                    getattr(event, "workload", None),
+                    getattr(event, "node", None),
+                    item.subject,
                 )
                 try:
                     if self.stopping and now > self._now:
@@ -566,10 +574,25 @@ class Projection:
             row[W_ENDED] = at_ms
         self._dirty_workloads[wid] = row
 
-    def _event_row(self, event: Event, at_ms: int, workload: str | None, node: str | None) -> None:
+    def _event_row(
+        self,
+        event: Event,
+        at_ms: int,
+        workload: str | None,
+        node: str | None,
+        subject: str | None = None,
+    ) -> None:
         self._pos += 1
         self._events.append(
-            (self._pos, at_ms, kind_of(event), workload, node, _json.encode(event).decode())
+            (
+                self._pos,
+                at_ms,
+                kind_of(event),
+                workload,
+                node,
+                _json.encode(event).decode(),
+                subject,
+            )
         )
 
     def _input(self, event: Input, state: State, rejected: bool) -> None:

@@ -42,6 +42,11 @@ class InputItem(msgspec.Struct, frozen=True, kw_only=True):
     ref: str
     event: Input | None = None
     rejection: str | None = None
+    subject: str | None = None
+    """The subject it was stored on (``apportion.<c>.inputs.<Kind>[.<host>]``);
+    the fold binds the kind and, for a host agent's subject, the host and the
+    actor to it (:mod:`apportion.core.rules.subjects`). ``None``: not known
+    (simulations, files written before subjects were kept): not checked."""
 
     @property
     def malformed(self) -> bool:

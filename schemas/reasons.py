@@ -121,6 +121,27 @@ HAS_CHILDREN = _code(
 )
 ROOT_NOT_REMOVABLE = _code("root_not_removable", "the root of the budget tree cannot be removed")
 
+# -- added later (codes are only ever added at the end) ----------------------------
+WRONG_SUBJECT = _code(
+    "wrong_subject",
+    "an input stored on the subject of another kind (or on a host agent's subject, "
+    "a kind agents may not send): the subject decides what a credential may send",
+)
+WRONG_HOST = _code(
+    "wrong_host",
+    "a host agent's input about another host (a node it is not, a run not on its host)",
+)
+RESERVED_NAME = _code(
+    "reserved_name",
+    "a budget node owned by a name the bus reserves for its own roles ('scheduler', "
+    "'agent:<host>'), which no person may act as",
+)
+INVALID_TEXT = _code(
+    "invalid_text",
+    "a command argument or environment value holding a NUL character, which no process can receive",
+)
+
+
 # -- the gateway's own (a request that never becomes an input) --------------------
 EMPTY_REQUEST = _code("empty_request", "a budget request with nothing to set or remove", fold=False)
 NOT_AUTHENTICATED = _code(

@@ -5,6 +5,7 @@ Subjects and streams for cluster ``C`` (a name of letters, digits, ``_``, ``-``)
 | what | subject | stream |
 |---|---|---|
 | inputs | ``apportion.C.inputs.<kind>`` (``<kind>`` is the event tag, ``raw`` for anything else) | ``INPUTS_C`` |
+| a host agent's inputs | ``apportion.C.inputs.<kind>.<node>`` | ``INPUTS_C`` |
 | decision batches | ``apportion.C.decisions`` | ``DECISIONS_C`` |
 | scheduler snapshots | object ``scheduler`` | object store ``apportion_C_snapshots`` |
 | scheduler lease | key ``scheduler`` | KV bucket ``apportion_C_leases`` |
@@ -45,12 +46,14 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
+from apportion.core.rules.authority import AGENT_PREFIX
+from apportion.core.rules.subjects import AGENT_KINDS
 from apportion.schemas.codec import EventDecodeError, decode_batch, decode_input, encode
 from apportion.schemas.events import DecisionBatch, Input, InputsLost, kind_of, kind_of_type
 from apportion.schemas.history import BatchItem, InputItem, malformed_item
 
 from . import logs
-from .direct import DirectTail, StoredMessage, get_batch
+from .direct import DirectTail, StoredMessage, get_batch, last_sequence
 
 T = TypeVar("T")
 
@@ -128,8 +131,23 @@ class Subjects:
         self.heartbeats = f"apportion.{cluster}.heartbeat.>"
         """Every host agent's heartbeat (plain NATS, not a stream)."""
 
-    def input_subject(self, kind: str) -> str:
-        return f"{self.inputs_prefix}.{kind}"
+    def input_subject(self, kind: str, host: str | None = None) -> str:
+        """``apportion.C.inputs.<kind>``, or the agent of ``host``'s own
+        ``apportion.C.inputs.<kind>.<host>``."""
+        if host is None:
+            return f"{self.inputs_prefix}.{kind}"
+        return f"{self.inputs_prefix}.{kind}.{host}"
+
+    def subject_of(self, event: Input) -> str:
+        """Where ``event`` is published: a host agent's input (an agent kind whose
+        actor is ``agent:<host>``) on its host's subject, any other on its kind's.
+        The fold binds both (:mod:`apportion.core.rules.subjects`), and NATS
+        permissions let each credential publish on its own subjects only."""
+        kind = kind_of(event)
+        actor = getattr(event, "actor", "")
+        if kind in AGENT_KINDS and actor.startswith(AGENT_PREFIX) and actor != AGENT_PREFIX:
+            return self.input_subject(kind, actor[len(AGENT_PREFIX) :])
+        return self.input_subject(kind)
 
     def heartbeat(self, node: str) -> str:
         """Where the agent of ``node`` heartbeats (JSON ``{"node", "addr", "at_ms", ...}``)."""
@@ -161,15 +179,18 @@ class PublishResult(msgspec.Struct, frozen=True):
     duplicate: bool = False
 
 
-def to_input_item(seq: int, at_ms: int, data: bytes, msg_id: str | None) -> InputItem:
-    """Decode stored bytes; event time becomes ``at_ms`` (the log's ingestion time)."""
+def to_input_item(
+    seq: int, at_ms: int, data: bytes, msg_id: str | None, subject: str | None = None
+) -> InputItem:
+    """Decode stored bytes; event time becomes ``at_ms`` (the log's ingestion time);
+    ``subject`` is the one it was stored on (the fold checks the event against it)."""
     try:
         event = decode_input(data)
     except EventDecodeError as exc:
         return malformed_item(seq, at_ms, msg_id or f"seq:{seq}", str(exc))
     if event.at_ms != at_ms:
         event = msgspec.structs.replace(event, at_ms=at_ms)
-    return InputItem(seq=seq, at_ms=at_ms, ref=event.id, event=event)
+    return InputItem(seq=seq, at_ms=at_ms, ref=event.id, event=event, subject=subject)
 
 
 class Tail(Protocol[T]):
@@ -308,11 +329,11 @@ class MemoryLog:
         self._last_ms = max(self._last_ms, self.clock())
         return self._last_ms
 
-    def _append_input(self, data: bytes, msg_id: str | None) -> PublishResult:
+    def _append_input(self, data: bytes, msg_id: str | None, subject: str) -> PublishResult:
         if msg_id is not None and msg_id in self._ids:
             return PublishResult(seq=self._ids[msg_id], duplicate=True)
         seq = len(self.inputs) + 1
-        self.inputs.append(to_input_item(seq, self._now(), data, msg_id))
+        self.inputs.append(to_input_item(seq, self._now(), data, msg_id, subject))
         if msg_id is not None:
             self._ids[msg_id] = seq
         for w in self._input_waiters:
@@ -320,13 +341,14 @@ class MemoryLog:
         return PublishResult(seq=seq)
 
     async def publish_input(self, event: Input) -> PublishResult:
-        return self._append_input(encode(event), event.id)
+        return self._append_input(encode(event), event.id, self.subjects.subject_of(event))
 
     async def publish_inputs(self, events: list[Input]) -> list[PublishResult]:
-        return [self._append_input(encode(e), e.id) for e in events]
+        subject = self.subjects.subject_of
+        return [self._append_input(encode(e), e.id, subject(e)) for e in events]
 
     async def publish_raw_input(self, data: bytes, msg_id: str | None = None) -> PublishResult:
-        return self._append_input(data, msg_id)
+        return self._append_input(data, msg_id, self.subjects.input_subject("raw"))
 
     async def publish_batch(self, batch: DecisionBatch, expected_last_seq: int) -> int:
         if len(self.batches) != expected_last_seq:
@@ -400,7 +422,9 @@ def parse_ack_reply(reply: str) -> tuple[int, int, int]:
 
 
 def _convert_input(m: StoredMessage) -> InputItem:
-    return to_input_item(m.seq, m.ts_ns // 1_000_000, m.data, m.headers.get(HDR_MSG_ID))
+    return to_input_item(
+        m.seq, m.ts_ns // 1_000_000, m.data, m.headers.get(HDR_MSG_ID), m.subject or None
+    )
 
 
 def _convert_batch(m: StoredMessage) -> BatchItem | None:
@@ -498,7 +522,7 @@ class JetStreamLog:
     # -- publishing ---------------------------------------------------
     async def publish_input(self, event: Input) -> PublishResult:
         ack = await self.js.publish(
-            self.subjects.input_subject(kind_of(event)),
+            self.subjects.subject_of(event),
             encode(event),
             headers={HDR_MSG_ID: event.id},
         )
@@ -507,11 +531,11 @@ class JetStreamLog:
     async def publish_inputs(self, events: list[Input]) -> list[PublishResult]:
         """Pipelined publishes (``publish_async``), acknowledged together, in order."""
         futures = []
-        subject = self.subjects.input_subject
+        subject = self.subjects.subject_of
         for event in events:
             futures.append(
                 await self.js.publish_async(
-                    subject(kind_of(event)), encode(event), headers={HDR_MSG_ID: event.id}
+                    subject(event), encode(event), headers={HDR_MSG_ID: event.id}
                 )
             )
         acks = await asyncio.gather(*futures)
@@ -549,12 +573,12 @@ class JetStreamLog:
 
     # -- reading ------------------------------------------------------
     async def last_input_seq(self) -> int:
-        info = await self.js.stream_info(self.subjects.inputs_stream)
-        return info.state.last_seq
+        s = self.subjects
+        return await last_sequence(self.nc, s.inputs_stream, s.inputs_all)
 
     async def last_batch_seq(self) -> int:
-        info = await self.js.stream_info(self.subjects.decisions_stream)
-        return info.state.last_seq
+        s = self.subjects
+        return await last_sequence(self.nc, s.decisions_stream, s.decisions)
 
     def tail_inputs(self, from_seq: int, *, bridge: bool = True) -> DirectTail[InputItem]:
         """A tail of INPUTS from ``from_seq``; at a gap it hands on the loss's
@@ -604,7 +628,9 @@ class JetStreamLog:
                 item = _convert_input(m)
                 e = item.event
                 if isinstance(e, InputsLost) and e.first == first and e.through == next_seq - 1:
-                    placed = InputItem(seq=e.through, at_ms=item.at_ms, ref=item.ref, event=e)
+                    placed = InputItem(
+                        seq=e.through, at_ms=item.at_ms, ref=item.ref, event=e, subject=item.subject
+                    )
                     return placed, m.seq
             seq = got[-1].seq + 1
 
@@ -848,6 +874,23 @@ class NatsUnreachable(ConnectionError):
     """No NATS server answered within the connect timeout (one line: where, how long, why)."""
 
 
+def _share_userinfo(servers: list[str]) -> list[str]:
+    """The first server's ``user:password@`` given to every other that has none
+    (``nats://u:p@a:4222,b:4222`` names one user on a cluster)."""
+    first = servers[0]
+    scheme, sep, rest = first.partition("://")
+    if not sep or "@" not in rest:
+        return servers
+    userinfo = rest.rsplit("@", 1)[0]
+    out = [first]
+    for one in servers[1:]:
+        s, sep2, r = one.partition("://")
+        if not sep2:
+            s, r = scheme, one
+        out.append(one if "@" in r else f"{s}://{userinfo}@{r}")
+    return out
+
+
 async def connect(
     url: str, name: str = "apportion", *, timeout_s: float | None = None, reconnect: bool = True
 ) -> Any:
@@ -859,13 +902,18 @@ async def connect(
     runs (servers may restart under it) and logs each connection error as one
     line, never a traceback; a one-shot client (``reconnect=False``) tries each
     server a few more times, quietly, and then its requests fail."""
+    from urllib.parse import unquote, urlparse
+
     import nats
     import nats.errors
+
+    from .natsconf import inbox_prefix
 
     limit = client_timeout_s() if timeout_s is None else timeout_s
     servers = [u.strip() for u in url.split(",") if u.strip()]
     if not servers:
         raise NatsUnreachable(f"no NATS server in the URL {url!r}")
+    servers = _share_userinfo(servers)
     logger = logs.get("nats", name=name)
     last: list[BaseException] = []
     connected = False
@@ -878,6 +926,7 @@ async def connect(
 
     options: dict[str, Any] = {
         "name": name,
+        "inbox_prefix": inbox_prefix(unquote(urlparse(servers[0]).username or "")),
         "error_cb": on_error,
         "max_reconnect_attempts": -1,  # the first connection: until the time limit
         "reconnect_time_wait": 0.5,

@@ -127,6 +127,33 @@ async def get_batch(
     raise error(f"direct get on {stream}: {status} {detail}".strip())
 
 
+async def last_sequence(
+    nc: Any, stream: str, subjects: str, timeout_s: float = REQUEST_TIMEOUT_S
+) -> int:
+    """The sequence of the last message ``stream`` stores on ``subjects`` (a
+    wildcard may be used), ``0`` if none: a direct get of ``last_by_subj``.
+
+    Readers ask this instead of ``$JS.API.STREAM.INFO``: the JetStream API
+    answers only inside the account that holds the streams, while a direct get
+    is a service other accounts import (docs/security.md, "The bus")."""
+    from nats.js.errors import APIError, ServiceUnavailableError
+
+    request = json.dumps({"last_by_subj": subjects}).encode()
+    # no responders (no such stream, or a cluster electing its leader) raises
+    # nats' own NoRespondersError, a transient error to the services
+    msg = await nc.request(f"$JS.API.DIRECT.GET.{stream}", request, timeout=timeout_s)
+    headers = msg.headers or {}
+    status = headers.get("Status")
+    if status is None:
+        return int(headers["Nats-Sequence"])
+    if status == "404":
+        return 0
+    detail = f"direct get on {stream}: {headers.get('Description', '')}".strip()
+    if status == "503":  # as stream info answered while the stream had no leader
+        raise ServiceUnavailableError(code=503, description=detail)
+    raise APIError(code=int(status) if status.isdigit() else None, description=detail)
+
+
 Bridge = Callable[[int, int], Awaitable[Any]]
 """``bridge(first, next_seq)``: ``(item, stored_at)``, the item that stands for the
 missing messages ``first`` .. ``next_seq - 1`` (an accepted loss) and the sequence

@@ -180,6 +180,10 @@ HTTP_STATUS: dict[str, int] = {
     R.HAS_WORK: 409,
     R.HAS_CHILDREN: 409,
     R.ROOT_NOT_REMOVABLE: 400,
+    R.WRONG_SUBJECT: 403,
+    R.WRONG_HOST: 403,
+    R.RESERVED_NAME: 400,
+    R.INVALID_TEXT: 400,
     # the gateway's own
     R.EMPTY_REQUEST: 400,
     R.NOT_AUTHENTICATED: 401,
@@ -193,6 +197,10 @@ HTTP_STATUS: dict[str, int] = {
     R.HISTORY_INCOMPLETE: 503,
 }
 """The HTTP status of every reason code: the only place a refusal's status comes from."""
+
+UNAUTHENTICATED_LOG_S = 60.0
+"""At most one log line per this many seconds for requests answered 401 (each is
+counted in ``apportion_gateway_unauthenticated_total``)."""
 
 _HTTP_CODES = {404: R.NO_SUCH_PATH, 405: R.METHOD_NOT_ALLOWED, 413: R.TOO_LARGE}
 """The code of an error aiohttp raised itself (before a handler ran), by its status;
@@ -317,6 +325,8 @@ class Gateway:
         self.start_batches: int | None = None
         """DECISIONS' last sequence when the gateway began to follow: until its view
         has folded that far it answers 503 ``catching_up`` (``None``: not known yet)."""
+        self._unauthenticated_logged_at = -float("inf")
+        self._unauthenticated_unlogged = 0
         self._estimates: tuple[tuple[int, int, int | None], Estimates] | None = None
         self._estimating: tuple[tuple[int, int, int | None], asyncio.Future[Estimates]] | None = (
             None
@@ -477,6 +487,9 @@ class Gateway:
             reason = _http_reason(request, exc)
             if code is None:
                 return _error(R.HTTP_ERROR, reason, status=exc.status)
+            if isinstance(exc, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 says what is allowed
+                allow = ", ".join(sorted(exc.allowed_methods))
+                return _error(code, reason, headers={"Allow": allow})
             return _error(code, reason)
         except _Unacknowledged as exc:
             self.logger.warning("publish not acknowledged", path=request.path, error=str(exc))
@@ -499,9 +512,7 @@ class Gateway:
             try:
                 request[_PRINCIPAL_KEY] = self.auth.authenticate(request.headers)
             except AuthError as exc:
-                self.logger.warning(
-                    "not authenticated", method=request.method, path=request.path, why=exc.reason
-                )
+                self._not_authenticated(request, exc.reason)
                 challenge = self.auth.challenge
                 if exc.error:
                     challenge += f', error="{exc.error}"'
@@ -571,6 +582,25 @@ class Gateway:
             if not isinstance(checked, Refusal):
                 return checked
             refused = checked
+
+    def _not_authenticated(self, request: web.Request, why: str) -> None:
+        """Count a 401 (``apportion_gateway_unauthenticated_total``) and log it, at
+        most one line every :data:`UNAUTHENTICATED_LOG_S` seconds (with how many
+        came since the last line), so that a flood of bad requests cannot flood the log."""
+        self.metrics.unauthenticated.inc()
+        self._unauthenticated_unlogged += 1
+        now = time.monotonic()
+        if now - self._unauthenticated_logged_at < UNAUTHENTICATED_LOG_S:
+            return
+        self.logger.warning(
+            "not authenticated",
+            method=request.method,
+            path=request.path,
+            why=why,
+            since_last_line=self._unauthenticated_unlogged,
+        )
+        self._unauthenticated_logged_at = now
+        self._unauthenticated_unlogged = 0
 
     def _actor(self, request: web.Request, stated: str) -> str:
         """Who acts: the authenticated principal; ``stated`` (from the body) only

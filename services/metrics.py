@@ -131,6 +131,11 @@ class GatewayMetrics:
             ["team"],
             registry=r,
         )
+        self.unauthenticated = Counter(
+            "apportion_gateway_unauthenticated",
+            "Requests answered 401 (no, a malformed or an unknown bearer token)",
+            registry=r,
+        )
         self.latency = Histogram(
             "apportion_gateway_request_seconds",
             "Gateway request latency, by route, method and status",

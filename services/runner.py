@@ -196,6 +196,14 @@ def exit_watchdog(
     return timer
 
 
+def _has_user(url: str) -> bool:
+    """Whether the (first) server of ``url`` names a user."""
+    from urllib.parse import urlparse
+
+    first = url.split(",")[0].strip()
+    return bool(urlparse(first if "://" in first else f"nats://{first}").username)
+
+
 async def serve(
     kind: str,
     url: str,
@@ -262,7 +270,11 @@ async def serve(
     reporter = None
     metrics_runner = None
     try:
-        await log.setup()
+        if kind == "scheduler" or not _has_user(url):
+            await log.setup()
+        # else: the scheduler sets the streams up; a service with a user of its own
+        # has no JetStream API (an account of its own: docs/security.md) and reads
+        # with direct gets, which wait for the streams to exist
         service: Any
         if kind == "scheduler":
             from .scheduler import Scheduler

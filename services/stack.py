@@ -33,6 +33,8 @@ from .bus import JetStreamLog, connect
 from .executor import Executor
 from .gateway import Gateway
 from .metrics import ExecutorMetrics, ProjectorMetrics
+from .natsconf import SCHEDULER as SCHEDULER_USER
+from .natsconf import agent_user, user_url
 from .projector import Projector, open_projection_for
 from .runner import STOP_GRACE_S, Supervisor, exit_watchdog, stop_within, supervise_scheduler
 from .scheduler import Scheduler
@@ -126,10 +128,13 @@ class NatsProcess:
     """A nats-server ``up`` started: its process, URL and log; :meth:`restart` runs
     it again on the same port and store."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], url: str, log_path: Path, config: Path | None = None
+    ) -> None:
         self.proc = proc
         self.url = url
         self.log_path = log_path
+        self.config = config
         self.pid_file = log_path.parent / PID_FILE
 
     def stop(self) -> None:
@@ -140,7 +145,7 @@ class NatsProcess:
         """Stop the server if it runs, then start it again on the same port and store."""
         stop_process(self.proc)
         port = int(self.url.rsplit(":", 1)[1])
-        again = start_nats_server(self.log_path.parent, port)
+        again = start_nats_server(self.log_path.parent, port, config=self.config)
         self.proc, self.url = again.proc, again.url
 
 
@@ -195,12 +200,33 @@ def stop_stale_nats_server(data_dir: Path, timeout: float = 10.0) -> int | None:
     return pid
 
 
+def adopt_unowned_streams(data_dir: Path) -> bool:
+    """Move the streams an ``up`` of before NATS users left in the global account
+    (``<data_dir>/jetstream/jetstream/$G``) to the account that holds them now
+    (``APPORTION``), while the server is stopped; ``True`` if it did.
+
+    The history of an older data folder stays in use (README, migration notes)."""
+    from .natsconf import JS_ACCOUNT
+
+    root = data_dir / "jetstream" / "jetstream"
+    old, new = root / "$G", root / JS_ACCOUNT
+    if not (old / "streams").is_dir() or new.exists():
+        return False
+    os.rename(old, new)
+    logs.get("stack").info("streams moved to their account", account=JS_ACCOUNT, was=str(old))
+    return True
+
+
 def start_nats_server(
-    data_dir: Path, port: int | None = None, timeout: float = 20.0
+    data_dir: Path, port: int | None = None, timeout: float = 20.0, config: Path | None = None
 ) -> NatsProcess:
     """nats-server with its store in ``<data_dir>/jetstream`` and its pid in
     ``<data_dir>/nats-server.pid``; a server left behind by a killed ``up`` on the
-    same ``data_dir`` is stopped first (:func:`stop_stale_nats_server`)."""
+    same ``data_dir`` is stopped first (:func:`stop_stale_nats_server`).
+
+    ``config``: a configuration file (the accounts and users of
+    :func:`~apportion.services.natsconf.ensure_nats_credentials`); without it
+    the server has no users (``up --no-auth``)."""
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     stop_stale_nats_server(data_dir)
@@ -210,6 +236,7 @@ def start_nats_server(
         proc = subprocess.Popen(
             [
                 nats_server_binary(),
+                *(["-c", str(config)] if config is not None else []),
                 "-js",
                 "-a",
                 "127.0.0.1",
@@ -240,7 +267,7 @@ def start_nats_server(
                     f"nats-server did not start on port {port}; see {log_path}"
                 ) from None
             time.sleep(0.05)
-    return NatsProcess(proc, f"nats://127.0.0.1:{port}", log_path)
+    return NatsProcess(proc, f"nats://127.0.0.1:{port}", log_path, config)
 
 
 class Stack:
@@ -282,8 +309,14 @@ class Stack:
         exit_grace_s: float | None = None,
         auth: bool = True,
         agents: int = 0,
+        nats_users: dict[str, str] | None = None,
     ) -> None:
         self.url = url
+        self.nats_users = nats_users
+        """Each NATS user's password (:func:`~apportion.services.natsconf.ensure_nats_credentials`):
+        every service connects as its own user (the agent of a host as that host's);
+        ``None``: one connection without a user for all."""
+        self._conns: dict[str, Any] = {}
         self.spec = spec
         self.data_dir = data_dir
         self.host = host
@@ -322,14 +355,14 @@ class Stack:
                 ensure_local_credentials, self.data_dir, tree_principals(self.spec.budget)
             )
             self.authenticator = TokenAuthenticator(credentials_file(self.data_dir))
-        nc = await connect(self.url, name=f"apportion-{self.spec.name}")
+        nc = await self._connect(SCHEDULER_USER)
         watchdog = None
         try:
-            js = nc.jetstream()
-            log = JetStreamLog(js, self.spec.name, replicas=self.replicas)
+            log = JetStreamLog(nc.jetstream(), self.spec.name, replicas=self.replicas)
             await log.setup()
             if await log.last_input_seq() == 0:
-                await log.publish_inputs(list(self.spec.events))
+                operator = await self._log_as("operator")
+                await operator.publish_inputs(list(self.spec.events))
                 self.logger.info("bootstrapped", events=len(self.spec.events))
             self.scheduler = Scheduler(
                 log,
@@ -338,20 +371,24 @@ class Stack:
                 snapshot_every=self.snapshot_every,
             )
             sup = self.supervisor = Supervisor(stop, self.logger)
+            gateway_log = await self._log_as("gateway")
             children: dict[str, Callable[[], Awaitable[None]]] = {
                 "scheduler": lambda: supervise_scheduler(self.scheduler, stop),
-                "gateway": lambda: self._serve_gateway(log, stop),
+                "gateway": lambda: self._serve_gateway(gateway_log, stop),
             }
             if self.with_projector:
                 self.data_dir.mkdir(parents=True, exist_ok=True)
-                children["projector"] = lambda: self._run_projector(log, stop)
+                projector_log = await self._log_as("projector")
+                children["projector"] = lambda: self._run_projector(projector_log, stop)
             if self.agent_count:
-                for node in await self._agent_nodes(log):
+                for node in await self._agent_nodes(await self._log_as("operator")):
+                    agent_log = await self._log_as(agent_user(node.node))
                     children[f"agent-{node.node}"] = functools.partial(
-                        self._run_agent, log, node, stop
+                        self._run_agent, agent_log, node, stop
                     )
             elif self.with_executor:
-                children["executor"] = lambda: self._run_executor(log, stop)
+                executor_log = await self._log_as("executor")
+                children["executor"] = lambda: self._run_executor(executor_log, stop)
             if self.nats is not None:
                 children["nats-server"] = lambda: self._watch_nats(stop)
             tasks = [asyncio.create_task(sup.run(n, c), name=n) for n, c in children.items()]
@@ -375,14 +412,31 @@ class Stack:
             if error is not None:
                 raise error
         finally:
-            try:
-                await asyncio.wait_for(nc.drain(), 5)
-            except (TimeoutError, Exception):  # a server already gone
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(nc.close(), 5)
+            for conn in self._conns.values():
+                try:
+                    await asyncio.wait_for(conn.drain(), 5)
+                except (TimeoutError, Exception):  # a server already gone
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(conn.close(), 5)
             if watchdog is not None:
                 watchdog.cancel()
                 watchdog.join()  # gone before the interpreter ends (a live daemon thread can abort it)
+
+    async def _connect(self, user: str) -> Any:
+        """The connection of NATS user ``user`` (one for all without users)."""
+        if self.nats_users is None:
+            user = SCHEDULER_USER
+        if user not in self._conns:
+            url = self.url
+            if self.nats_users is not None:
+                url = user_url(self.url, user, self.nats_users[user])
+            self._conns[user] = await connect(url, name=f"apportion-{self.spec.name}-{user}")
+        return self._conns[user]
+
+    async def _log_as(self, user: str) -> JetStreamLog:
+        """The cluster's log on ``user``'s connection (only the scheduler's sets the streams up)."""
+        nc = await self._connect(user)
+        return JetStreamLog(nc.jetstream(), self.spec.name, replicas=self.replicas)
 
     # -- the children: each start makes the service afresh -------------------
     async def _serve_gateway(self, log: JetStreamLog, stop: asyncio.Event) -> None:
@@ -438,6 +492,7 @@ class Stack:
         if self.agent_count > len(nodes):
             raise ValueError(f"--agents {self.agent_count}: the cluster has {len(nodes)} nodes")
         rest = nodes[self.agent_count :]
+        admin = tree_principals(self.spec.budget)[0] if self.nats_users is not None else None
         if rest:
             now = int(time.time() * 1000)
             await log.publish_inputs(
@@ -447,7 +502,9 @@ class Stack:
                         at_ms=now,
                         node=n.node,
                         state="down",
-                        actor=agent_of(n.node),
+                        # as the operator whose credential publishes it (the admin),
+                        # else by its agent's name, as before users
+                        actor=admin or agent_of(n.node),
                     )
                     for n in rest
                 ]

@@ -23,9 +23,13 @@ def is_operator(state: State, actor: str) -> bool:
     return root == "" or (actor != "" and (actor == root or actor in state.policy.operators))
 
 
+AGENT_PREFIX = "agent:"
+"""An agent's identity is this prefix and its host's name."""
+
+
 def agent_of(node: str) -> str:
     """The identity of a host's own agent."""
-    return f"agent:{node}"
+    return f"{AGENT_PREFIX}{node}"
 
 
 def run_ended(

@@ -152,7 +152,15 @@ CASES: list[tuple[str, Callable[[], Input], str]] = [
     ("has_work", lambda: node("n0", gpus=4), "has running work"),
     ("has_children", lambda: removed("llm"), "has children"),
     ("root_not_removable", lambda: removed(""), "root of the budget tree cannot be removed"),
+    ("reserved_name", lambda: budget_set("llm/b", owner="scheduler"), "is reserved"),
+    ("reserved_name", lambda: budget_set("llm/b", owner="agent:n0"), "is reserved"),
+    ("invalid_text", lambda: sub(command=("run", "a\0b")), "argument 1 holds a NUL"),
+    ("invalid_text", lambda: sub(env={"X": "\0"}), "value X holds a NUL"),
 ]
+
+SUBJECT_CODES = {"wrong_subject", "wrong_host"}
+"""Codes of the subject an input was stored on, which a request does not have
+(tests/core/test_subjects.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +188,7 @@ def test_the_fold_and_the_command_layer_give_the_same_code(
 
 
 def test_every_code_of_the_fold_is_produced_by_a_hand_made_request() -> None:
-    covered = {code for code, _, _ in CASES} | {"malformed"}  # malformed: below
+    covered = {code for code, _, _ in CASES} | {"malformed"} | SUBJECT_CODES  # below, elsewhere
     assert covered == set(FOLD_CODES)
 
 

@@ -142,6 +142,38 @@ async def jlog(js: JetStreamContext, cluster: str):
     return log
 
 
+INFRA = Path(__file__).resolve().parents[2] / "infra"
+
+
+def start_configured_server(conf_text: str, tmp: Path) -> tuple[subprocess.Popen, int]:
+    """nats-server with the configuration ``conf_text`` (its JetStream store moved
+    under ``tmp``) on a free port: the process and the port."""
+    binary = nats_server_binary()
+    if binary is None:
+        pytest.skip("no nats-server binary")
+    port = free_port()
+    conf = tmp / "server.conf"
+    conf.write_text(conf_text.replace('"./.apportion/nats-secure"', f'"{tmp / "js"}"'))
+    proc = subprocess.Popen(
+        [binary, "-c", str(conf), "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_port(port, proc)
+    return proc, port
+
+
+@pytest.fixture
+def secure_server(tmp_path: Path) -> Iterator[int]:
+    """nats-server with the accounts and users of production (infra/accounts.conf:
+    the demo cluster, each user's password ``<user>-secret``); its port."""
+    proc, port = start_configured_server((INFRA / "accounts.conf").read_text(), tmp_path)
+    try:
+        yield port
+    finally:
+        stack.stop_process(proc)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_logs() -> None:
     logs.configure("warning")

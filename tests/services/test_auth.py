@@ -519,13 +519,16 @@ def test_serve_gateway_needs_credentials_or_no_auth(tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def up(folder: Path, nats_url: str, cluster: str, *extra: str) -> Any:
-    """`apportion up` run in ``folder`` (its default data dir) on the test server; yields
-    (its printed text once started, its gateway URL)."""
+def up(folder: Path, nats_url: str | None, cluster: str, *extra: str) -> Any:
+    """`apportion up` run in ``folder`` (its default data dir) on the test server (on a
+    nats-server of its own with ``nats_url`` None); yields (its printed text once
+    started, its gateway URL)."""
     cluster_file = folder / "cluster.toml"
     cluster_file.write_text(DEMO_CLUSTER_TOML.replace('name = "demo"', f'name = "{cluster}"'))
     err_path = folder / "up.err"
-    env = bare_env(folder, NATS_URL=nats_url)
+    env = bare_env(folder, NATS_URL=nats_url or "")
+    if nats_url is None:
+        del env["NATS_URL"]
     with open(err_path, "w+") as err:
         proc = subprocess.Popen(
             [*APPORTION, "up", "--cluster", str(cluster_file), "--port", "0", *extra]
@@ -624,3 +627,159 @@ async def test_up_without_auth_warns_and_makes_no_tokens(
                 break
             assert time.monotonic() < deadline, answer
             await asyncio.sleep(0.1)
+
+
+async def test_up_runs_nats_with_the_users_of_production(tmp_path: Path) -> None:
+    """Without NATS_URL, `up` starts nats-server with the accounts and users that
+    apportion.services.natsconf generates (passwords beside the tokens, mode 0600):
+    a client without a user is refused, no user may delete the streams (which deny
+    it too), and the stack works through its own users end to end."""
+    import nats
+    import nats.errors
+    from apportion.services.natsconf import load_nats_users, user_url
+
+    with up(tmp_path, None, "demo") as (printed, url):
+        folder = (tmp_path / ".apportion" / "credentials").resolve()
+        assert mode(folder) == 0o700
+        assert mode(folder / "nats-users.toml") == 0o600 and mode(folder / "nats.conf") == 0o600
+        assert "nats: a user per role and per host" in printed
+        users = load_nats_users(folder)
+        assert {"scheduler", "gateway", "operator", "projector", "auditor", "executor"} <= set(
+            users
+        ) and "agent-h100-000" in users
+        m = re.search(r"cluster 'demo' on (nats://\S+)", printed)
+        assert m, printed
+        server = m.group(1)
+        # a client without a user: the server says so and closes the connection
+        host, port = server.removeprefix("nats://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            await reader.readline()  # INFO
+            writer.write(b'CONNECT {"verbose":false}\r\nPING\r\n')
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.readline(), 10)
+            assert answer.startswith(b"-ERR 'Authorization Violation'"), answer
+        finally:
+            writer.close()
+            await writer.wait_closed()
+        # the stack works as its users: a submission is placed
+        env = bare_env(tmp_path, APPORTION_URL=url)
+        code, out, err = await cli(
+            "submit", "--owner", "llm/pretrain", "--gpus", "8", "--min-runtime", "15m",
+            "--duration", "1h", "--id", "w-up", env=env, cwd=tmp_path,
+        )  # fmt: skip
+        assert code == 0, err
+        deadline = time.monotonic() + 60
+        while True:
+            code, out, err = await cli("queue", "--json", env=env, cwd=tmp_path)
+            if code == 0 and "w-up" in json.dumps(json.loads(out).get("running")):
+                break
+            assert time.monotonic() < deadline, out + err
+            await asyncio.sleep(0.2)
+        # streams deny deletes, and no user may ask for one
+        sched = await nats.connect(
+            user_url(server, "scheduler", users["scheduler"]), inbox_prefix="_INBOX_scheduler"
+        )
+        try:
+            js = sched.jetstream(timeout=2.0)
+            for stream in ("INPUTS_demo", "DECISIONS_demo"):
+                info = await js.stream_info(stream)
+                assert info.config.deny_delete and info.config.deny_purge
+                with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                    await js.delete_stream(stream)
+                with pytest.raises(Exception):  # noqa: B017 - refused: deny_delete
+                    await js.delete_msg(stream, 1)
+                assert (await js.stream_info(stream)).state.messages > 0
+        finally:
+            await sched.close()
+        for user in ("gateway", "projector", "auditor"):
+            other = await nats.connect(
+                user_url(server, user, users[user]), inbox_prefix=f"_INBOX_{user}"
+            )
+            try:
+                with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                    await other.request("$JS.API.STREAM.DELETE.INPUTS_demo", b"", timeout=0.5)
+            finally:
+                await other.close()
+
+
+async def test_an_older_data_folder_keeps_its_history_under_users(tmp_path: Path) -> None:
+    """The streams an `up` of before NATS users made (in the server's global
+    account) are moved to the APPORTION account before the server starts with users."""
+    from apportion.services.bus import connect
+    from apportion.services.natsconf import NATS_CONF_FILE, ensure_nats_credentials, user_url
+    from apportion.services.stack import adopt_unowned_streams, start_nats_server
+
+    data = tmp_path / "nats"
+    server = start_nats_server(data)
+    try:
+        nc = await connect(server.url, timeout_s=10)
+        log = JetStreamLog(nc.jetstream(), "demo")
+        await log.setup()
+        await log.publish_inputs(small_cluster())
+        await nc.close()
+    finally:
+        server.stop()
+    users = ensure_nats_credentials(tmp_path / "credentials", "demo", ["h000"], server="")
+    assert adopt_unowned_streams(data) and not adopt_unowned_streams(data)
+    server = start_nats_server(data, config=tmp_path / "credentials" / NATS_CONF_FILE)
+    try:
+        nc = await connect(user_url(server.url, "auditor", users["auditor"]), timeout_s=10)
+        assert await JetStreamLog(nc.jetstream(), "demo").last_input_seq() == len(small_cluster())
+        await nc.close()
+    finally:
+        server.stop()
+
+
+async def test_a_flood_of_401s_is_counted_and_logged_once(
+    jlog: JetStreamLog, creds: Credentials
+) -> None:
+    """Every 401 counts in ``apportion_gateway_unauthenticated_total``; the log gets
+    at most one line a minute (issue 24, item 6: log flooding)."""
+    lines: list[tuple[str, dict[str, Any]]] = []
+
+    class Recorder:
+        def warning(self, event: str, **kw: Any) -> None:
+            lines.append((event, kw))
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a, **kw: None
+
+    async with gateway_on(jlog, creds.authenticator) as gateway:
+        gateway.logger = Recorder()  # type: ignore[assignment]
+        for _ in range(30):
+            status, _, _ = await asyncio.to_thread(
+                http, "GET", f"{gateway.url}/v1/queue", None, bearer("apt_nope")
+            )
+            assert status == 401
+        assert [e for e, _ in lines] == ["not authenticated"], lines
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"{gateway.url}/metrics", timeout=30) as resp:
+                return str(resp.read().decode())
+
+        text = await asyncio.to_thread(scrape)
+        assert "apportion_gateway_unauthenticated_total 30.0" in text
+
+
+async def test_405_says_what_is_allowed_and_a_nul_is_refused(
+    jlog: JetStreamLog, creds: Credentials
+) -> None:
+    async with gateway_on(jlog, creds.authenticator) as gateway:
+        status, answer, headers = await asyncio.to_thread(
+            http, "DELETE", f"{gateway.url}/v1/queue", None, creds.headers()
+        )
+        assert status == 405 and answer["code"] == "method_not_allowed"
+        assert headers["Allow"] == "GET, HEAD"
+        for body in (
+            {"command": ["sh", "-c", "a\x00b"]},
+            {"command": ["true"], "env": {"X": "\x00"}},
+        ):
+            status, answer, _ = await asyncio.to_thread(
+                http,
+                "POST",
+                f"{gateway.url}/v1/workloads",
+                {"owner": "llm/a", "gpus": 1, "min_runtime_ms": 0, **body},
+                creds.headers(),
+            )
+            assert (status, answer["code"]) == (400, "invalid_text"), answer

@@ -27,43 +27,26 @@ def test_config_is_valid(name: str) -> None:
     assert out.returncode == 0, out.stderr + out.stdout
 
 
-@pytest.fixture
-def secure_server(tmp_path: Path):
-    from conftest import free_port, nats_server_binary
-
-    binary = nats_server_binary()
-    if binary is None:
-        pytest.skip("no nats-server binary")
-    port = free_port()
-    text = (INFRA / "accounts.conf").read_text()
-    conf = tmp_path / "accounts.conf"
-    conf.write_text(text.replace('"./.apportion/nats-secure"', f'"{tmp_path / "js"}"'))
-    proc = subprocess.Popen(
-        [binary, "-c", str(conf), "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    from conftest import _wait_port
-
-    _wait_port(port, proc)
-    yield port
-    proc.terminate()
-    proc.wait(10)
-
-
 async def _connect(port: int, user: str):
     import nats
+    from apportion.services.natsconf import inbox_prefix
 
     errors: list[Exception] = []
 
     async def on_error(e: Exception) -> None:
         errors.append(e)
 
-    nc = await nats.connect(f"nats://{user}:{user}-secret@127.0.0.1:{port}", error_cb=on_error)
+    nc = await nats.connect(
+        f"nats://{user}:{user}-secret@127.0.0.1:{port}",
+        error_cb=on_error,
+        inbox_prefix=inbox_prefix(user),
+    )
     return nc, errors
 
 
-ROLES = ("scheduler", "gateway", "operator", "agent", "projector", "auditor")
+AGENT = "agent-h100-000"
+"""The agent of host h100-000 (infra/accounts.conf has one per host of the demo cluster)."""
+ROLES = ("scheduler", "gateway", "operator", AGENT, "projector", "auditor", "executor")
 INPUT_KINDS = {
     "scheduler": {"ClockTicked", "NodeHealthChanged"},
     "gateway": {"WorkloadSubmitted", "WorkloadCancelled", "BudgetSet", "BudgetRemoved"},
@@ -77,11 +60,17 @@ INPUT_KINDS = {
         "NodeHealthChanged",
         "WorkloadFinished",
     },
-    "agent": {"NodeRegistered", "NodeHealthChanged", "WorkloadStarted", "WorkloadFinished"},
+    AGENT: set(),
     "projector": set(),
     "auditor": set(),
+    "executor": set(),
 }
-ALL_KINDS = sorted(set().union(*INPUT_KINDS.values()))
+HOST_KINDS = {
+    AGENT: {"NodeRegistered", "NodeHealthChanged", "WorkloadStarted", "WorkloadFinished"},
+    "executor": {"WorkloadStarted", "WorkloadFinished"},
+}
+"""What a role may publish on ``apportion.demo.inputs.<Kind>.h100-000`` (a host's subjects)."""
+ALL_KINDS = sorted(set().union(*INPUT_KINDS.values(), *HOST_KINDS.values()))
 
 
 async def _refused(nc, subject: str, payload: bytes = b"{}") -> bool:
@@ -108,7 +97,7 @@ async def _subscribe_refused(nc, subject: str) -> bool:
     sub = await nc.subscribe(subject, cb=cb)
     agent, _ = await _connect_port(nc)
     try:
-        await agent.publish("apportion.demo.heartbeat.probe", b"x")
+        await agent.publish("apportion.demo.heartbeat.h100-000", b"x")
         await agent.flush()
         await nc.flush()
         await asyncio.sleep(0.3)
@@ -120,7 +109,7 @@ async def _subscribe_refused(nc, subject: str) -> bool:
 
 async def _connect_port(nc):
     port = int(nc.connected_url.port)
-    return await _connect(port, "agent")
+    return await _connect(port, AGENT)
 
 
 async def _stored(nc, stream: str) -> int:
@@ -160,6 +149,17 @@ async def test_accounts_enforce_roles(secure_server: int) -> None:
                 k: k not in INPUT_KINDS[role] for k in ALL_KINDS
             }, role
             inputs += kinds.count(False)
+            # a host's subjects: only its agent (and the executor emulator)
+            on_host = await asyncio.gather(
+                *(
+                    _refused(nc, f"apportion.demo.inputs.{k}.h100-000", b"not json")
+                    for k in ALL_KINDS
+                )
+            )
+            assert dict(zip(ALL_KINDS, on_host, strict=True)) == {
+                k: k not in HOST_KINDS.get(role, set()) for k in ALL_KINDS
+            }, role
+            inputs += on_host.count(False)
             # no consumer on the streams, not even for the scheduler: a push consumer's
             # deliver subject is where the server writes; no deletes, no purges
             body = json.dumps({"config": {"deliver_subject": "apportion.demo.decisions"}}).encode()
@@ -186,7 +186,7 @@ async def test_accounts_enforce_roles(secure_server: int) -> None:
         assert await _stored(conns["scheduler"], "DECISIONS_demo") == decisions
         assert await _stored(conns["scheduler"], "INPUTS_demo") == inputs
         # heartbeats: only agents publish them; the scheduler and the agents hear them
-        heard: dict[str, list[str]] = {"scheduler": [], "agent": []}
+        heard: dict[str, list[str]] = {"scheduler": [], AGENT: []}
         for role, got in heard.items():
 
             async def cb(msg, got=got) -> None:
@@ -194,7 +194,7 @@ async def test_accounts_enforce_roles(secure_server: int) -> None:
 
             await conns[role].subscribe("apportion.demo.heartbeat.>", cb=cb)
         for role, nc in conns.items():
-            await nc.publish(f"apportion.demo.heartbeat.{role}", role.encode())
+            await nc.publish("apportion.demo.heartbeat.h100-000", role.encode())
             await nc.flush()
         for role, got in heard.items():
             for _ in range(200):
@@ -202,9 +202,49 @@ async def test_accounts_enforce_roles(secure_server: int) -> None:
                     break
                 await asyncio.sleep(0.01)
             await conns[role].flush()
-            assert got == ["agent"], role
-        for role in ("gateway", "operator", "projector", "auditor"):
+            assert got == [AGENT], role
+        for role in ("gateway", "operator", "projector", "auditor", "executor"):
             assert await _subscribe_refused(conns[role], "apportion.demo.heartbeat.>"), role
     finally:
         for nc in conns.values():
             await nc.close()
+
+
+def test_accounts_conf_is_the_generated_one() -> None:
+    """infra/accounts.conf is what apportion.services.natsconf generates for the demo
+    cluster (regenerate it with ``apportion nats-config --example > infra/accounts.conf``)."""
+    from apportion.services.natsconf import example_conf
+
+    assert (INFRA / "accounts.conf").read_text() == example_conf()
+
+
+def test_nats_config_writes_a_valid_file_for_a_cluster(tmp_path: Path) -> None:
+    """`apportion nats-config --cluster FILE` for another cluster: valid for
+    nats-server, one agent user per host, the passwords given kept."""
+    import sys
+
+    from apportion.services.stack import DEMO_CLUSTER_TOML
+    from conftest import nats_server_binary
+
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(DEMO_CLUSTER_TOML.replace('name = "demo"', 'name = "ai2"'))
+    passwords = tmp_path / "users.toml"
+    passwords.write_text('[users]\ngateway = "kept-password"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "apportion", "nats-config", "--cluster", str(cluster)]
+        + ["--passwords", str(passwords), "--no-executor"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert 'user: "gateway", password: "kept-password"' in text
+    assert "AGENT_a100-001" in text and "$JS.API.DIRECT.GET.INPUTS_ai2" in text
+    assert "EXECUTOR" not in text
+    binary = nats_server_binary()
+    if binary is not None:
+        conf = tmp_path / "accounts.conf"
+        conf.write_text(text)
+        check = subprocess.run([binary, "-t", "-c", str(conf)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr + check.stdout

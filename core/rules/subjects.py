@@ -1,0 +1,106 @@
+"""Which input may arrive on which subject: the kind is bound to the subject it was
+stored on, and a host agent's subject names its host (docs/security.md, "The bus").
+
+Inputs are stored on ``apportion.<cluster>.inputs.<Kind>`` (what the scheduler,
+the gateway and operators publish; NATS permissions say which role may publish
+which kind) or ``apportion.<cluster>.inputs.<Kind>.<host>`` (what the agent of
+``host`` publishes: only :data:`AGENT_KINDS`; each agent's credential may
+publish on its own host's subjects only). The fold
+(:func:`apportion.core.history.fold_item`) refuses an input whose kind is not
+the kind its subject names, and an agent input about another host; the actor
+of an agent input is ``agent:<host>`` from the subject, whatever its payload
+says. A history without subjects (simulations, files written before subjects
+were recorded) is folded as before.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from apportion.schemas import reasons as R
+from apportion.schemas.events import (
+    Input,
+    NodeHealthChanged,
+    NodeRegistered,
+    WorkloadFinished,
+    WorkloadStarted,
+)
+from apportion.schemas.reasons import Refusal
+
+from ..state import State
+from .authority import agent_of
+
+AGENT_KINDS = ("NodeRegistered", "NodeHealthChanged", "WorkloadStarted", "WorkloadFinished")
+"""The input kinds a host's agent may publish (on its host's subjects)."""
+
+
+def parse_input_subject(subject: str) -> tuple[str, str | None] | None:
+    """``(kind, host)`` of an input subject (``host`` is ``None`` off an agent's
+    subject), or ``None`` if ``subject`` is not an input subject at all.
+
+    ``apportion.<c>.inputs.<Kind>`` -> ``(Kind, None)``;
+    ``apportion.<c>.inputs.<Kind>.<host>`` -> ``(Kind, host)`` (a host name may
+    hold dots: every token after the kind)."""
+    parts = subject.split(".")
+    if len(parts) < 4 or parts[0] != "apportion" or parts[2] != "inputs":
+        return None
+    host = ".".join(parts[4:]) if len(parts) > 4 else None
+    return parts[3], host
+
+
+def subject_refusal(subject: str, kind: str) -> Refusal | None:
+    """Why an input of ``kind`` may not be stored on ``subject``, or ``None``."""
+    parsed = parse_input_subject(subject)
+    if parsed is None:
+        return Refusal(R.WRONG_SUBJECT, f"{kind} stored on {subject!r}, not an input subject")
+    on, host = parsed
+    if on != kind:
+        return Refusal(
+            R.WRONG_SUBJECT,
+            f"{kind} stored on the subject of {on} ({subject!r}): an input's kind must be "
+            "the kind its subject names",
+        )
+    if host is not None and kind not in AGENT_KINDS:
+        return Refusal(
+            R.WRONG_SUBJECT,
+            f"{kind} stored on the subject of the agent of {host!r}: a host's agent may send "
+            f"only {', '.join(AGENT_KINDS)}",
+        )
+    return None
+
+
+def subject_host(subject: str | None) -> str | None:
+    """The host whose agent published on ``subject`` (``None``: not an agent's subject)."""
+    if subject is None:
+        return None
+    parsed = parse_input_subject(subject)
+    return None if parsed is None else parsed[1]
+
+
+def host_refusal(state: State, host: str, event: Input) -> Refusal | None:
+    """Why the agent of ``host`` may not send ``event``, or ``None``: a host's
+    agent speaks for its own host only (a node it names, a run on its host).
+    A finish of a workload that is not running is left to the fold's own
+    checks (a stale report that raced a decision)."""
+    if isinstance(event, NodeRegistered | NodeHealthChanged | WorkloadStarted):
+        if event.node != host:
+            return Refusal(
+                R.WRONG_HOST, f"the agent of {host!r} may not speak for node {event.node!r}"
+            )
+        return None
+    if isinstance(event, WorkloadFinished):
+        w = state.running.get(event.workload)
+        if w is not None and all(s.node != host for s in w.placement):
+            return Refusal(
+                R.WRONG_HOST,
+                f"the agent of {host!r} may not report the end of {event.workload!r}, "
+                "which does not run on its host",
+            )
+    return None
+
+
+def as_agent(event: Input, host: str) -> Input:
+    """``event`` with the actor the subject gives it: ``agent:<host>``."""
+    actor = agent_of(host)
+    if getattr(event, "actor", actor) == actor:
+        return event
+    return msgspec.structs.replace(event, actor=actor)

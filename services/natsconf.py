@@ -1,0 +1,367 @@
+"""The NATS accounts and users of one cluster, generated (docs/security.md, "The bus").
+
+The threat it answers (issue 24): a request's *reply subject* is not covered by
+publish permissions, and the server itself publishes the answer there. In one
+shared account, a direct get (allowed to every reader) with its reply set to
+an inputs subject, the decisions subject or the lease key wrote into the
+streams with any credential. So:
+
+- the streams, the lease and the snapshots live in the account ``APPORTION``,
+  whose only user is the **scheduler** (the one writer of decisions);
+- every other credential has an **account of its own**: ``GATEWAY``,
+  ``OPERATOR``, ``PROJECTOR``, ``AUDITOR``, ``EXECUTOR`` (the executor
+  emulator of ``apportion up``, which reports runs for every host) and one
+  ``AGENT_<host>`` per host. Each imports from ``APPORTION`` exactly what it
+  needs: the direct-get and stream-info services of the two streams, the
+  inputs subjects it may publish (a service: JetStream's acknowledgement comes
+  back as its reply), the streams' subjects as a read-only stream (wake-ups),
+  and for agents their own heartbeat subject and everyone's heartbeats. A
+  reply the server sends for a request from such an account is delivered
+  *inside that account*, where the only subjects that lead anywhere are the
+  ones its credential may publish itself: no credential can make the server
+  publish on a subject it could not publish on directly (tests/services/test_bus_attacks.py);
+- each user may subscribe to its own inbox prefix only, ``_INBOX_<user>.>``
+  (:func:`inbox_prefix`; :func:`apportion.services.bus.connect` uses it).
+
+:func:`accounts_conf` writes the configuration (the ``accounts`` block with
+its users and passwords, optionally with the server's ``listen`` and
+``jetstream`` settings); ``infra/accounts.conf`` is its output for the demo
+cluster, and ``apportion up`` starts its nats-server with it
+(:func:`ensure_nats_credentials`).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from apportion.core.rules.subjects import AGENT_KINDS
+
+ROLE_KINDS: dict[str, tuple[str, ...]] = {
+    "scheduler": ("ClockTicked", "NodeHealthChanged"),
+    "gateway": ("WorkloadSubmitted", "WorkloadCancelled", "BudgetSet", "BudgetRemoved"),
+    "operator": (
+        "WorkloadSubmitted",
+        "WorkloadCancelled",
+        "BudgetSet",
+        "BudgetRemoved",
+        "PolicySet",
+        "NodeRegistered",
+        "NodeHealthChanged",
+        "WorkloadFinished",
+        "InputsLost",
+    ),
+    "projector": (),
+    "auditor": (),
+}
+"""The input kinds each role publishes on ``apportion.<c>.inputs.<Kind>``. The
+agent of a host publishes :data:`AGENT_KINDS` on ``...inputs.<Kind>.<host>``;
+the executor emulator ``WorkloadStarted`` and ``WorkloadFinished`` on every host's."""
+
+EXECUTOR_KINDS = ("WorkloadStarted", "WorkloadFinished")
+
+SCHEDULER = "scheduler"
+ROLES = ("scheduler", "gateway", "operator", "projector", "auditor", "executor")
+"""Every user but the agents (one per host: :func:`agent_user`)."""
+
+JS_ACCOUNT = "APPORTION"
+
+
+def agent_user(host: str) -> str:
+    """The NATS user of the agent of ``host``."""
+    return f"agent-{host}"
+
+
+def inbox_prefix(user: str | None) -> str:
+    """The inbox prefix of ``user``: ``_INBOX_<user>`` (the only replies it may
+    subscribe to); ``_INBOX`` without a user (a server without users)."""
+    return f"_INBOX_{user}" if user else "_INBOX"
+
+
+def users_of(hosts: Iterable[str]) -> list[str]:
+    return [*ROLES, *(agent_user(h) for h in hosts)]
+
+
+def _account_of(user: str) -> str:
+    if user == SCHEDULER:
+        return JS_ACCOUNT
+    if user.startswith("agent-"):
+        return "AGENT_" + user[len("agent-") :]
+    return user.upper()
+
+
+def _q(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _list(items: Iterable[str], indent: str) -> str:
+    return "".join(f"{indent}{_q(i)}\n" for i in items)
+
+
+def accounts_conf(
+    cluster: str,
+    hosts: Iterable[str],
+    passwords: Mapping[str, str],
+    *,
+    server: str = "",
+    executor: bool = True,
+) -> str:
+    """The ``accounts`` block for cluster ``cluster`` with an agent for each of
+    ``hosts``; ``passwords`` maps every user (:func:`users_of`) to its password.
+    ``server`` is put first (``listen``, ``jetstream { ... }``, ...).
+    ``executor``: with the executor emulator's user, which may report runs on
+    every host (a demo device: leave it out where real agents run)."""
+    hosts = list(hosts)
+    c = cluster
+    inputs = f"apportion.{c}.inputs"
+    decisions = f"apportion.{c}.decisions"
+    heartbeat = f"apportion.{c}.heartbeat"
+    streams = (f"INPUTS_{c}", f"DECISIONS_{c}")
+    reads = [f"$JS.API.DIRECT.GET.{s}" for s in streams]
+    """What every reader asks: batched direct gets, and ``last_by_subj`` for the
+    last sequence (the JetStream API, stream info included, answers only inside
+    APPORTION)."""
+    wakes = [f"{inputs}.>", decisions]
+    leases, snaps = f"apportion_{c}_leases", f"apportion_{c}_snapshots"
+
+    # what each non-scheduler user may publish into APPORTION (service imports)
+    publishes: dict[str, list[str]] = {
+        "gateway": [f"{inputs}.{k}" for k in ROLE_KINDS["gateway"]],
+        "operator": [f"{inputs}.{k}" for k in ROLE_KINDS["operator"]],
+        "projector": [],
+        "auditor": [],
+        "executor": [f"{inputs}.{k}.>" for k in EXECUTOR_KINDS],
+    }
+    if not executor:
+        del publishes["executor"]
+    hears: dict[str, list[str]] = {}
+    for h in hosts:
+        user = agent_user(h)
+        publishes[user] = [f"{inputs}.{k}.{h}" for k in AGENT_KINDS] + [f"{heartbeat}.{h}"]
+        hears[user] = [f"{heartbeat}.>"]
+    writers = [_account_of(u) for u, subjects in publishes.items() if subjects]
+    agents = [_account_of(agent_user(h)) for h in hosts]
+
+    out = [
+        f"# The NATS accounts of apportion cluster {c!r} (generated by",
+        "# apportion.services.natsconf.accounts_conf; docs/security.md, 'The bus').",
+        "# The streams live in APPORTION, whose only user is the scheduler; every other",
+        "# credential has an account of its own that imports what it may read and publish,",
+        "# so a reply the server sends for it stays in its own account.",
+    ]
+    if server:
+        out += [server.rstrip(), ""]
+    out.append("accounts {")
+    # -- APPORTION: JetStream, the scheduler ----------------------------------
+    sched_pub = [
+        "$JS.API.INFO",
+        "$JS.API.STREAM.NAMES",
+        *(f"$JS.API.STREAM.INFO.{s}" for s in streams),
+        *reads,
+        *(f"$JS.API.STREAM.CREATE.{s}" for s in streams),
+        *(f"$JS.API.STREAM.UPDATE.{s}" for s in streams),
+        f"$JS.API.STREAM.INFO.KV_{leases}",
+        f"$JS.API.STREAM.CREATE.KV_{leases}",
+        f"$JS.API.DIRECT.GET.KV_{leases}.>",
+        f"$JS.API.STREAM.MSG.GET.KV_{leases}",
+        f"$JS.API.STREAM.INFO.OBJ_{snaps}",
+        f"$JS.API.STREAM.CREATE.OBJ_{snaps}",
+        f"$JS.API.STREAM.MSG.GET.OBJ_{snaps}",
+        f"$JS.API.DIRECT.GET.OBJ_{snaps}.>",
+        f"$JS.API.STREAM.PURGE.OBJ_{snaps}",
+        f"$JS.API.CONSUMER.CREATE.OBJ_{snaps}",
+        f"$JS.API.CONSUMER.CREATE.OBJ_{snaps}.>",
+        f"$JS.API.CONSUMER.DELETE.OBJ_{snaps}.>",
+        f"$JS.API.CONSUMER.INFO.OBJ_{snaps}.>",
+        "$JS.FC.>",
+        "$JS.ACK.>",
+        f"$KV.{leases}.>",
+        f"$O.{snaps}.>",
+        decisions,
+        *(f"{inputs}.{k}" for k in ROLE_KINDS["scheduler"]),
+    ]
+    sched_deny = [
+        "$JS.API.STREAM.DELETE.>",
+        "$JS.API.STREAM.MSG.DELETE.>",
+        *(f"$JS.API.STREAM.PURGE.{s}" for s in streams),
+        *(f"$JS.API.CONSUMER.CREATE.{s}" for s in streams),
+        *(f"$JS.API.CONSUMER.CREATE.{s}.>" for s in streams),
+        "$JS.API.CONSUMER.DURABLE.CREATE.>",
+    ]
+    sched_sub = [
+        f"{inbox_prefix(SCHEDULER)}.>",
+        *wakes,
+        f"$KV.{leases}.>",
+        f"$O.{snaps}.>",
+        f"{heartbeat}.>",
+    ]
+    out += [
+        f"  {JS_ACCOUNT} {{",
+        "    jetstream: enabled",
+        "    users = [",
+        "      {",
+        "        # the only writer of decisions; moves the clock; owns its lease and snapshots",
+        f"        user: {_q(SCHEDULER)}, password: {_q(passwords[SCHEDULER])}",
+        "        permissions {",
+        "          publish {",
+        "            allow: [",
+        _list(sched_pub, "              ").rstrip("\n"),
+        "            ]",
+        "            deny: [",
+        _list(sched_deny, "              ").rstrip("\n"),
+        "            ]",
+        "          }",
+        "          subscribe { allow: [",
+        _list(sched_sub, "            ").rstrip("\n"),
+        "          ] }",
+        "        }",
+        "      }",
+        "    ]",
+        "    exports = [",
+        *(f"      {{ service: {_q(s)}, response_type: stream }}" for s in reads),
+        f"      {{ service: {_q(inputs + '.>')}, accounts: [{', '.join(_q(a) for a in writers)}] }}",
+        f"      {{ stream: {_q(inputs + '.>')} }}",
+        f"      {{ stream: {_q(decisions)} }}",
+    ]
+    if agents:
+        names = ", ".join(_q(a) for a in agents)
+        out += [
+            f"      {{ service: {_q(heartbeat + '.>')}, accounts: [{names}] }}",
+            f"      {{ stream: {_q(heartbeat + '.>')}, accounts: [{names}] }}",
+        ]
+    out += ["    ]", "  }"]
+    # -- one account per other credential ---------------------------------------
+    for user, pubs in publishes.items():
+        account = _account_of(user)
+        subs = [f"{inbox_prefix(user)}.>", *wakes, *hears.get(user, [])]
+        imports = [
+            *(f"{{ service: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}" for s in reads),
+            *(f"{{ service: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}" for s in pubs),
+            *(
+                f"{{ stream: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}"
+                for s in [*wakes, *hears.get(user, [])]
+            ),
+        ]
+        out += [
+            f"  {_q(account)} {{",
+            "    users = [",
+            "      {",
+            f"        user: {_q(user)}, password: {_q(passwords[user])}",
+            "        permissions {",
+            "          publish { allow: [",
+            _list([*reads, *pubs], "            ").rstrip("\n"),
+            "          ] }",
+            "          subscribe { allow: [",
+            _list(subs, "            ").rstrip("\n"),
+            "          ] }",
+            "        }",
+            "      }",
+            "    ]",
+            "    imports = [",
+            *(f"      {i}" for i in imports),
+            "    ]",
+            "  }",
+        ]
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+EXAMPLE_SERVER = """\
+server_name: apportion-secure
+listen: 127.0.0.1:4222
+
+jetstream {
+  store_dir: "./.apportion/nats-secure"
+  max_memory_store: 256MB
+  max_file_store: 20GB
+  sync_interval: always  # one node: fsync before acknowledging (docs/services.md, "Durability")
+}
+"""
+
+
+def example_conf() -> str:
+    """``infra/accounts.conf``: the accounts of the demo cluster (``apportion up``'s
+    bundled one: cluster ``demo``, its six hosts), each user's password
+    ``<user>-secret``. Replace the passwords (or use nkeys / JWT accounts, with
+    the same accounts, exports and imports) before any real deployment;
+    ``apportion nats-config`` writes it for another cluster."""
+    from apportion.schemas.events import NodeRegistered
+
+    from .stack import load_cluster_spec
+
+    spec = load_cluster_spec(None)
+    hosts = [e.node for e in spec.events if isinstance(e, NodeRegistered)]
+    passwords = {u: f"{u}-secret" for u in users_of(hosts)}
+    return accounts_conf(spec.name, hosts, passwords, server=EXAMPLE_SERVER)
+
+
+# -- apportion up: generated credentials -------------------------------------
+
+NATS_USERS_FILE = "nats-users.toml"
+NATS_CONF_FILE = "nats.conf"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by the user only (a new file renamed over)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def load_nats_users(folder: Path) -> dict[str, str]:
+    """``<folder>/nats-users.toml``: each NATS user's password (``{}`` if none)."""
+    path = folder / NATS_USERS_FILE
+    if not path.exists():
+        return {}
+    data = tomllib.loads(path.read_text())
+    users = data.get("users", {})
+    return {str(k): str(v) for k, v in users.items()}
+
+
+def ensure_nats_credentials(
+    folder: Path, cluster: str, hosts: Iterable[str], server: str
+) -> dict[str, str]:
+    """The NATS users of ``apportion up``: a password per user (kept from an
+    earlier run, made for a new one) in ``<folder>/nats-users.toml`` and the
+    server's configuration in ``<folder>/nats.conf``, both mode 0600 in a folder
+    of mode 0700. Returns user -> password."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    users = load_nats_users(folder)
+    wanted = users_of(hosts)
+    changed = False
+    for user in wanted:
+        if user not in users:
+            users[user] = secrets.token_urlsafe(24)
+            changed = True
+    if changed or not (folder / NATS_USERS_FILE).exists():
+        lines = [
+            "# apportion up: the password of each NATS user (readable by you only).",
+            "# A service connects as nats://<user>:<password>@host:port.",
+            "[users]",
+            *(f"{_q(u)} = {_q(p)}" for u, p in users.items()),
+        ]
+        _write_private(folder / NATS_USERS_FILE, "\n".join(lines) + "\n")
+    _write_private(folder / NATS_CONF_FILE, accounts_conf(cluster, hosts, users, server=server))
+    return users
+
+
+def user_url(url: str, user: str, password: str) -> str:
+    """``url`` (one or more servers, comma-separated) with ``user:password@`` in each."""
+    from urllib.parse import quote
+
+    out = []
+    for one in url.split(","):
+        one = one.strip()
+        scheme, sep, rest = one.partition("://")
+        if not sep:
+            scheme, rest = "nats", one
+        rest = rest.rsplit("@", 1)[-1]
+        out.append(f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}")
+    return ",".join(out)

@@ -119,7 +119,7 @@ def test_explain_is_readable_and_gpu_type_aware():
     out = explain(s, History(), "x", now_ms=20 * MIN)
     text = "\n".join(out["reasons"])
     assert "h (" not in text and "(h)" not in text  # not told about the protected H100 job
-    assert "on a100 nodes it could use are protected" in text and "(m)" in text
+    assert "on a100 nodes it could use are protected" in text and "(m on m002" in text
     assert "1970-01-01T02:00:00Z (in 1 h 40 min)" in text  # m's protection, relative to now
     assert "waiting 10 min" in text  # measured to now, not to the last event
     assert "% of its share" in text and "GPU-h" in text and "e+" not in text

@@ -50,6 +50,8 @@ from apportion.services.job_history import (
 from apportion.services.views import explain, replay_history
 from hypothesis import HealthCheck, settings
 from services_helpers import APPORTION_CMD, eventually, gateway_on
+from test_agent_cli import up_agents  # noqa: F401 - the `apportion up --agents 2` fixture
+from test_cli_live import run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "replay"))
 
@@ -531,3 +533,60 @@ async def test_jobs_endpoint_cli_and_page(jlog: JetStreamLog, creds: Credentials
         async with s.get(f"{url}/ui/workload/done") as r:
             text = await r.text()
             assert 'id="wl-attempts"' in text and "finished (failed)" in text
+
+
+# -- with real host agents: the log explain names is the one the agent wrote -----------
+
+
+@pytest.mark.nats
+def test_explain_names_the_log_the_agent_wrote(up_agents) -> None:  # noqa: F811
+    import time
+
+    env, _proc, _root = up_agents
+
+    def answer(*args: str) -> Any:
+        got = run([*args, "--json"], env)
+        return json.loads(got.stdout) if got.returncode == 0 else None
+
+    def wait(check: Any, what: str) -> Any:
+        deadline = time.monotonic() + 60
+        while not (got := check()):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.1)
+        return got
+
+    wait(lambda: answer("status"), "the gateway to answer")
+    code = "import sys; print('hello from the job'); sys.exit(5)"
+    sub = ["submit", "--owner", "llm/pretrain", "--gpus", "1", "--min-runtime", "0"]
+    assert run([*sub, "--id", "exits5", "--", "python3", "-c", code], env).returncode == 0
+    assert run([*sub, "--id", "sleeps", "--", "sleep", "120"], env).returncode == 0
+    started = wait(
+        lambda: (
+            (ex := answer("explain", "sleeps"))
+            and ex["status"] == "running"
+            and ex["job"]["attempts"][0]["logs"][0]["started_ms"] is not None
+        ),
+        "the agent to report starting sleeps",
+    )
+    assert started
+    done = wait(
+        lambda: (ex := answer("explain", "exits5")) and ex["status"] == "failed" and ex,
+        "exits5 to fail",
+    )
+    assert run(["cancel", "sleeps"], env).returncode == 0
+    (attempt,) = done["job"]["attempts"]
+    assert (attempt["end"], attempt["exit_code"], done["job"]["exit_code"]) == ("finished", 5, 5)
+    (log,) = attempt["logs"]
+    path = Path(log["path"])
+    assert path.is_absolute() and "hello from the job" in path.read_text(), log
+    gone = wait(
+        lambda: (ex := answer("explain", "sleeps")) and ex["status"] == "cancelled" and ex,
+        "sleeps to be cancelled",
+    )
+    assert gone["job"]["cancelled_by"] == "admin"
+    assert gone["job"]["attempts"][0]["end"] == "cancelled"
+    text = run(["explain", "exits5"], env).stdout
+    assert "ended failed at " in text and "exit code 5" in text, text
+    assert f"log of attempt 1 on {log['node']}: {path}" in text, text
+    listed = answer("jobs")
+    assert [r["workload"] for r in listed["jobs"]] == ["sleeps", "exits5"], listed

@@ -1041,6 +1041,13 @@ def budget_apply(
     is_flag=True,
     help="gateway: authenticate nobody and take actors from request bodies (insecure)",
 )
+@click.option(
+    "--agent-work-dir",
+    default=None,
+    metavar="DIR",
+    help="gateway: the host agents' --work-dir (the same on every host), so that explain "
+    "names each attempt's log in full (default: <work-dir>)",
+)
 def serve(
     kind: str,
     cluster_name: str,
@@ -1052,6 +1059,7 @@ def serve(
     log_level: str,
     credentials: Path | None,
     no_auth: bool,
+    agent_work_dir: str | None,
 ) -> None:
     """Run one service in this process against $NATS_URL (production shape: one process per service).
 
@@ -1068,6 +1076,8 @@ def serve(
         raise UserError("--metrics-port is not for the gateway: it serves /metrics on --port")
     if kind == "gateway" and credentials is not None and no_auth:
         raise UserError("give --credentials FILE or --no-auth, not both")
+    if agent_work_dir is not None and kind != "gateway":
+        raise UserError("--agent-work-dir is for the gateway only")
     logs.configure(log_level)
     try:
         asyncio.run(
@@ -1082,6 +1092,7 @@ def serve(
                 credentials=credentials,
                 insecure=no_auth,
                 metrics_port=metrics_port,
+                agent_work_dir=agent_work_dir,
             )
         )
     except (OSError, ValueError) as exc:

@@ -715,7 +715,8 @@ def explain_offline(log_path: Path, workload: str, at_ms: int | None) -> dict[st
     from apportion.services.views import replay_history
 
     try:
-        state, history = replay_history(open_log(log_path), at_ms)
+        log = open_log(log_path)
+        state, history = replay_history(log, at_ms, cluster=log.header.cluster)
     except LogError as exc:
         raise UserError(str(exc)) from None
     now = max(state.now_ms, at_ms) if at_ms is not None else state.now_ms
@@ -768,6 +769,124 @@ def explain(
     click.echo(f"{data['workload']}: {data['status']}")
     for r in data.get("reasons", []):
         click.echo(f"  - {r}")
+
+
+def jobs_offline(log_path: Path, query: dict[str, str]) -> dict[str, Any]:
+    """``jobs`` from an event log (or a DuckDB projection), as the gateway answers it."""
+    from apportion.replay.eventlog import LogError, open_log
+    from apportion.services.job_history import JobQuery, QueryError, list_jobs
+    from apportion.services.views import replay_history
+
+    try:
+        log = open_log(log_path)
+        state, history = replay_history(log, cluster=log.header.cluster)
+    except LogError as exc:
+        raise UserError(str(exc)) from None
+    now = state.now_ms  # times and --since measured to the log's last event
+    try:
+        parsed = JobQuery.parse(query, now)
+    except QueryError as exc:
+        raise UserError(str(exc)) from None
+    return list_jobs(history.jobs, parsed, now)
+
+
+def _print_jobs(data: dict[str, Any]) -> None:
+    from apportion.services.views import iso
+
+    rows = data["jobs"]
+    click.echo(
+        f"{'WORKLOAD':<24} {'STATE':<10} {'OWNER':<22} {'USER':<12} {'GPUS':>5} {'TRIES':>5} "
+        f"{'ENDED (UTC)':<20} {'EXIT':>5}  NODES / WHY"
+    )
+    for r in rows:
+        ended = iso(r["ended_ms"])[:19].replace("T", " ") if r["ended_ms"] is not None else "-"
+        code = "-" if r["exit_code"] is None else str(r["exit_code"])
+        where = ",".join(r["nodes"])
+        why = "  ".join(x for x in (where, r["note"]) if x) or "-"
+        click.echo(
+            f"{r['workload']:<24} {r['status']:<10} {r['owner']:<22} "
+            f"{(r['submitted_by'] or '-'):<12} {r['gpus']:>5} {r['attempts']:>5} "
+            f"{ended:<20} {code:>5}  {why}"
+        )
+    more = f"; the newest {len(rows)} shown (--limit)" if data["truncated"] else ""
+    click.echo(f"{data['matched']} matched{more}")
+    kept = data.get("kept") or {}
+    if kept.get("dropped"):
+        click.echo(
+            f"(the gateway keeps the last {kept['max_ended']:,} ended workloads; "
+            f"{kept['dropped']:,} older ones are in the projection: apportion sql)"
+        )
+
+
+@main.command()
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    metavar="STATE",
+    help="succeeded, failed, cancelled, preempted, rejected, pending, running; or ended "
+    "(the default), live, all; repeat or comma-separate for several",
+)
+@click.option("--all", "all_states", is_flag=True, help="every state (the same as --state all)")
+@click.option("--user", default=None, help="submitted by this principal")
+@click.option("--team", default=None, help="owned at or below this budget path (llm, llm/pretrain)")
+@click.option("--id", "wid", default=None, help="workloads whose id contains this")
+@click.option(
+    "--since",
+    default=None,
+    metavar="WHEN",
+    help="ended since: a duration back (2d, 12h, 90m; at most a year), an ISO-8601 time "
+    "(UTC if no zone) or epoch ms; live jobs always match",
+)
+@click.option(
+    "--limit", type=int, default=None, help="at most this many, newest first (1-1000, default 50)"
+)
+@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--log",
+    "log_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="answer from this event log (or DuckDB projection) instead of the live gateway",
+)
+@click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
+def jobs(
+    states: tuple[str, ...],
+    all_states: bool,
+    user: str | None,
+    team: str | None,
+    wid: str | None,
+    since: str | None,
+    limit: int | None,
+    as_json: bool,
+    log_path: Path | None,
+    url: str | None,
+    timeout: float | None,
+    token_file: Path | None,
+) -> None:
+    """Ended workloads (or any, with --all / --state), newest first: state, owner,
+    who submitted, attempts, when it ended, exit code, where its last attempt ran
+    and why it ended. `apportion explain ID` has a workload's whole history."""
+    if all_states and states:
+        raise UserError("give --all or --state, not both")
+    query: dict[str, str] = {}
+    if all_states or states:
+        query["state"] = "all" if all_states else ",".join(states)
+    for key, value in (("user", user), ("team", team), ("id", wid), ("since", since)):
+        if value is not None:
+            query[key] = value
+    if limit is not None:
+        query["limit"] = str(limit)
+    if log_path is not None:
+        data = jobs_offline(log_path, query)
+    else:
+        data = _call(_client(url, timeout, token_file).jobs, **query)
+    if as_json:
+        _echo_json(data)
+        return
+    _print_jobs(data)
 
 
 @main.command()
@@ -951,6 +1070,13 @@ def budget_apply(
     is_flag=True,
     help="gateway: authenticate nobody and take actors from request bodies (insecure)",
 )
+@click.option(
+    "--agent-work-dir",
+    default=None,
+    metavar="DIR",
+    help="gateway: the host agents' --work-dir (the same on every host), so that explain "
+    "names each attempt's log in full (default: <work-dir>)",
+)
 def serve(
     kind: str,
     cluster_name: str,
@@ -962,6 +1088,7 @@ def serve(
     log_level: str,
     credentials: Path | None,
     no_auth: bool,
+    agent_work_dir: str | None,
 ) -> None:
     """Run one service in this process against $NATS_URL (production shape: one process per service).
 
@@ -978,6 +1105,8 @@ def serve(
         raise UserError("--metrics-port is not for the gateway: it serves /metrics on --port")
     if kind == "gateway" and credentials is not None and no_auth:
         raise UserError("give --credentials FILE or --no-auth, not both")
+    if agent_work_dir is not None and kind != "gateway":
+        raise UserError("--agent-work-dir is for the gateway only")
     logs.configure(log_level)
     try:
         asyncio.run(
@@ -992,6 +1121,7 @@ def serve(
                 credentials=credentials,
                 insecure=no_auth,
                 metrics_port=metrics_port,
+                agent_work_dir=agent_work_dir,
             )
         )
     except (OSError, ValueError) as exc:

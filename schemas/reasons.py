@@ -177,6 +177,11 @@ HISTORY_INCOMPLETE = _code(
     "(apportion history accept-loss)",
     fold=False,
 )
+BAD_QUERY = _code(
+    "bad_query",
+    "a query parameter of a read out of its form or bound (the reason names it and the bound)",
+    fold=False,
+)
 
 
 class Refusal(msgspec.Struct, frozen=True):

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from apportion.core.history import HistoryOrderError, fold_item, lost_range
+from apportion.core.history import HistoryOrderError, Observer, fold_item, lost_range
 from apportion.core.state import State
 from apportion.replay.eventlog import CanonicalLog, Header, LogError
 from apportion.schemas.history import BatchItem, HistoryItem, InputItem
@@ -186,10 +186,16 @@ class Follower:
         """Inputs missing where the view stopped (:attr:`CanonicalReader.gap`)."""
         return self.reader.gap
 
-    async def poll(self, timeout: float) -> list[HistoryItem]:
+    async def poll(self, timeout: float, observer: Observer | None = None) -> list[HistoryItem]:
         """Fold what arrived; return it (a batch out of canonical order is skipped,
-        logged and not returned)."""
-        return [item for item, _ in await self.poll_folded(timeout)]
+        logged and not returned). ``observer`` sees each item right after it was
+        folded (the state with it and no later one) and why an input was refused."""
+        out: list[HistoryItem] = []
+        for item, why in self._fold.fold(self.state, await self.reader.read(timeout)):
+            if observer is not None:
+                observer(item, self.state, why)
+            out.append(item)
+        return out
 
     async def poll_folded(self, timeout: float) -> list[tuple[HistoryItem, str | None]]:
         """:meth:`poll`, each item with what folding it gave: the reason an input

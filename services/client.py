@@ -193,6 +193,12 @@ class GatewayClient:
     def explain(self, workload: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/explain/{urllib.parse.quote(workload, safe='')}")
 
+    def jobs(self, **query: str | int | None) -> dict[str, Any]:
+        """``GET /v1/jobs`` with the query parameters given (``None``: left out)."""
+        params = {k: str(v) for k, v in query.items() if v is not None}
+        suffix = "?" + urllib.parse.urlencode(params) if params else ""
+        return self._call("GET", "/v1/jobs" + suffix)
+
     def budget(self) -> dict[str, Any]:
         return self._call("GET", "/v1/budget")
 

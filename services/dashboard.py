@@ -7,7 +7,8 @@ Pages (see docs/dashboard.md):
 | ``/ui/`` | the cluster now: nodes by health, GPUs in use, a GPU timeline of the last hours (preemptible work hatched, preemptions marked) |
 | ``/ui/queue`` | pending work in queue order with the sort-key ratios per level (and the estimated start where the API gives one), running work, a submit form |
 | ``/ui/usage`` | each budget node's usage against its allocation over the lookback window; per team, owed vs delivered hour by hour (:mod:`~apportion.services.usage_history`) |
-| ``/ui/workload/{id}`` | why a workload is pending, preempted or placed where it is (the explain view) |
+| ``/ui/workload/{id}`` | why a workload is pending, preempted or placed where it is (the explain view), its attempts and their logs' locations |
+| ``/ui/jobs`` | ended (or any) workloads, newest first, searched by id, submitter, team, state, end time (``GET /v1/jobs``'s query) |
 | ``/ui/budget`` | the budget tree, with forms to edit it (the fold decides who may) |
 | ``/ui/live`` | JSON ``{"html": ...}``: the live part of a page, polled by the page's script |
 | ``/v1/usage/history`` | JSON: the usage page's owed / delivered / used per hour (``?team=``, ``?hours=``), with the API's bearer token |
@@ -53,6 +54,8 @@ from .dashboard_views import (
     budget_html,
     cluster_data,
     cluster_html,
+    jobs_data,
+    jobs_html,
     queue_data,
     queue_html,
     render,
@@ -324,6 +327,21 @@ class Dashboard:
             cancellable=wid in self.gw.state.workloads,
         )
 
+    async def jobs(self, request: web.Request) -> web.Response:
+        who = self._require(request)
+        data = jobs_data(self.gw, request.query)
+        return self._page(
+            request,
+            "jobs.html",
+            "Jobs",
+            "jobs",
+            principal=who,
+            live="jobs" + (f"?{data['live_query']}" if data["live_query"] else ""),
+            status=400 if data["problem"] else 200,
+            flash=("", False),
+            **data,
+        )
+
     async def budget(self, request: web.Request) -> web.Response:
         who = self._require(request)
         return self._page(
@@ -350,6 +368,8 @@ class Dashboard:
             text = usage_html(self.gw, *self._usage_query(request))
         elif which == "budget":
             text = budget_html(self.gw, who)
+        elif which == "jobs":
+            text = jobs_html(self.gw, request.query)
         elif which == "workload":
             wid = request.query.get("id", "")
             found = workload_data(self.gw, wid, await self.estimates())
@@ -497,7 +517,8 @@ def add_dashboard(app: web.Application, gateway: Gateway) -> Dashboard:
     """Mount the dashboard's routes on ``app`` and give ``gateway`` a history that
     keeps the GPU timeline (call before the gateway follows the log)."""
     if not isinstance(gateway.history, TimelineHistory):
-        gateway.history = TimelineHistory(lambda: gateway.state)
+        was = gateway.history
+        gateway.history = TimelineHistory(lambda: gateway.state, was.cluster, was.agent_work_dir)
     d = Dashboard(gateway)
     r = app.router
     r.add_get("/", d.root)
@@ -509,6 +530,7 @@ def add_dashboard(app: web.Application, gateway: Gateway) -> Dashboard:
     r.add_get("/ui/queue", d.queue)
     r.add_get("/ui/usage", d.usage)
     r.add_get("/ui/budget", d.budget)
+    r.add_get("/ui/jobs", d.jobs)
     r.add_post("/ui/budget", d.budget_post)
     r.add_get("/ui/workload", d.workload_lookup)
     r.add_get("/ui/workload/{id}", d.workload)

@@ -31,6 +31,7 @@ from apportion.schemas.history import HistoryItem, InputItem
 
 from . import dashboard_charts as charts
 from . import views
+from .job_history import STATE_GROUPS, STATES, JobQuery, QueryError, list_jobs
 from .usage_history import UsageHistory, hours_in, usage_over_time
 from .views import History, budget_tree, explain, iso, queue_view, span
 
@@ -44,8 +45,13 @@ NAV = [
     ("cluster", "/ui/", "Cluster"),
     ("queue", "/ui/queue", "Queue"),
     ("usage", "/ui/usage", "Usage"),
+    ("jobs", "/ui/jobs", "Jobs"),
     ("budget", "/ui/budget", "Budget"),
 ]
+JOBS_PAGE_LIMIT = 200
+"""Rows the jobs page shows (newest first; ``?limit=`` up to the API's bound)."""
+JOBS_SEARCH = ("id", "user", "team", "state", "since", "limit")
+"""The jobs page's search fields: the query parameters of ``GET /v1/jobs``."""
 
 
 # -- what the timeline needs beyond the state ----------------------------------------
@@ -68,8 +74,13 @@ class TimelineHistory(History):
     """:class:`~apportion.services.views.History` that also remembers runs (placement
     to end), preemptions and health changes for the GPU timeline."""
 
-    def __init__(self, state: Callable[[], State]) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        state: Callable[[], State],
+        cluster: str = "<cluster>",
+        agent_work_dir: str | None = None,
+    ) -> None:
+        super().__init__(cluster, agent_work_dir)
         self._state = state
         self.runs: list[Run] = []
         self.open: dict[str, Run] = {}
@@ -487,13 +498,79 @@ def workload_data(gw: Gateway, workload: str, estimates: Any = None) -> dict[str
             row["at"] = moment(v, now)
         details.append(row)
     w = state.running.get(workload)
+    job = out.get("job")
+    attempts = [
+        {
+            **a,
+            "start": moment(a["start_ms"], now),
+            "stop": moment(a["end_ms"], now),
+            "how": _how_it_ended(a),
+            "started_logs": [g for g in a["logs"] if g["started_ms"] is not None],
+        }
+        for a in (job["attempts"] if job else [])
+    ]
     return {
         "status": out["status"],
         "reasons": out.get("reasons", []),
+        "attempts": attempts,
         "details": details,
         "placement": [(s.node, s.gpus) for s in w.placement] if w is not None else None,
         "since": moment(w.started_ms, now) if w is not None else None,
     }
+
+
+def jobs_data(gw: Gateway, query: Any) -> dict[str, Any]:
+    """The jobs page: the search form's values and the jobs they match (the rows of
+    ``GET /v1/jobs``), or the reason a field is out of its bound."""
+    state = gw.state
+    now = max(state.now_ms, wall_ms())
+    form = {k: str(query.get(k, "")).strip() for k in JOBS_SEARCH}
+    given = {k: v for k, v in form.items() if v}
+    given.setdefault("limit", str(JOBS_PAGE_LIMIT))
+    out: dict[str, Any] = {
+        "form": form,
+        "choices": [*STATE_GROUPS, *STATES],
+        "live_query": urllib.parse.urlencode({k: v for k, v in form.items() if v}),
+        "rows": [],
+        "matched": 0,
+        "truncated": False,
+        "kept": None,
+        "problem": None,
+    }
+    try:
+        parsed = JobQuery.parse(given, now)
+    except QueryError as exc:
+        out["problem"] = str(exc)
+        return out
+    found = list_jobs(gw.history.jobs, parsed, now)
+    out["rows"] = [
+        {
+            **r,
+            "typ": "" if r["gpu_type"] in ("", "any") else r["gpu_type"],
+            "submitted": moment(r["submitted_ms"], now),
+            "ended": moment(r["ended_ms"], now),
+        }
+        for r in found["jobs"]
+    ]
+    out.update(matched=found["matched"], truncated=found["truncated"], kept=found["kept"])
+    return out
+
+
+def _how_it_ended(a: dict[str, Any]) -> str:
+    """An attempt's end in a few words: ``finished (failed)``, ``preempted (fairshare,
+    for w-2)``, ``node down``, ``cancelled``, ``running``."""
+    end, pre = a["end"], a["preemption"]
+    if end is None:
+        return "stopping (notice)" if pre is not None else "running"
+    if end == "finished":
+        return f"finished ({a['outcome']})"
+    if end in ("preempted", "node_down") and pre is not None:
+        words = f"preempted ({pre['reason']}"
+        words += f", for {pre['for_workload']})" if pre.get("for_workload") else ")"
+        if end == "node_down" and pre["reason"] != "node_down":
+            words += ", then node down"
+        return words + (", requeued" if pre["requeued"] else "")
+    return str(end).replace("_", " ")
 
 
 def budget_data(gw: Gateway, principal: str | None) -> dict[str, Any]:
@@ -541,6 +618,10 @@ def usage_html(gw: Gateway, hours: int | None = None, team: str | None = None) -
 def workload_html(gw: Gateway, workload: str, estimates: Any = None) -> str | None:
     data = workload_data(gw, workload, estimates)
     return None if data is None else render("workload_live.html", wid=workload, found=data)
+
+
+def jobs_html(gw: Gateway, query: Any) -> str:
+    return render("jobs_live.html", **jobs_data(gw, query))
 
 
 def budget_html(gw: Gateway, principal: str | None) -> str:

@@ -15,7 +15,8 @@ rejected by the scheduler (an ``InputRejected`` decision) when two requests race
 | GET | ``/v1/workloads/{id}`` | the workload's status |
 | GET | ``/v1/queue`` | pending in order with position and sort-key ratios; running |
 | GET | ``/v1/share`` | budget tree with usage against allocation (``sshare``) |
-| GET | ``/v1/explain/{id}`` | why pending / preempted / ended |
+| GET | ``/v1/explain/{id}`` | why pending / preempted / ended; an ended one's attempts, exit code, who cancelled, logs |
+| GET | ``/v1/jobs`` | ended (or any) workloads, newest first (``?state=``, ``?user=``, ``?team=``, ``?id=``, ``?since=``, ``?limit=``; :mod:`~apportion.services.job_history`) |
 | GET | ``/v1/budget`` | the budget tree |
 | GET | ``/v1/usage/history`` | per team and user, owed / delivered / used GPU-ms hour by hour (``?team=``, ``?hours=``; :mod:`~apportion.services.usage_history`, served by the dashboard's module) |
 | POST | ``/v1/budget`` | ``{"set":[{"path","weight","owner"}],"remove":[paths]}`` |
@@ -67,6 +68,8 @@ from apportion.schemas import reasons as R
 from apportion.schemas.bounds import (
     MAX_ARGS,
     MAX_ENV,
+    MAX_NAME_LEN,
+    MAX_PATH_LEN,
     Arg,
     DurationMs,
     EnvName,
@@ -86,6 +89,9 @@ from . import logs
 from .auth import Authenticator, AuthError
 from .bus import EventLog
 from .canonical import Follower
+from .job_history import DEFAULT_LIMIT as DEFAULT_JOBS_LIMIT
+from .job_history import MAX_LIMIT as MAX_JOBS_LIMIT
+from .job_history import JobQuery, QueryError, list_jobs
 from .metrics import CONTENT_TYPE, GatewayMetrics, route_of
 from .views import (
     History,
@@ -195,6 +201,7 @@ HTTP_STATUS: dict[str, int] = {
     R.UNACKNOWLEDGED: 504,
     R.CATCHING_UP: 503,
     R.HISTORY_INCOMPLETE: 503,
+    R.BAD_QUERY: 400,
 }
 """The HTTP status of every reason code: the only place a refusal's status comes from."""
 
@@ -311,13 +318,16 @@ class Gateway:
         *,
         auth: Authenticator | None,
         extra_metrics: Callable[[], Awaitable[bytes]] | None = None,
+        agent_work_dir: str | None = None,
     ) -> None:
         self.log = log
         self.extra_metrics = extra_metrics
         """More Prometheus text for ``/metrics``: the other services of this process (``apportion up``)."""
         self.auth = auth
         self.follower = Follower(log)
-        self.history = History()
+        self.history = History(log.subjects.cluster, agent_work_dir)
+        """What explain and the job history need beyond the state (``agent_work_dir``:
+        the host agents' ``--work-dir``, when known, for the log locations)."""
         self.logger = logs.get("gateway", cluster=log.subjects.cluster)
         self.url: str | None = None
         self.ready = asyncio.Event()
@@ -342,6 +352,7 @@ class Gateway:
         r.add_get("/v1/queue", self.queue)
         r.add_get("/v1/share", self.share)
         r.add_get("/v1/explain/{id}", self.explain)
+        r.add_get("/v1/jobs", self.jobs)
         r.add_get("/v1/budget", self.get_budget)
         r.add_post("/v1/budget", self.post_budget)
         r.add_get("/v1/status", self.status)
@@ -377,7 +388,7 @@ class Gateway:
         try:
             await self._measure_start(stop)
             while not stop.is_set():
-                items = await self.follower.poll(0.2)
+                items = await self.follower.poll(0.2, observer=self.history.observe)
                 self.history.record(items)
                 self.metrics.observe(items)
         finally:
@@ -699,6 +710,16 @@ class Gateway:
             return _error(R.UNKNOWN_WORKLOAD, f"unknown workload {workload!r}")
         return web.json_response(out)
 
+    async def jobs(self, request: web.Request) -> web.Response:
+        """``GET /v1/jobs``: ended (or any) workloads with filters (docs/formats.md,
+        "Job history"); a parameter out of its bound is a 400 ``bad_query``."""
+        now = self.now_ms()
+        try:
+            query = JobQuery.parse(request.query, now)
+        except QueryError as exc:
+            return _error(R.BAD_QUERY, str(exc))
+        return web.json_response(list_jobs(self.history.jobs, query, now))
+
     async def get_budget(self, request: web.Request) -> web.Response:
         return web.json_response(budget_tree(self.state))
 
@@ -886,6 +907,56 @@ def openapi_document() -> dict[str, Any]:
                     "summary": "Why a workload is pending, running, preempted or ended",
                     "parameters": wid,
                     "responses": {"200": ok, "404": err},
+                }
+            },
+            "/v1/jobs": {
+                "get": {
+                    "summary": "Ended (or any) workloads, newest first, with filters",
+                    "parameters": [
+                        {
+                            "name": "state",
+                            "in": "query",
+                            "description": "statuses, comma-separated, or ended (default), "
+                            "live, all",
+                            "schema": {"type": "string"},
+                        },
+                        {
+                            "name": "user",
+                            "in": "query",
+                            "description": "submitted by this principal",
+                            "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
+                        },
+                        {
+                            "name": "team",
+                            "in": "query",
+                            "description": "owner leaf at or below this budget path",
+                            "schema": {"type": "string", "maxLength": MAX_PATH_LEN},
+                        },
+                        {
+                            "name": "id",
+                            "in": "query",
+                            "description": "part of the workload id",
+                            "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
+                        },
+                        {
+                            "name": "since",
+                            "in": "query",
+                            "description": "ended since: a duration back (2d, 12h; at most a "
+                            "year), an ISO-8601 time or epoch ms",
+                            "schema": {"type": "string"},
+                        },
+                        {
+                            "name": "limit",
+                            "in": "query",
+                            "schema": {
+                                "type": "integer",
+                                "minimum": 1,
+                                "maximum": MAX_JOBS_LIMIT,
+                                "default": DEFAULT_JOBS_LIMIT,
+                            },
+                        },
+                    ],
+                    "responses": {"200": ok, "400": err},
                 }
             },
             "/v1/budget": {

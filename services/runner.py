@@ -221,6 +221,7 @@ async def serve(
     credentials: str | Path | None = None,
     insecure: bool = False,
     metrics_port: int | None = None,
+    agent_work_dir: str | None = None,
 ) -> None:
     """Run service ``kind`` until SIGINT/SIGTERM (or ``stop``).
 
@@ -232,7 +233,8 @@ async def serve(
     input sequence; ``ready`` (an ``Event``) is set once the service starts.
     ``metrics_port`` (scheduler, projector, executor; ``None``: none) serves the service's
     Prometheus metrics at ``http://<host>:<metrics_port>/metrics`` (0: any free
-    port, logged); the gateway serves its own on its port.
+    port, logged); the gateway serves its own on its port. ``agent_work_dir``
+    (gateway): the host agents' ``--work-dir``, for the log locations ``explain`` gives.
     A signal gives the service ``grace_s`` seconds to stop, then it is
     cancelled; a process still alive ``2 * grace_s`` after the signal exits.
     """
@@ -306,7 +308,7 @@ async def serve(
         elif kind == "gateway":
             from .gateway import Gateway
 
-            service = Gateway(log, auth=gateway_auth)
+            service = Gateway(log, auth=gateway_auth, agent_work_dir=agent_work_dir)
             main = service.serve(stop, host, port)
         else:
             from .executor import Executor

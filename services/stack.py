@@ -441,7 +441,11 @@ class Stack:
     # -- the children: each start makes the service afresh -------------------
     async def _serve_gateway(self, log: JetStreamLog, stop: asyncio.Event) -> None:
         gateway = self.gateway = Gateway(
-            log, auth=self.authenticator, extra_metrics=self._service_metrics
+            log,
+            auth=self.authenticator,
+            extra_metrics=self._service_metrics,
+            # where this stack's agents write attempts and logs (explain shows them)
+            agent_work_dir=str((self.data_dir / "agents").resolve()) if self.agent_count else None,
         )
         serving = asyncio.ensure_future(gateway.serve(stop, self.host, self.port))
         listening = asyncio.ensure_future(gateway.ready.wait())

@@ -1,9 +1,11 @@
 """Read models the gateway serves: queue, share, budget tree, explain (pure functions of state).
 
 ``History`` is what a follower remembers beyond the state: the last preemption
-of each workload and the reasons for rejected submissions, for ``explain``, and
-the last cycle's basis and wake-up, for the start-time estimates
-(:mod:`apportion.core.estimate`).
+of each workload and the reasons for rejected submissions, for ``explain``, the
+last cycle's basis and wake-up, for the start-time estimates
+(:mod:`apportion.core.estimate`), and every workload's submission, attempts and
+end (:class:`~apportion.services.job_history.JobHistory`), for ``explain`` of
+an ended workload and ``apportion jobs``.
 
 Times in text are ISO-8601 (UTC) with a relative part (``in 2 h 14 min``,
 ``3 min ago``) measured to ``now_ms``: the wall clock on a live stack, the
@@ -33,6 +35,8 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
 )
 from apportion.schemas.history import HistoryItem, InputItem
+
+from .job_history import JobHistory, job_json, job_words
 
 
 def iso(ms: int) -> str:
@@ -104,9 +108,13 @@ def _ratio(r: Fraction) -> dict[str, Any]:
 
 
 class History:
-    """Facts ``explain`` needs that the fold forgets."""
+    """Facts ``explain`` needs that the fold forgets.
 
-    def __init__(self) -> None:
+    Feed it each item with :meth:`observe` right after folding it (the job
+    history needs the state of that moment) and, in order, with :meth:`record`
+    (one item or many at a time)."""
+
+    def __init__(self, cluster: str = "<cluster>", agent_work_dir: str | None = None) -> None:
         self.submit_ids: dict[str, str] = {}
         self.other_ids: dict[str, str] = {}
         self.rejected: dict[str, str] = {}
@@ -116,6 +124,21 @@ class History:
         """Input the last decision batch was based on (``None``: none seen)."""
         self.next_wakeup_ms: int | None = None
         """The last cycle's wake-up (the last part of a cycle carries it)."""
+        self.jobs = JobHistory()
+        """Every workload's submission, attempts and end."""
+        self.cluster = cluster
+        self.agent_work_dir = agent_work_dir
+        """The host agents' ``--work-dir``, where known (``apportion up --agents``):
+        the log locations ``explain`` gives start with it (else ``<work-dir>``)."""
+
+    def observe(self, item: HistoryItem, state: State, rejected: str | None) -> None:
+        """``item`` was just folded into ``state`` (``rejected``: why an input changed nothing)."""
+        self.jobs(item, state, rejected)
+
+    def job(self, workload: str) -> dict[str, Any] | None:
+        """``workload``'s history as JSON (docs/formats.md), if it is kept."""
+        job = self.jobs.get(workload)
+        return None if job is None else job_json(job, self.cluster, self.agent_work_dir)
 
     def record(self, items: Iterable[HistoryItem]) -> None:
         for item in items:
@@ -297,19 +320,35 @@ def explain(
         if last_pre.for_workload:
             pre_txt += f", to make room for {last_pre.for_workload}"
         pre_txt += ", requeued)" if last_pre.requeued else ", not resumable: ended)"
+    job = history.job(workload)
     if w is None:
-        if workload in history.rejected:
+        status = state.ended.get(workload)
+        if status is None and job is not None and job["status"] == "rejected":
+            status = "rejected"
+        if status is None and workload in history.rejected:
             return {
                 "workload": workload,
                 "status": "rejected",
                 "reasons": [history.rejected[workload]],
             }
-        status = state.ended.get(workload)
         if status is None:
             return None
+        if job is not None and job["status"] == status:
+            return {
+                "workload": workload,
+                "status": status,
+                "now_ms": now,
+                "reasons": job_words(job, now),
+                "job": job,
+            }
         ended = [f"ended as {status}"]
         if status == "preempted" and pre_txt:
             ended.append(pre_txt)
+        if job is None:
+            ended.append(
+                f"its attempts are not kept here any more (the last {history.jobs.max_ended:,} "
+                "ended workloads are); the projection has them (apportion sql, explain --log)"
+            )
         return {"workload": workload, "status": status, "reasons": ended}
     out: dict[str, Any] = {
         "workload": workload,
@@ -317,6 +356,8 @@ def explain(
         "detail": workload_json(w),
         "now_ms": now,
     }
+    if job is not None:
+        out["job"] = job
     reasons: list[str] = []
     view = FairShareView(state)
     if w.status == "running":
@@ -349,6 +390,7 @@ def explain(
             reasons.append(f"expected to end {when(max(end, now), now)} (its duration hint)")
         if pre_txt:
             reasons.append(f"earlier: {pre_txt}")
+        reasons.extend(_history_words(job, now))
         out["reasons"] = reasons
         return out
     order = queue_order(state, view)
@@ -434,6 +476,7 @@ def explain(
             "nodes": list(reservation.nodes),
             "start_ms": reservation.start_ms,
         }
+    reasons.extend(_history_words(job, now))
     out["position"] = pos
     out["reasons"] = reasons
     return out
@@ -484,18 +527,25 @@ def protections_bound(
     return best
 
 
+def _history_words(job: dict[str, Any] | None, now: int) -> list[str]:
+    """For a live workload: who submitted it, its command, its attempts so far and
+    their logs (the lines :func:`~apportion.services.job_history.job_words` gives)."""
+    return [] if job is None else job_words(job, now)
+
+
 def replay_history(
-    items: Iterable[HistoryItem], until_ms: int | None = None
+    items: Iterable[HistoryItem], until_ms: int | None = None, cluster: str = ""
 ) -> tuple[State, History]:
     """Fold a canonical history (an event log) into the state and the
-    :class:`History` ``explain`` reads, as a live follower does; with
-    ``until_ms``, stop before the first input stamped later (the history as it
+    :class:`History` ``explain`` reads, as a live follower does (``cluster``: its
+    name, for the log locations of the job history); with ``until_ms``, stop before the first input stamped later (the history as it
     stood then: that input's batch and everything after are left out)."""
     state = State()
-    history = History()
+    history = History(cluster or "<cluster>")
     for item in items:
         if until_ms is not None and isinstance(item, InputItem) and item.at_ms > until_ms:
             break
-        fold_item(state, item)
+        rejected = fold_item(state, item)
+        history.observe(item, state, rejected)
         history.record([item])
     return state, history

@@ -49,12 +49,12 @@ class Folded:
     def feed(self, event: Any) -> None:
         self.seq += 1
         item = input_item(self.seq, event)
-        fold_item(self.state, item)
+        self.history.observe(item, self.state, fold_item(self.state, item))
         self.history.record([item])
         batch, _ = decide_batch(self.state)
         self.batches += 1
         b = BatchItem(seq=self.batches, batch=batch)
-        fold_item(self.state, b)
+        self.history.observe(b, self.state, fold_item(self.state, b))
         self.history.record([b])
 
 
@@ -191,12 +191,12 @@ def hostile_names() -> Folded:
     for i, e in enumerate(unchecked, 1):
         f.seq += 1
         item = InputItem(seq=f.seq, at_ms=T0 + i, ref=e.id, event=e)
-        fold_item(f.state, item)
+        f.history.observe(item, f.state, fold_item(f.state, item))
         f.history.record([item])
         batch, _ = decide_batch(f.state)
         f.batches += 1
         b = BatchItem(seq=f.batches, batch=batch)
-        fold_item(f.state, b)
+        f.history.observe(b, f.state, fold_item(f.state, b))
         f.history.record([b])
     assert {"w" + BAD, "q" + BAD} <= set(f.state.workloads) and "n" + BAD in f.state.nodes
     return f
@@ -234,6 +234,8 @@ async def test_names_with_markup_are_escaped_on_every_page() -> None:
         "/ui/workload/w": (d.workload, {"id": running}, [running, path]),
         "/ui/workload/q": (d.workload, {"id": pending}, [pending, path]),
         "/ui/workload/x": (d.workload, {"id": "x" + BAD}, ["x" + BAD]),
+        "/ui/jobs?state=all": (d.jobs, {}, [running, pending, path]),
+        "/ui/jobs?id=" + urllib.parse.quote(BAD): (d.jobs, {}, [BAD]),
         "/ui/login?next=" + urllib.parse.quote(BAD): (d.login_form, {}, [BAD]),
         "/ui/queue?error=" + urllib.parse.quote(BAD): (d.queue, {}, [BAD]),
     }
@@ -242,6 +244,7 @@ async def test_names_with_markup_are_escaped_on_every_page() -> None:
         "queue": [running, pending, path],
         "usage&team=llm": [path, owner],
         "budget": [path, owner],
+        "jobs&state=all": [running, pending, path],
         "workload&id=" + urllib.parse.quote(running): [running, path],
         "workload&id=" + urllib.parse.quote("x" + BAD): ["x" + BAD],
     }

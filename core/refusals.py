@@ -141,6 +141,21 @@ def budget_removal_refusal(state: State, e: BudgetRemoved) -> Refusal | None:
     return None
 
 
+_UNITS = ((86_400_000, "d"), (3_600_000, "h"), (60_000, "min"), (1000, "s"), (1, "ms"))
+
+
+def duration_text(ms: int) -> str:
+    """``ms`` in the largest unit that holds it exactly, for messages a person reads:
+    ``32400000`` -> ``9 h``, ``5400000`` -> ``90 min``, ``250`` -> ``250 ms``."""
+    if ms == 0:
+        return "0"
+    sign, size_ms = ("-" if ms < 0 else ""), abs(ms)
+    for size, unit in _UNITS:
+        if size_ms % size == 0:
+            return f"{sign}{size_ms // size} {unit}"
+    raise AssertionError("unreachable: 1 ms divides every duration")
+
+
 def policy_refusal(state: State, e: PolicySet) -> Refusal | None:
     """Why ``e`` cannot become the policy, or ``None``; used by the fold and the
     command layer."""
@@ -151,7 +166,7 @@ def policy_refusal(state: State, e: PolicySet) -> Refusal | None:
     if not 0 < e.lookback_ms <= MAX_LOOKBACK_MS:
         return Refusal(
             R.OUT_OF_RANGE,
-            f"policy: lookback must be between 1 ms and 90 days, got {e.lookback_ms} ms",
+            f"policy: lookback must be between 1 ms and 90 d, got {duration_text(e.lookback_ms)}",
         )
     if not 0 <= e.max_min_runtime_ms <= e.lookback_ms:
         return Refusal(R.OUT_OF_RANGE, "policy: max_min_runtime must be between 0 and the lookback")
@@ -161,12 +176,13 @@ def policy_refusal(state: State, e: PolicySet) -> Refusal | None:
         return Refusal(
             R.OUT_OF_RANGE,
             "policy: preemption_margin_wait must be between 0 and the lookback, "
-            f"got {e.preemption_margin_wait_ms} ms",
+            f"got {duration_text(e.preemption_margin_wait_ms)}",
         )
     if e.grace_ms > e.max_grace_ms:
         return Refusal(
             R.OUT_OF_RANGE,
-            f"policy: grace ({e.grace_ms} ms) must not exceed max_grace ({e.max_grace_ms} ms)",
+            f"policy: grace ({duration_text(e.grace_ms)}) must not exceed max_grace "
+            f"({duration_text(e.max_grace_ms)})",
         )
     return None
 
@@ -216,15 +232,19 @@ def submission_refusal(state: State, e: WorkloadSubmitted) -> Refusal | None:
     if not 0 <= e.min_runtime_ms <= cap:
         return Refusal(
             R.OVER_CAP,
-            f"min_runtime must be between 0 and {cap // 60_000} min, got {e.min_runtime_ms} ms",
+            f"min_runtime must be between 0 and {duration_text(cap)} (the policy's "
+            f"max_min_runtime), got {duration_text(e.min_runtime_ms)}",
         )
     if e.duration_ms is not None and e.duration_ms < 0:
-        return Refusal(R.OUT_OF_RANGE, f"duration must not be negative, got {e.duration_ms} ms")
+        return Refusal(
+            R.OUT_OF_RANGE, f"duration must not be negative, got {duration_text(e.duration_ms)}"
+        )
     grace_cap = state.policy.max_grace_ms
     if e.grace_ms is not None and not 0 <= e.grace_ms <= grace_cap:
         return Refusal(
             R.OVER_CAP,
-            f"grace must be between 0 and {grace_cap // 1000} s (the policy's max_grace), got {e.grace_ms} ms",
+            f"grace must be between 0 and {duration_text(grace_cap)} (the policy's max_grace), "
+            f"got {duration_text(e.grace_ms)}",
         )
     if e.command or e.env:
         problem = _nul_error(e)

@@ -325,7 +325,9 @@ def test_resize_idle_node_and_accepted_policy() -> None:
     )
     assert s.state.pools == {("a100", 8): 1, ("h100", 4): 1}
     assert (s.state.policy.lookback_ms, s.state.policy.preemption_margin_ppm) == (H, 0)
-    s.rejects("min_runtime must be between 0 and 60 min").submit("w", "solo", min_runtime_ms=H + 1)
+    s.rejects("min_runtime must be between 0 and 1 h (the policy's max_min_runtime), got").submit(
+        "w", "solo", min_runtime_ms=H + 1
+    )
 
 
 def test_rejection_is_cleared_by_its_input_rejected_decision() -> None:
@@ -378,8 +380,8 @@ SUBMISSIONS = [
         {"gpu_type": "tpu"},
         ["no nodes of gpu_type 'tpu'", "a100, h100"],
     ),
-    ("negative-min-runtime", "solo", 1, -1, {}, ["min_runtime must be between 0 and 480 min"]),
-    ("over-cap", "solo", 1, 8 * H + 1, {}, ["min_runtime", "480 min"]),
+    ("negative-min-runtime", "solo", 1, -1, {}, ["min_runtime must be between 0 and 8 h"]),
+    ("over-cap", "solo", 1, 8 * H + 1, {}, ["min_runtime", "8 h", "got 28800001 ms"]),
     ("negative-duration", "solo", 1, H, {"duration_ms": -5}, ["duration"]),
 ]
 
@@ -570,3 +572,14 @@ def test_leaf_with_history_that_gets_children_keeps_it() -> None:
     assert usage_of(s, "solo", "solo/kid") == [3 * H, 0]
     s.submit("k", "solo/kid", gpus=1).place("k", "n0").at(2 * H).finish("k")
     assert usage_of(s, "solo", "solo/kid", "") == [4 * H, H, 4 * H]
+
+
+def test_durations_in_refusals_read_as_a_person_typed_them() -> None:
+    from apportion.core.refusals import duration_text
+
+    assert duration_text(32_400_000) == "9 h"
+    assert duration_text(5_400_000) == "90 min"
+    assert duration_text(250) == "250 ms"
+    assert duration_text(-1) == "-1 ms"
+    assert duration_text(0) == "0"
+    assert duration_text(7 * 86_400_000) == "7 d"

@@ -297,7 +297,7 @@ def test_a_second_preemption_of_a_stopping_run_is_a_corrupt_history() -> None:
 def test_grace_over_the_cap_is_refused() -> None:
     state = cluster(1, max_grace_ms=5 * MIN)
     submit(state, "a1", "a", grace_ms=5 * MIN + 1)
-    assert "grace must be between 0 and 300 s" in state.rejections[-1][1]
+    assert "grace must be between 0 and 5 min" in state.rejections[-1][1]
     assert "a1" not in state.workloads
     submit(state, "a2", "a", grace_ms=5 * MIN)
     assert "a2" in state.workloads

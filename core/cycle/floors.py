@@ -78,7 +78,7 @@ class WholeNodes:
         key: Pool,
         k: int,
         subtrees: dict[str, None],
-        memo: dict[tuple[str, int], bool],
+        memo: dict[tuple[str, int], int],
     ) -> list[tuple[int, str]]:
         """``(time the node comes whole for c, node)`` sorted, for at least the ``k``
         earliest nodes of pool ``key`` and every node as early as the ``k``-th: all a

@@ -2,7 +2,9 @@
 
 It holds the node (or the ``k`` whole nodes of one pool) whose GPUs become free
 or preemptible *for it* earliest: free now, unallocated now, allocated work it
-outranks at its ``protected_until``, the end of a notice, anything else never.
+outranks at its ``protected_until``, the end of a notice, work it will outrank
+once its margin wait ends at the later of its ``protected_until`` and that end
+(:meth:`Reserver.outranks_from`), anything else never.
 A gang of ``k`` nodes starts when its ``k``-th node comes whole, and of the
 nodes whole by then it holds the ``k`` that come whole last (ties by node id):
 the start is the same, and nodes that free sooner stay open to protected work
@@ -59,7 +61,7 @@ class Reserver:
         s = self.s
         g = c.gpus
         subtrees = s.outranking_for(c).victim_subtrees(c.owner)
-        memo: dict[tuple[str, int], bool] = {}
+        memo: dict[tuple[str, int], int] = {}
         best: tuple[int, tuple[str, ...]] | None = None
         option: tuple[int, tuple[str, ...]] | None
         for key in s.pools_for(c):
@@ -96,7 +98,7 @@ class Reserver:
         c: Workload,
         name: str,
         subtrees: dict[str, None],
-        memo: dict[tuple[str, int], bool],
+        memo: dict[tuple[str, int], int],
         k: int | None,
     ) -> int:
         """When the ``k``-th GPU of ``name`` (``None``: the last one) becomes free or
@@ -124,18 +126,18 @@ class Reserver:
         c: Workload,
         name: str,
         subtrees: dict[str, None],
-        memo: dict[tuple[str, int], bool],
+        memo: dict[tuple[str, int], int],
     ) -> Iterator[tuple[int, int]]:
         """``(when, GPUs)`` for the GPUs of node ``name`` (:meth:`release_time`), each
         at or after the cycle's time."""
         s = self.s
         t = s.t
+        outranks_from = self.outranks_from
         free = s.free[name]
         if free:
             yield (t, free)
         running = s.state.running
         gone, noticed = s.gone, s.noticed
-        may_preempt = s.outranking.may_preempt
         for wid, gpus in s.state.nodes[name].workloads.items():
             if wid in gone:
                 until = noticed.get(wid)
@@ -147,10 +149,25 @@ class Reserver:
                 yield (v.stopping.until_ms, gpus)
                 continue
             who = (v.owner, v.priority if is_allocated(v) else -1)
-            ok = memo.get(who)
-            if ok is None:
-                ok = memo[who] = may_preempt(c, v, subtrees)
-            yield (preemptible_from(v, t) if ok else NEVER, gpus)
+            since = memo.get(who)
+            if since is None:
+                since = memo[who] = outranks_from(c, v, subtrees)
+            yield (max(preemptible_from(v, t), since), gpus)
         for v, gpus in s.added.get(name, ()):
-            ok = may_preempt(c, v, subtrees)
-            yield (protected_until(t, v.min_runtime_ms) if ok else NEVER, gpus)
+            since = outranks_from(c, v, subtrees)
+            yield (max(protected_until(t, v.min_runtime_ms), since), gpus)
+
+    def outranks_from(self, c: Workload, v: Workload, subtrees: dict[str, None]) -> int:
+        """From when ``c`` outranks ``v`` as far as the rule tells now: the cycle's time
+        if it does (``subtrees``: ``c``'s victim subtrees under the rule it has); the
+        end of ``c``'s margin wait if only the rule without the margin says so
+        (:func:`~apportion.core.rules.outranking.held_to_margin`); else never."""
+        s = self.s
+        if s.outranking.may_preempt(c, v, subtrees):
+            return s.t
+        waited = s.outranking_waited
+        if waited is s.outranking_for(c):
+            return NEVER  # no margin, or no wait, or waited already: the rule said no
+        if waited.may_preempt(c, v, waited.victim_subtrees(c.owner)):
+            return c.queued_ms + s.state.policy.margin_wait_ms
+        return NEVER

@@ -238,6 +238,22 @@ def test_a_workload_that_waited_past_the_margin_wait_outranks_on_any_lower_ratio
     assert preempted(r) == {"a1": "fairshare"} and placed(r) == {"b2": ("n001",)}
 
 
+def test_a_workload_held_to_the_margin_reserves_from_the_end_of_its_wait():
+    # As above, b2 needs a whole node: while it is held to the margin it outranks no
+    # holder, but it will outrank a1 (b is strictly lower) once its hour of waiting
+    # ends, so its reservation holds a1's node from then (with no wait: no start the
+    # contract can tell, no reservation).
+    s = near_shares(two_teams(2, preemption_margin_ppm=50_000, preemption_margin_wait_ms=HOUR))
+    submit(s, "b2", "b", 8, 10 * MIN)
+    r = step(s, report_reservation=True)
+    assert preempted(r) == {} and r.reservation is not None
+    assert r.reservation.workload == "b2" and r.reservation.start_ms == 3 * HOUR
+    assert r.reservation.nodes == (s.running["a1"].placement[0].node,)
+    s = near_shares(two_teams(2, preemption_margin_ppm=50_000))
+    submit(s, "b2", "b", 8, 10 * MIN)
+    assert step(s, report_reservation=True).reservation is None
+
+
 def test_a_margin_wait_longer_than_the_lookback_is_refused():
     s = two_teams(1, preemption_margin_wait_ms=8 * 24 * HOUR).state()
     assert s.policy.margin_wait_ms == 0

@@ -27,7 +27,7 @@ STOPPED_EARLY: list[bool] = []
 """Whether each checked call left nodes of the pool unvisited."""
 
 
-def _plain(whole: WholeNodes, c: Workload, key: tuple[str, int], memo: dict[Any, bool]) -> list:
+def _plain(whole: WholeNodes, c: Workload, key: tuple[str, int], memo: dict[Any, int]) -> list:
     subtrees = whole.s.outranking_for(c).victim_subtrees(c.owner)
     release_time = whole.reserver.release_time
     return sorted((release_time(c, n, subtrees, memo, None), n) for n in whole.s.pool_nodes[key])

@@ -889,6 +889,109 @@ def jobs(
     _print_jobs(data)
 
 
+def _print_nodes(data: dict[str, Any]) -> None:
+    from apportion.services.views import iso, relative
+
+    now = data.get("now_ms", data["at_ms"])
+    click.echo(
+        f"{'NODE':<20} {'TYPE':<10} {'GPUS':>4} {'FREE':>4} {'STATE':<9} {'RUNS':>4} "
+        f"{'PROTECTED UNTIL (UTC)':<22} WORKLOADS / LAST CHANGE"
+    )
+    for r in data["nodes"]:
+        shown = "drained" if r["drained"] else r["state"]
+        until = r["protected_until_ms"]
+        protected = iso(until)[5:16].replace("T", " ") if until is not None else "-"
+        parts = [",".join(r["workloads"])] if r["workloads"] else []
+        change = r.get("last_change")
+        if change:
+            words = (
+                f"{change['state']} by {change['actor'] or '?'} {relative(change['at_ms'], now)}"
+            )
+            if change.get("reason"):
+                words += f": {change['reason']}"
+            parts.append(words)
+        click.echo(
+            f"{r['node']:<20} {r['gpu_type']:<10} {r['gpus']:>4} {r['free']:>4} {shown:<9} "
+            f"{len(r['workloads']):>4} {protected:<22} {'  '.join(parts) or '-'}"
+        )
+    total = sum(r["gpus"] for r in data["nodes"])
+    free = sum(r["free"] for r in data["nodes"])
+    which = f" {data['state']}" if data.get("state") else ""
+    click.echo(f"{len(data['nodes'])}{which} nodes, {total} GPUs, {free} free")
+
+
+@main.command()
+@click.option(
+    "--state",
+    default=None,
+    metavar="STATE",
+    help="only nodes in this state: healthy, draining (drained ones too) or down",
+)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
+def nodes(
+    state: str | None,
+    as_json: bool,
+    url: str | None,
+    timeout: float | None,
+    token_file: Path | None,
+) -> None:
+    """Every node, like sinfo: GPU type, GPUs, free GPUs, state (drained: a draining
+    node with nothing left on it), the workloads running there, when the last of
+    their protections ends, and the last health change (who, when, why) when the
+    gateway saw it."""
+    data = _call(_client(url, timeout, token_file).nodes, state)
+    if as_json:
+        _echo_json(data)
+        return
+    _print_nodes(data)
+
+
+@main.group()
+def node() -> None:
+    """Drain, undrain or take down a node (operators and the budget root's owner)."""
+
+
+_HEALTH_OF = {"drain": "draining", "undrain": "healthy", "down": "down"}
+_HEALTH_HELP = {
+    "drain": "Drain NODE: it takes no new work; running work keeps its protection, then "
+    "is preempted; `apportion nodes` says drained once it is empty.",
+    "undrain": "Put NODE back in service (healthy), from draining or down.",
+    "down": "Take NODE down now: its running work is preempted at once (requeued if "
+    "resumable) and it takes nothing until undrained.",
+}
+
+
+def _health_command(verb: str) -> None:
+    @node.command(verb, help=_HEALTH_HELP[verb])
+    @click.argument("name", metavar="NODE")
+    @click.option("--reason", default="", help="why, in words (kept in the history)")
+    @click.option("--url", default=None, help=URL_HELP)
+    @_timeout_option
+    @_token_option
+    def command(
+        name: str, reason: str, url: str | None, timeout: float | None, token_file: Path | None
+    ) -> None:
+        state = _HEALTH_OF[verb]
+        out = _call(
+            _client(url, timeout, token_file).node_health,
+            name,
+            state,
+            reason,
+            os.environ.get("USER", ""),
+        )
+        if out.get("seq") is None:
+            click.echo(f"node {name}: {state} (an earlier attempt was stored)")
+        else:
+            click.echo(f"node {name}: {state} (input {out['seq']})")
+
+
+for _verb in _HEALTH_OF:
+    _health_command(_verb)
+
+
 @main.command()
 @click.option("--url", default=None, help=URL_HELP)
 @_timeout_option

@@ -199,6 +199,30 @@ class GatewayClient:
         suffix = "?" + urllib.parse.urlencode(params) if params else ""
         return self._call("GET", "/v1/jobs" + suffix)
 
+    def nodes(self, state: str | None = None) -> dict[str, Any]:
+        """``GET /v1/nodes`` (``state``: only hosts in that health state)."""
+        suffix = "?" + urllib.parse.urlencode({"state": state}) if state is not None else ""
+        return self._call("GET", "/v1/nodes" + suffix)
+
+    def node_health(
+        self, node: str, state: str, reason: str = "", actor: str = ""
+    ) -> dict[str, Any]:
+        """Drain (``draining``), undrain (``healthy``) or take down (``down``) ``node``.
+        Retried after a 504; a retry that finds the host already in ``state`` means the
+        earlier attempt was stored (``{"node", "state", "seq": None, "duplicate": True}``)."""
+        path = f"/v1/nodes/{urllib.parse.quote(node, safe='')}/health"
+        body: dict[str, Any] = {"state": state}
+        if reason:
+            body["reason"] = reason
+        if actor:
+            body["actor"] = actor
+        try:
+            return self._call("POST", path, body, retry=True)
+        except GatewayError as exc:
+            if exc.retried and exc.status == 409 and "(no change)" in exc.reason:
+                return {"node": node, "state": state, "seq": None, "duplicate": True}
+            raise
+
     def budget(self) -> dict[str, Any]:
         return self._call("GET", "/v1/budget")
 

@@ -30,11 +30,13 @@ from apportion.core.state import ClusterNode, State, Workload
 from apportion.schemas.events import (
     HOUR_MS,
     InputRejected,
+    NodeHealthChanged,
     WorkloadPlaced,
     WorkloadPreempted,
     WorkloadSubmitted,
 )
 from apportion.schemas.history import HistoryItem, InputItem
+from msgspec import UNSET
 
 from .job_history import JobHistory, job_json, job_words
 
@@ -126,6 +128,9 @@ class History:
         """The last cycle's wake-up (the last part of a cycle carries it)."""
         self.jobs = JobHistory()
         """Every workload's submission, attempts and end."""
+        self.node_changes: dict[str, dict[str, Any]] = {}
+        """Each host's last health change the fold took: ``{"at_ms","state","actor",
+        "reason"}`` (``apportion nodes``; a host changed before this reader began has none)."""
         self.cluster = cluster
         self.agent_work_dir = agent_work_dir
         """The host agents' ``--work-dir``, where known (``apportion up --agents``):
@@ -134,6 +139,15 @@ class History:
     def observe(self, item: HistoryItem, state: State, rejected: str | None) -> None:
         """``item`` was just folded into ``state`` (``rejected``: why an input changed nothing)."""
         self.jobs(item, state, rejected)
+        if rejected is None and isinstance(item, InputItem):
+            e = item.event
+            if isinstance(e, NodeHealthChanged):
+                self.node_changes[e.node] = {
+                    "at_ms": item.at_ms,
+                    "state": e.state,
+                    "actor": e.actor,
+                    "reason": "" if e.reason is UNSET else e.reason,
+                }
 
     def job(self, workload: str) -> dict[str, Any] | None:
         """``workload``'s history as JSON (docs/formats.md), if it is kept."""
@@ -243,6 +257,68 @@ def queue_view(
         "pending": pending,
         "running": running,
     }
+
+
+NODE_STATES = ("healthy", "draining", "down")
+"""The values of ``apportion nodes --state`` and ``GET /v1/nodes?state=``."""
+
+
+class NodeQueryError(ValueError):
+    """A ``/v1/nodes`` query parameter out of its form (one line naming it)."""
+
+
+def parse_node_query(query: Any) -> str | None:
+    """The ``state`` filter of ``GET /v1/nodes`` (``None``: every node);
+    :class:`NodeQueryError` for an unknown parameter or state."""
+    unknown = sorted(set(query) - {"state"})
+    if unknown:
+        raise NodeQueryError(f"unknown parameter {unknown[0][:64]!r} (known: state)")
+    text = query.get("state")
+    if text is None or text == "":
+        return None
+    if text not in NODE_STATES:
+        raise NodeQueryError(f"state: {text[:64]!r} is not one of {', '.join(NODE_STATES)}")
+    return str(text)
+
+
+def nodes_view(
+    state: State,
+    history: History | None = None,
+    *,
+    only: str | None = None,
+    now_ms: int | None = None,
+) -> dict[str, Any]:
+    """Every host (like ``sinfo``), by name: its GPU type, GPUs, free GPUs, health,
+    whether a draining one is drained (empty), the workloads running on it, when
+    the last protection of its runs ends, and its last health change (who, when,
+    why) when ``history`` saw it. ``only``: hosts in this health state."""
+    now = max(state.now_ms, now_ms if now_ms is not None else state.now_ms)
+    changes = history.node_changes if history is not None else {}
+    rows = []
+    for name in sorted(state.nodes):
+        n = state.nodes[name]
+        if only is not None and n.health != only:
+            continue
+        runs = sorted(n.workloads)
+        protected = [
+            state.running[w].protected_until_ms
+            for w in runs
+            if w in state.running and is_protected(state.running[w], state.now_ms)
+        ]
+        rows.append(
+            {
+                "node": name,
+                "gpu_type": n.gpu_type,
+                "gpus": n.gpus,
+                "free": n.free,
+                "state": n.health,
+                "drained": n.health == "draining" and n.drained,
+                "workloads": runs,
+                "protected_until_ms": max(protected) if protected else None,
+                "last_change": changes.get(name),
+            }
+        )
+    return {"at_ms": state.now_ms, "now_ms": now, "state": only, "nodes": rows}
 
 
 def _capacity_gpus(state: State) -> int:

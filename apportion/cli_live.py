@@ -579,28 +579,49 @@ def _start(row: dict[str, Any], now_ms: int) -> str:
     return f"{iso(start)[5:16].replace('T', ' ')} ({rel})"
 
 
+def _section(name: str, shown: int, total: int | None) -> str:
+    """``running: 4``, or ``running: 1 of 4`` when a filter left some out."""
+    if total is None or total == shown:
+        return f"{name}: {shown}"
+    return f"{name}: {shown} of {total}"
+
+
 def _print_queue(data: dict[str, Any]) -> None:
     from apportion.services.views import span
 
     now = data.get("now_ms", data["at_ms"])
-    click.echo(
-        f"{'POS':>4} {'WORKLOAD':<24} {'OWNER':<22} {'GPUS':>5} {'PRIO':>4} {'WAIT':>12}  "
-        f"{'START (UTC, estimated)':<32} USED OF SHARE (top down)"
-    )
-    for row in data["pending"]:
+    totals = data.get("totals") or {}
+    state = (data.get("filter") or {}).get("state")
+    if state != "running":
+        click.echo(_section("pending", len(data["pending"]), totals.get("pending")))
         click.echo(
-            f"{row['position']:>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} "
-            f"{row['priority']:>4} {span(row['wait_ms']):>12}  {_start(row, now):<32} "
-            f"{_ratios(row) if row['allocated'] else 'unallocated'}"
+            f"{'POS':>4} {'WORKLOAD':<24} {'OWNER':<22} {'GPUS':>5} {'PRIO':>4} {'WAIT':>12}  "
+            f"{'START (UTC, estimated)':<32} USED OF SHARE (top down)"
         )
-    if data.get("estimate_assumption"):
-        click.echo(f"START: estimated {data['estimate_assumption']}")
-    click.echo(f"running: {len(data['running'])}")
+        for row in data["pending"]:
+            click.echo(
+                f"{row['position']:>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} "
+                f"{row['priority']:>4} {span(row['wait_ms']):>12}  {_start(row, now):<32} "
+                f"{_ratios(row) if row['allocated'] else 'unallocated'}"
+            )
+        if data.get("estimate_assumption"):
+            click.echo(f"START: estimated {data['estimate_assumption']}")
+    if state == "pending":
+        return
+    click.echo(_section("running", len(data["running"]), totals.get("running")))
+    click.echo(
+        f"{'':>4} {'WORKLOAD':<24} {'OWNER':<22} {'GPUS':>5} {'RAN':>12}  "
+        f"{'ENDS (UTC, estimated)':<32} NODES"
+    )
     for row in data["running"]:
         where = ",".join(f"{n}:{g}" for n, g in row["placement"])
         end = row.get("expected_end_ms")
-        ends = f"  ends ~{_start({'estimated_start_ms': end}, now)}" if end is not None else ""
-        click.echo(f"     {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5}  {where}{ends}")
+        ends = _start({"estimated_start_ms": end}, now)
+        ran = span(max(0, now - row["started_ms"]))
+        click.echo(
+            f"{'':>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} {ran:>12}  "
+            f"{ends:<32} {where}"
+        )
 
 
 @main.command()
@@ -616,25 +637,34 @@ def _print_queue(data: dict[str, Any]) -> None:
     metavar="SECONDS",
     help="show the queue again every SECONDS until Ctrl-C",
 )
+@click.option("--user", default=None, help="only work submitted by this principal")
+@click.option("--team", default=None, help="only work owned at or below this budget path")
+@click.option("--state", default=None, metavar="STATE", help="only pending or only running work")
 def queue(
     url: str | None,
     timeout: float | None,
     token_file: Path | None,
     as_json: bool,
     watch: float | None,
+    user: str | None,
+    team: str | None,
+    state: str | None,
 ) -> None:
     """Pending workloads in scheduling order (how much of its share each level of the
-    sort key has used, the estimated start), then running ones.
+    sort key has used, the estimated start), then running ones; like squeue,
+    --user, --team and --state keep some of them (POS stays the place in the whole
+    queue).
 
     WAIT is measured to now; START is when the workload is estimated to start if
     nothing new arrives (no new submission, cancel or health change; running work
-    ends when its duration hint says)."""
+    ends when its duration hint says). RAN is how long a run has run; ENDS when
+    it is expected to end (from its duration hint)."""
     import time
 
     client = _client(url, timeout, token_file)
     try:
         while True:
-            data = _call(client.queue)
+            data = _call(client.queue, user=user, team=team, state=state)
             if as_json:
                 indent = None if watch else 2  # --watch: one JSON document a line
                 click.echo(json.dumps(data, indent=indent, sort_keys=True))

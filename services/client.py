@@ -184,8 +184,12 @@ class GatewayClient:
     def workload(self, workload: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/workloads/{urllib.parse.quote(workload, safe='')}")
 
-    def queue(self) -> dict[str, Any]:
-        return self._call("GET", "/v1/queue")
+    def queue(self, **query: str | None) -> dict[str, Any]:
+        """``GET /v1/queue`` with the filters given (``user``, ``team``, ``state``;
+        ``None``: left out)."""
+        params = {k: v for k, v in query.items() if v is not None}
+        suffix = "?" + urllib.parse.urlencode(params) if params else ""
+        return self._call("GET", "/v1/queue" + suffix)
 
     def share(self) -> dict[str, Any]:
         return self._call("GET", "/v1/share")

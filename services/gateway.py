@@ -13,7 +13,7 @@ rejected by the scheduler (an ``InputRejected`` decision) when two requests race
 | POST | ``/v1/workloads`` | submit: ``{"owner","gpus","min_runtime_ms",...}`` -> 202 ``{"workload","seq","duplicate"}`` |
 | POST | ``/v1/workloads/{id}/cancel`` | -> 202 |
 | GET | ``/v1/workloads/{id}`` | the workload's status |
-| GET | ``/v1/queue`` | pending in order with position and sort-key ratios; running |
+| GET | ``/v1/queue`` | pending in order with position and sort-key ratios; running (``?user=``, ``?team=``, ``?state=pending|running``) |
 | GET | ``/v1/share`` | budget tree with usage against allocation (``sshare``) |
 | GET | ``/v1/explain/{id}`` | why pending / preempted / ended; an ended one's attempts, exit code, who cancelled, logs |
 | GET | ``/v1/jobs`` | ended (or any) workloads, newest first (``?state=``, ``?user=``, ``?team=``, ``?id=``, ``?since=``, ``?limit=``; :mod:`~apportion.services.job_history`) |
@@ -99,7 +99,7 @@ from .metrics import CONTENT_TYPE, GatewayMetrics, route_of
 from .views import (
     NODE_STATES,
     History,
-    NodeQueryError,
+    QueueFilter,
     budget_tree,
     estimate_context,
     explain,
@@ -712,9 +712,15 @@ class Gateway:
         return web.json_response({"workload": workload, "status": status})
 
     async def queue(self, request: web.Request) -> web.Response:
+        """``GET /v1/queue``, with ``?user=``, ``?team=``, ``?state=pending|running``
+        (a value out of its form or bound: 400 ``bad_query``)."""
+        try:
+            only = QueueFilter.parse(request.query)
+        except QueryError as exc:
+            return _error(R.BAD_QUERY, str(exc))
         est = await self.estimates()
         return web.json_response(
-            queue_view(self.state, self.history, now_ms=self.now_ms(), estimates=est)
+            queue_view(self.state, self.history, now_ms=self.now_ms(), estimates=est, only=only)
         )
 
     async def share(self, request: web.Request) -> web.Response:
@@ -746,7 +752,7 @@ class Gateway:
         ``?state=healthy|draining|down``, else a 400 ``bad_query``."""
         try:
             only = parse_node_query(request.query)
-        except NodeQueryError as exc:
+        except QueryError as exc:
             return _error(R.BAD_QUERY, str(exc))
         return web.json_response(
             nodes_view(self.state, self.history, only=only, now_ms=self.now_ms())
@@ -957,7 +963,27 @@ def openapi_document() -> dict[str, Any]:
             "/v1/queue": {
                 "get": {
                     "summary": "Pending workloads in order, with sort-key ratios; running ones",
-                    "responses": {"200": ok},
+                    "parameters": [
+                        {
+                            "name": "user",
+                            "in": "query",
+                            "description": "submitted by this principal",
+                            "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
+                        },
+                        {
+                            "name": "team",
+                            "in": "query",
+                            "description": "owner leaf at or below this budget path",
+                            "schema": {"type": "string", "maxLength": MAX_PATH_LEN},
+                        },
+                        {
+                            "name": "state",
+                            "in": "query",
+                            "description": "only this section (the other is empty)",
+                            "schema": {"type": "string", "enum": ["pending", "running"]},
+                        },
+                    ],
+                    "responses": {"200": ok, "400": err},
                 }
             },
             "/v1/share": {

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from fractions import Fraction
 from typing import Any
 
+import msgspec
 from apportion.core.budget import ROOT
 from apportion.core.cycle import decide
 from apportion.core.estimate import ASSUMPTION, Estimates, estimate_starts
@@ -27,6 +28,7 @@ from apportion.core.ordering import FairShareView, queue_order
 from apportion.core.rules.contract import is_protected, may_use_reserved
 from apportion.core.rules.gpu_types import is_any, overlap, takes
 from apportion.core.state import ClusterNode, State, Workload
+from apportion.schemas.bounds import MAX_NAME_LEN, MAX_PATH_LEN
 from apportion.schemas.events import (
     HOUR_MS,
     InputRejected,
@@ -38,7 +40,7 @@ from apportion.schemas.events import (
 from apportion.schemas.history import HistoryItem, InputItem
 from msgspec import UNSET
 
-from .job_history import JobHistory, job_json, job_words
+from .job_history import JobHistory, QueryError, job_json, job_words
 
 
 def iso(ms: int) -> str:
@@ -209,6 +211,55 @@ def estimates_for(state: State, history: History | None, only: str | None = None
     return estimate_starts(state, only=only, **estimate_context(state, history))
 
 
+QUEUE_STATES = ("pending", "running")
+"""The values of ``apportion queue --state`` and ``GET /v1/queue?state=``."""
+
+
+class QueueFilter(msgspec.Struct, frozen=True):
+    """Which workloads ``queue`` shows (like ``squeue -u/-A/-t``): every filter given
+    must hold; ``None``: any."""
+
+    user: str | None = None
+    """``submitted_by`` equals it."""
+    team: str | None = None
+    """The owner leaf is this budget path or below it (by whole segments)."""
+    state: str | None = None
+    """``pending`` or ``running``: the other section is left empty."""
+
+    @classmethod
+    def parse(cls, query: Any) -> QueueFilter:
+        """From ``GET /v1/queue``'s parameters; :class:`QueryError` names the first one
+        out of its form or bound."""
+        unknown = sorted(set(query) - {"user", "team", "state"})
+        if unknown:
+            raise QueryError(f"unknown parameter {unknown[0][:64]!r} (known: user, team, state)")
+        user = query.get("user") or None
+        if user is not None and len(user) > MAX_NAME_LEN:
+            raise QueryError(f"user: at most {MAX_NAME_LEN} characters")
+        team = query.get("team") or None
+        if team is not None:
+            if len(team) > MAX_PATH_LEN:
+                raise QueryError(f"team: at most {MAX_PATH_LEN} characters")
+            team = team.strip("/") or None
+        state = query.get("state") or None
+        if state is not None and state not in QUEUE_STATES:
+            raise QueryError(f"state: {state[:64]!r} is not one of {', '.join(QUEUE_STATES)}")
+        return cls(user, team, state)
+
+    def matches(self, w: Workload) -> bool:
+        if self.state is not None and w.status != self.state:
+            return False
+        if self.user is not None and w.submitted_by != self.user:
+            return False
+        return not (
+            self.team is not None
+            and not (w.owner == self.team or w.owner.startswith(self.team + "/"))
+        )
+
+    def as_json(self) -> dict[str, str | None]:
+        return {"user": self.user, "team": self.team, "state": self.state}
+
+
 def _estimate_fields(est: Estimates, wid: str, now_ms: int) -> dict[str, Any]:
     start = est.starts.get(wid)
     if start is None:
@@ -222,18 +273,24 @@ def queue_view(
     *,
     now_ms: int | None = None,
     estimates: Estimates | None = None,
+    only: QueueFilter | None = None,
 ) -> dict[str, Any]:
     """Pending workloads in the order the next cycle considers them
     (:func:`~apportion.core.ordering.queue_order`) with the ratios that rank them
     and the estimated start; running ones after.
 
     ``now_ms`` (default: the state's time) is what waits are measured to: the
-    gateway passes its wall clock. ``estimates`` default to :func:`estimates_for`."""
+    gateway passes its wall clock. ``estimates`` default to :func:`estimates_for`.
+    ``only``: the workloads shown (``position`` stays the place in the whole queue;
+    ``totals`` counts every pending and running workload)."""
     now = max(state.now_ms, now_ms if now_ms is not None else state.now_ms)
     est = estimates if estimates is not None else estimates_for(state, history)
     view = FairShareView(state)
+    only = only if only is not None else QueueFilter()
     pending = []
     for i, w in enumerate(queue_order(state, view), start=1):
+        if not only.matches(w):
+            continue
         row = workload_json(w)
         row["position"] = i
         row["wait_ms"] = max(0, now - w.queued_ms)
@@ -242,6 +299,8 @@ def queue_view(
         pending.append(row)
     running = []
     for w in sorted(state.running.values(), key=lambda w: (w.started_ms, w.id)):
+        if not only.matches(w):
+            continue
         row = workload_json(w)
         row["started_ms"] = w.started_ms
         row["protected_until_ms"] = w.protected_until_ms
@@ -256,6 +315,8 @@ def queue_view(
         "estimate_assumption": ASSUMPTION,
         "pending": pending,
         "running": running,
+        "filter": only.as_json(),
+        "totals": {"pending": len(state.pending), "running": len(state.running)},
     }
 
 
@@ -263,21 +324,17 @@ NODE_STATES = ("healthy", "draining", "down")
 """The values of ``apportion nodes --state`` and ``GET /v1/nodes?state=``."""
 
 
-class NodeQueryError(ValueError):
-    """A ``/v1/nodes`` query parameter out of its form (one line naming it)."""
-
-
 def parse_node_query(query: Any) -> str | None:
     """The ``state`` filter of ``GET /v1/nodes`` (``None``: every node);
-    :class:`NodeQueryError` for an unknown parameter or state."""
+    :class:`QueryError` for an unknown parameter or state."""
     unknown = sorted(set(query) - {"state"})
     if unknown:
-        raise NodeQueryError(f"unknown parameter {unknown[0][:64]!r} (known: state)")
+        raise QueryError(f"unknown parameter {unknown[0][:64]!r} (known: state)")
     text = query.get("state")
     if text is None or text == "":
         return None
     if text not in NODE_STATES:
-        raise NodeQueryError(f"state: {text[:64]!r} is not one of {', '.join(NODE_STATES)}")
+        raise QueryError(f"state: {text[:64]!r} is not one of {', '.join(NODE_STATES)}")
     return str(text)
 
 

@@ -596,12 +596,13 @@ def _print_queue(data: dict[str, Any]) -> None:
         click.echo(_section("pending", len(data["pending"]), totals.get("pending")))
         click.echo(
             f"{'POS':>4} {'WORKLOAD':<24} {'OWNER':<22} {'GPUS':>5} {'PRIO':>4} {'WAIT':>12}  "
-            f"{'START (UTC, estimated)':<32} USED OF SHARE (top down)"
+            f"{'START (UTC, estimated)':<32} {'REASON':<22} USED OF SHARE (top down)"
         )
         for row in data["pending"]:
             click.echo(
                 f"{row['position']:>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} "
                 f"{row['priority']:>4} {span(row['wait_ms']):>12}  {_start(row, now):<32} "
+                f"{row.get('reason', '-'):<22} "
                 f"{_ratios(row) if row['allocated'] else 'unallocated'}"
             )
         if data.get("estimate_assumption"):
@@ -657,7 +658,7 @@ def queue(
 
     WAIT is measured to now; START is when the workload is estimated to start if
     nothing new arrives (no new submission, cancel or health change; running work
-    ends when its duration hint says). RAN is how long a run has run; ENDS when
+    ends when its duration hint says); REASON why it waits (docs/reasons.md). RAN is how long a run has run; ENDS when
     it is expected to end (from its duration hint)."""
     import time
 

@@ -13,7 +13,7 @@ rejected by the scheduler (an ``InputRejected`` decision) when two requests race
 | POST | ``/v1/workloads`` | submit: ``{"owner","gpus","min_runtime_ms",...}`` -> 202 ``{"workload","seq","duplicate"}`` |
 | POST | ``/v1/workloads/{id}/cancel`` | -> 202 |
 | GET | ``/v1/workloads/{id}`` | the workload's status |
-| GET | ``/v1/queue`` | pending in order with position and sort-key ratios; running (``?user=``, ``?team=``, ``?state=pending|running``) |
+| GET | ``/v1/queue`` | pending in order with position, sort-key ratios and a ``reason`` code; running (``?user=``, ``?team=``, ``?state=pending|running``) |
 | GET | ``/v1/share`` | budget tree with usage against allocation (``sshare``) |
 | GET | ``/v1/explain/{id}`` | why pending / preempted / ended; an ended one's attempts, exit code, who cancelled, logs |
 | GET | ``/v1/jobs`` | ended (or any) workloads, newest first (``?state=``, ``?user=``, ``?team=``, ``?id=``, ``?since=``, ``?limit=``; :mod:`~apportion.services.job_history`) |
@@ -100,6 +100,7 @@ from .views import (
     NODE_STATES,
     History,
     QueueFilter,
+    WaitContext,
     budget_tree,
     estimate_context,
     explain,
@@ -351,6 +352,8 @@ class Gateway:
         self.start_batches: int | None = None
         """DECISIONS' last sequence when the gateway began to follow: until its view
         has folded that far it answers 503 ``catching_up`` (``None``: not known yet)."""
+        self._wait_context: tuple[tuple[int, int, int | None], WaitContext] | None = None
+        """The queue's reason codes' context, made once per folded state."""
         self._unauthenticated_logged_at = -float("inf")
         self._unauthenticated_unlogged = 0
         self._estimates: tuple[tuple[int, int, int | None], Estimates] | None = None
@@ -719,8 +722,18 @@ class Gateway:
         except QueryError as exc:
             return _error(R.BAD_QUERY, str(exc))
         est = await self.estimates()
+        key = self._estimate_key()
+        if self._wait_context is None or self._wait_context[0] != key:
+            self._wait_context = (key, WaitContext(self.state))
         return web.json_response(
-            queue_view(self.state, self.history, now_ms=self.now_ms(), estimates=est, only=only)
+            queue_view(
+                self.state,
+                self.history,
+                now_ms=self.now_ms(),
+                estimates=est,
+                only=only,
+                wait_context=self._wait_context[1],
+            )
         )
 
     async def share(self, request: web.Request) -> web.Response:

@@ -260,6 +260,91 @@ class QueueFilter(msgspec.Struct, frozen=True):
         return {"user": self.user, "team": self.team, "state": self.state}
 
 
+WAIT_REASONS: dict[str, str] = {
+    "fits_soon": "it fits in the free GPUs now: the next cycle places it",
+    "waiting_for_notice": "runs preempted for it are stopping with notice; it starts when "
+    "their GPUs come free",
+    "holds_reservation": "it holds the reservation: nodes are kept for it until their "
+    "protected runs end",
+    "reserved_for_other": "the free GPUs it could use are kept for another workload: "
+    "reserved for it (and this one would still be protected when the reservation starts), "
+    "or on nodes whose runs are stopping for it",
+    "unallocated_waits": "unallocated (min_runtime 0): it waits for free GPUs and never preempts",
+    "outranked": "work ranked ahead of it wants the same nodes",
+    "waiting_for_protection": "the GPUs it needs are held by runs still protected by their "
+    "minimum runtime",
+    "waiting_for_share": "the GPUs it needs are held by runs it may not preempt: its team is "
+    "not under-served enough (by the preemption margin)",
+    "no_nodes_of_type": "no healthy node of its GPU type",
+    "gang_too_large": "more GPUs at once than the healthy nodes of its type can hold",
+}
+"""Why a pending workload waits: a stable code (docs/reasons.md, "Why a workload
+waits") and its meaning. The first that applies, in this order, is its ``reason``."""
+
+
+def _fits(gpus: int, nodes: Iterable[ClusterNode], free: bool) -> bool:
+    """``gpus`` fit on ``nodes`` as the scheduler places them: on one node, or a gang of
+    whole nodes of one size; ``free``: in the GPUs free now, else on empty nodes."""
+    whole: dict[int, int] = {}
+    for n in nodes:
+        if gpus <= n.gpus and (not free or n.free >= gpus):
+            return True
+        if gpus > n.gpus and gpus % n.gpus == 0 and (not free or n.free == n.gpus):
+            whole[n.gpus] = whole.get(n.gpus, 0) + 1
+    return any(count * size >= gpus for size, count in whole.items())
+
+
+class WaitContext:
+    """What :func:`wait_reason` needs once per state: the queue order and the
+    reservation the next cycle would make (one cycle's cost)."""
+
+    def __init__(self, state: State) -> None:
+        self.order = queue_order(state, FairShareView(state))
+        self.rank = {w.id: i for i, w in enumerate(self.order)}
+        self.reservation = decide(state, report_reservation=True).reservation
+        self.held: dict[str, str] = {}
+        """Node -> the workload its stopping runs were preempted for (held for it)."""
+        for r in state.running.values():
+            if r.stopping is not None and r.stopping.for_workload:
+                for slot in r.placement:
+                    self.held[slot.node] = r.stopping.for_workload
+        self.notice_for = set(self.held.values())
+
+
+def wait_reason(state: State, w: Workload, ctx: WaitContext) -> str:
+    """Why pending ``w`` waits: the first code of :data:`WAIT_REASONS` that applies."""
+    fits = [n for n in state.nodes.values() if n.schedulable and takes(w.gpu_type, n.gpu_type)]
+    if not fits:
+        return "no_nodes_of_type"
+    if not _fits(w.gpus, fits, free=False):
+        return "gang_too_large"
+    if w.id in ctx.notice_for:
+        return "waiting_for_notice"
+    reservation = ctx.reservation
+    if reservation is not None and reservation.workload == w.id and w.allocated:
+        return "holds_reservation"
+    kept = {n for n, for_w in ctx.held.items() if for_w != w.id}
+    if (
+        reservation is not None
+        and reservation.workload != w.id
+        and not may_use_reserved(state.now_ms, w.min_runtime_ms, reservation.start_ms)
+    ):
+        kept.update(reservation.nodes)
+    usable = [n for n in fits if n.node not in kept]
+    if _fits(w.gpus, usable, free=True):
+        return "fits_soon"
+    if _fits(w.gpus, fits, free=True):
+        return "reserved_for_other"
+    if not w.allocated:
+        return "unallocated_waits"
+    rank = ctx.rank.get(w.id, 0)
+    if any(a.allocated and overlap(a.gpu_type, w.gpu_type) for a in ctx.order[:rank]):
+        return "outranked"
+    if protections_bound(state, w, fits) is not None:
+        return "waiting_for_protection"
+    return "waiting_for_share"
+
+
 def _estimate_fields(est: Estimates, wid: str, now_ms: int) -> dict[str, Any]:
     start = est.starts.get(wid)
     if start is None:
@@ -274,6 +359,7 @@ def queue_view(
     now_ms: int | None = None,
     estimates: Estimates | None = None,
     only: QueueFilter | None = None,
+    wait_context: WaitContext | None = None,
 ) -> dict[str, Any]:
     """Pending workloads in the order the next cycle considers them
     (:func:`~apportion.core.ordering.queue_order`) with the ratios that rank them
@@ -282,17 +368,22 @@ def queue_view(
     ``now_ms`` (default: the state's time) is what waits are measured to: the
     gateway passes its wall clock. ``estimates`` default to :func:`estimates_for`.
     ``only``: the workloads shown (``position`` stays the place in the whole queue;
-    ``totals`` counts every pending and running workload)."""
+    ``totals`` counts every pending and running workload). Each pending row has a
+    ``reason`` code (:data:`WAIT_REASONS`) and its ``reason_text``; ``wait_context``
+    (made here when not given: one cycle's cost) is what they come from."""
     now = max(state.now_ms, now_ms if now_ms is not None else state.now_ms)
     est = estimates if estimates is not None else estimates_for(state, history)
     view = FairShareView(state)
     only = only if only is not None else QueueFilter()
+    ctx = wait_context if wait_context is not None else WaitContext(state)
     pending = []
-    for i, w in enumerate(queue_order(state, view), start=1):
+    for i, w in enumerate(ctx.order, start=1):
         if not only.matches(w):
             continue
         row = workload_json(w)
         row["position"] = i
+        row["reason"] = code = wait_reason(state, w, ctx)
+        row["reason_text"] = WAIT_REASONS[code]
         row["wait_ms"] = max(0, now - w.queued_ms)
         row["ratios"] = _ratio_rows(state, view, w.owner) if w.allocated else []
         row.update(_estimate_fields(est, w.id, now))
@@ -588,7 +679,10 @@ def explain(
             f"{len(competing)} workloads that could use the same nodes rank ahead of it, "
             f"needing {sum(a.gpus for a in competing)} GPUs"
         )
-    reservation = decide(state, report_reservation=True).reservation
+    ctx = WaitContext(state)
+    out["reason"] = code = wait_reason(state, w, ctx)
+    out["reason_text"] = WAIT_REASONS[code]
+    reservation = ctx.reservation
     if reservation is not None and w.allocated:
         nodes = ", ".join(reservation.nodes)
         if reservation.workload == workload:

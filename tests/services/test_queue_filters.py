@@ -1,5 +1,6 @@
 """`apportion queue --user/--team/--state` and `GET /v1/queue?user=&team=&state=`
-(like squeue -u/-A/-t), and the running section's header, against a real nats-server."""
+(like squeue -u/-A/-t), the running section's header, and each pending workload's
+reason code, against a real nats-server."""
 
 from __future__ import annotations
 
@@ -59,6 +60,16 @@ async def test_queue_filters_over_http_and_the_cli(jlog: JetStreamLog, creds: Cr
         assert whole["totals"] == {"pending": 3, "running": 2}
         position = {r["workload"]: r["position"] for r in whole["pending"]}
         assert sorted(position.values()) == [1, 2, 3]
+        # reason codes for scripts: the first holds the reservation, the others are behind it
+        assert [r["reason"] for r in whole["pending"]] == [
+            "holds_reservation",
+            "outranked",
+            "outranked",
+        ], whole["pending"]
+        assert all(r["reason_text"] for r in whole["pending"])
+        first = whole["pending"][0]["workload"]
+        status, body = await _get(s, f"{url}/v1/explain/{first}", ops)
+        assert status == 200 and body["reason"] == "holds_reservation", body
 
         status, body = await _get(s, f"{url}/v1/queue?user=alice", ops)
         assert status == 200 and _ids(body["pending"]) == ["a2"] and _ids(body["running"]) == ["a1"]
@@ -99,6 +110,7 @@ async def test_queue_filters_over_http_and_the_cli(jlog: JetStreamLog, creds: Cr
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert lines[0] == "pending: 3" and lines[1].split()[:3] == ["POS", "WORKLOAD", "OWNER"]
+        assert "REASON" in lines[1] and " holds_reservation " in lines[2], lines[2]
         run_at = lines.index("running: 2")
         assert lines[run_at + 1].split() == [
             "WORKLOAD",

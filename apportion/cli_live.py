@@ -579,28 +579,50 @@ def _start(row: dict[str, Any], now_ms: int) -> str:
     return f"{iso(start)[5:16].replace('T', ' ')} ({rel})"
 
 
+def _section(name: str, shown: int, total: int | None) -> str:
+    """``running: 4``, or ``running: 1 of 4`` when a filter left some out."""
+    if total is None or total == shown:
+        return f"{name}: {shown}"
+    return f"{name}: {shown} of {total}"
+
+
 def _print_queue(data: dict[str, Any]) -> None:
     from apportion.services.views import span
 
     now = data.get("now_ms", data["at_ms"])
-    click.echo(
-        f"{'POS':>4} {'WORKLOAD':<24} {'OWNER':<22} {'GPUS':>5} {'PRIO':>4} {'WAIT':>12}  "
-        f"{'START (UTC, estimated)':<32} USED OF SHARE (top down)"
-    )
-    for row in data["pending"]:
+    totals = data.get("totals") or {}
+    state = (data.get("filter") or {}).get("state")
+    if state != "running":
+        click.echo(_section("pending", len(data["pending"]), totals.get("pending")))
         click.echo(
-            f"{row['position']:>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} "
-            f"{row['priority']:>4} {span(row['wait_ms']):>12}  {_start(row, now):<32} "
-            f"{_ratios(row) if row['allocated'] else 'unallocated'}"
+            f"{'POS':>4} {'WORKLOAD':<24} {'OWNER':<22} {'GPUS':>5} {'PRIO':>4} {'WAIT':>12}  "
+            f"{'START (UTC, estimated)':<32} {'REASON':<22} USED OF SHARE (top down)"
         )
-    if data.get("estimate_assumption"):
-        click.echo(f"START: estimated {data['estimate_assumption']}")
-    click.echo(f"running: {len(data['running'])}")
+        for row in data["pending"]:
+            click.echo(
+                f"{row['position']:>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} "
+                f"{row['priority']:>4} {span(row['wait_ms']):>12}  {_start(row, now):<32} "
+                f"{row.get('reason', '-'):<22} "
+                f"{_ratios(row) if row['allocated'] else 'unallocated'}"
+            )
+        if data.get("estimate_assumption"):
+            click.echo(f"START: estimated {data['estimate_assumption']}")
+    if state == "pending":
+        return
+    click.echo(_section("running", len(data["running"]), totals.get("running")))
+    click.echo(
+        f"{'':>4} {'WORKLOAD':<24} {'OWNER':<22} {'GPUS':>5} {'RAN':>12}  "
+        f"{'ENDS (UTC, estimated)':<32} NODES"
+    )
     for row in data["running"]:
         where = ",".join(f"{n}:{g}" for n, g in row["placement"])
         end = row.get("expected_end_ms")
-        ends = f"  ends ~{_start({'estimated_start_ms': end}, now)}" if end is not None else ""
-        click.echo(f"     {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5}  {where}{ends}")
+        ends = _start({"estimated_start_ms": end}, now)
+        ran = span(max(0, now - row["started_ms"]))
+        click.echo(
+            f"{'':>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} {ran:>12}  "
+            f"{ends:<32} {where}"
+        )
 
 
 @main.command()
@@ -616,25 +638,34 @@ def _print_queue(data: dict[str, Any]) -> None:
     metavar="SECONDS",
     help="show the queue again every SECONDS until Ctrl-C",
 )
+@click.option("--user", default=None, help="only work submitted by this principal")
+@click.option("--team", default=None, help="only work owned at or below this budget path")
+@click.option("--state", default=None, metavar="STATE", help="only pending or only running work")
 def queue(
     url: str | None,
     timeout: float | None,
     token_file: Path | None,
     as_json: bool,
     watch: float | None,
+    user: str | None,
+    team: str | None,
+    state: str | None,
 ) -> None:
     """Pending workloads in scheduling order (how much of its share each level of the
-    sort key has used, the estimated start), then running ones.
+    sort key has used, the estimated start), then running ones; like squeue,
+    --user, --team and --state keep some of them (POS stays the place in the whole
+    queue).
 
     WAIT is measured to now; START is when the workload is estimated to start if
     nothing new arrives (no new submission, cancel or health change; running work
-    ends when its duration hint says)."""
+    ends when its duration hint says); REASON why it waits (docs/reasons.md). RAN is how long a run has run; ENDS when
+    it is expected to end (from its duration hint)."""
     import time
 
     client = _client(url, timeout, token_file)
     try:
         while True:
-            data = _call(client.queue)
+            data = _call(client.queue, user=user, team=team, state=state)
             if as_json:
                 indent = None if watch else 2  # --watch: one JSON document a line
                 click.echo(json.dumps(data, indent=indent, sort_keys=True))
@@ -887,6 +918,109 @@ def jobs(
         _echo_json(data)
         return
     _print_jobs(data)
+
+
+def _print_nodes(data: dict[str, Any]) -> None:
+    from apportion.services.views import iso, relative
+
+    now = data.get("now_ms", data["at_ms"])
+    click.echo(
+        f"{'NODE':<20} {'TYPE':<10} {'GPUS':>4} {'FREE':>4} {'STATE':<9} {'RUNS':>4} "
+        f"{'PROTECTED UNTIL (UTC)':<22} WORKLOADS / LAST CHANGE"
+    )
+    for r in data["nodes"]:
+        shown = "drained" if r["drained"] else r["state"]
+        until = r["protected_until_ms"]
+        protected = iso(until)[5:16].replace("T", " ") if until is not None else "-"
+        parts = [",".join(r["workloads"])] if r["workloads"] else []
+        change = r.get("last_change")
+        if change:
+            words = (
+                f"{change['state']} by {change['actor'] or '?'} {relative(change['at_ms'], now)}"
+            )
+            if change.get("reason"):
+                words += f": {change['reason']}"
+            parts.append(words)
+        click.echo(
+            f"{r['node']:<20} {r['gpu_type']:<10} {r['gpus']:>4} {r['free']:>4} {shown:<9} "
+            f"{len(r['workloads']):>4} {protected:<22} {'  '.join(parts) or '-'}"
+        )
+    total = sum(r["gpus"] for r in data["nodes"])
+    free = sum(r["free"] for r in data["nodes"])
+    which = f" {data['state']}" if data.get("state") else ""
+    click.echo(f"{len(data['nodes'])}{which} nodes, {total} GPUs, {free} free")
+
+
+@main.command()
+@click.option(
+    "--state",
+    default=None,
+    metavar="STATE",
+    help="only nodes in this state: healthy, draining (drained ones too) or down",
+)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
+def nodes(
+    state: str | None,
+    as_json: bool,
+    url: str | None,
+    timeout: float | None,
+    token_file: Path | None,
+) -> None:
+    """Every node, like sinfo: GPU type, GPUs, free GPUs, state (drained: a draining
+    node with nothing left on it), the workloads running there, when the last of
+    their protections ends, and the last health change (who, when, why) when the
+    gateway saw it."""
+    data = _call(_client(url, timeout, token_file).nodes, state)
+    if as_json:
+        _echo_json(data)
+        return
+    _print_nodes(data)
+
+
+@main.group()
+def node() -> None:
+    """Drain, undrain or take down a node (operators and the budget root's owner)."""
+
+
+_HEALTH_OF = {"drain": "draining", "undrain": "healthy", "down": "down"}
+_HEALTH_HELP = {
+    "drain": "Drain NODE: it takes no new work; running work keeps its protection, then "
+    "is preempted; `apportion nodes` says drained once it is empty.",
+    "undrain": "Put NODE back in service (healthy), from draining or down.",
+    "down": "Take NODE down now: its running work is preempted at once (requeued if "
+    "resumable) and it takes nothing until undrained.",
+}
+
+
+def _health_command(verb: str) -> None:
+    @node.command(verb, help=_HEALTH_HELP[verb])
+    @click.argument("name", metavar="NODE")
+    @click.option("--reason", default="", help="why, in words (kept in the history)")
+    @click.option("--url", default=None, help=URL_HELP)
+    @_timeout_option
+    @_token_option
+    def command(
+        name: str, reason: str, url: str | None, timeout: float | None, token_file: Path | None
+    ) -> None:
+        state = _HEALTH_OF[verb]
+        out = _call(
+            _client(url, timeout, token_file).node_health,
+            name,
+            state,
+            reason,
+            os.environ.get("USER", ""),
+        )
+        if out.get("seq") is None:
+            click.echo(f"node {name}: {state} (an earlier attempt was stored)")
+        else:
+            click.echo(f"node {name}: {state} (input {out['seq']})")
+
+
+for _verb in _HEALTH_OF:
+    _health_command(_verb)
 
 
 @main.command()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import msgspec
 from apportion.schemas import reasons as R
 from apportion.schemas.codec import bounds_error
 from apportion.schemas.events import (
@@ -219,8 +220,22 @@ def budget(
 
 
 def health(
-    state: State, node: str, health_state: HealthState, actor: str, at_ms: int, id: str
+    state: State,
+    node: str,
+    health_state: HealthState,
+    actor: str,
+    at_ms: int,
+    id: str,
+    reason: str = "",
 ) -> NodeHealthChanged | Refusal:
-    """A health change of ``node`` by ``actor``, or why not."""
-    event = NodeHealthChanged(id=id, at_ms=at_ms, node=node, state=health_state, actor=actor)
+    """A health change of ``node`` by ``actor`` (``reason``: why, in words; left
+    out of the event when empty), or why not."""
+    event = NodeHealthChanged(
+        id=id,
+        at_ms=at_ms,
+        node=node,
+        state=health_state,
+        actor=actor,
+        reason=reason if reason else msgspec.UNSET,
+    )
     return check(state, event) or event

@@ -94,11 +94,13 @@ class NodeRegistered(Event, frozen=True, kw_only=True, tag="NodeRegistered"):
 class NodeHealthChanged(Event, frozen=True, kw_only=True, tag="NodeHealthChanged"):
     """A host becomes ``healthy``, ``draining`` (finish protected work, take none) or ``down``.
 
-    ``actor``: as for :class:`NodeRegistered`."""
+    ``actor``: as for :class:`NodeRegistered`. ``reason``: why, in words (``apportion
+    node drain --reason``); unset when none was given, and then not encoded."""
 
     node: Name
     state: HealthState
     actor: Name = ""
+    reason: Reason | msgspec.UnsetType = msgspec.UNSET
 
 
 class BudgetSet(Event, frozen=True, kw_only=True, tag="BudgetSet"):

@@ -184,8 +184,12 @@ class GatewayClient:
     def workload(self, workload: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/workloads/{urllib.parse.quote(workload, safe='')}")
 
-    def queue(self) -> dict[str, Any]:
-        return self._call("GET", "/v1/queue")
+    def queue(self, **query: str | None) -> dict[str, Any]:
+        """``GET /v1/queue`` with the filters given (``user``, ``team``, ``state``;
+        ``None``: left out)."""
+        params = {k: v for k, v in query.items() if v is not None}
+        suffix = "?" + urllib.parse.urlencode(params) if params else ""
+        return self._call("GET", "/v1/queue" + suffix)
 
     def share(self) -> dict[str, Any]:
         return self._call("GET", "/v1/share")
@@ -198,6 +202,30 @@ class GatewayClient:
         params = {k: str(v) for k, v in query.items() if v is not None}
         suffix = "?" + urllib.parse.urlencode(params) if params else ""
         return self._call("GET", "/v1/jobs" + suffix)
+
+    def nodes(self, state: str | None = None) -> dict[str, Any]:
+        """``GET /v1/nodes`` (``state``: only hosts in that health state)."""
+        suffix = "?" + urllib.parse.urlencode({"state": state}) if state is not None else ""
+        return self._call("GET", "/v1/nodes" + suffix)
+
+    def node_health(
+        self, node: str, state: str, reason: str = "", actor: str = ""
+    ) -> dict[str, Any]:
+        """Drain (``draining``), undrain (``healthy``) or take down (``down``) ``node``.
+        Retried after a 504; a retry that finds the host already in ``state`` means the
+        earlier attempt was stored (``{"node", "state", "seq": None, "duplicate": True}``)."""
+        path = f"/v1/nodes/{urllib.parse.quote(node, safe='')}/health"
+        body: dict[str, Any] = {"state": state}
+        if reason:
+            body["reason"] = reason
+        if actor:
+            body["actor"] = actor
+        try:
+            return self._call("POST", path, body, retry=True)
+        except GatewayError as exc:
+            if exc.retried and exc.status == 409 and "(no change)" in exc.reason:
+                return {"node": node, "state": state, "seq": None, "duplicate": True}
+            raise
 
     def budget(self) -> dict[str, Any]:
         return self._call("GET", "/v1/budget")

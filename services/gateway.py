@@ -13,10 +13,12 @@ rejected by the scheduler (an ``InputRejected`` decision) when two requests race
 | POST | ``/v1/workloads`` | submit: ``{"owner","gpus","min_runtime_ms",...}`` -> 202 ``{"workload","seq","duplicate"}`` |
 | POST | ``/v1/workloads/{id}/cancel`` | -> 202 |
 | GET | ``/v1/workloads/{id}`` | the workload's status |
-| GET | ``/v1/queue`` | pending in order with position and sort-key ratios; running |
+| GET | ``/v1/queue`` | pending in order with position, sort-key ratios and a ``reason`` code; running (``?user=``, ``?team=``, ``?state=pending|running``) |
 | GET | ``/v1/share`` | budget tree with usage against allocation (``sshare``) |
 | GET | ``/v1/explain/{id}`` | why pending / preempted / ended; an ended one's attempts, exit code, who cancelled, logs |
 | GET | ``/v1/jobs`` | ended (or any) workloads, newest first (``?state=``, ``?user=``, ``?team=``, ``?id=``, ``?since=``, ``?limit=``; :mod:`~apportion.services.job_history`) |
+| GET | ``/v1/nodes`` | every host: type, GPUs, free, health, drained, running work, last health change (``?state=``) |
+| POST | ``/v1/nodes/{node}/health`` | ``{"state": "healthy"|"draining"|"down", "reason"}`` -> 202 ``{"node","state","seq","duplicate"}`` (operators and the root's owner) |
 | GET | ``/v1/budget`` | the budget tree |
 | GET | ``/v1/usage/history`` | per team and user, owed / delivered / used GPU-ms hour by hour (``?team=``, ``?hours=``; :mod:`~apportion.services.usage_history`, served by the dashboard's module) |
 | POST | ``/v1/budget`` | ``{"set":[{"path","weight","owner"}],"remove":[paths]}`` |
@@ -78,10 +80,11 @@ from apportion.schemas.bounds import (
     Name,
     Path,
     Priority,
+    Reason,
     Weight,
     plain_bound,
 )
-from apportion.schemas.events import ANY_GPU_TYPE
+from apportion.schemas.events import ANY_GPU_TYPE, HealthState
 from apportion.schemas.reasons import Refusal
 from msgspec import Meta
 
@@ -94,10 +97,15 @@ from .job_history import MAX_LIMIT as MAX_JOBS_LIMIT
 from .job_history import JobQuery, QueryError, list_jobs
 from .metrics import CONTENT_TYPE, GatewayMetrics, route_of
 from .views import (
+    NODE_STATES,
     History,
+    QueueFilter,
+    WaitContext,
     budget_tree,
     estimate_context,
     explain,
+    nodes_view,
+    parse_node_query,
     queue_view,
     workload_json,
 )
@@ -144,6 +152,15 @@ class SubmitRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class CancelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     actor: Name = ""
     """Ignored by a gateway that authenticates (the credential's principal is used)."""
+
+
+class HealthRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    state: HealthState
+    reason: Reason = ""
+    """Why, in words (printable, one line): kept in the history with the change."""
+    actor: Name = ""
+    """Ignored by a gateway that authenticates (the credential's principal is used);
+    required by one that does not."""
 
 
 class BudgetNodeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -335,6 +352,8 @@ class Gateway:
         self.start_batches: int | None = None
         """DECISIONS' last sequence when the gateway began to follow: until its view
         has folded that far it answers 503 ``catching_up`` (``None``: not known yet)."""
+        self._wait_context: tuple[tuple[int, int, int | None], WaitContext] | None = None
+        """The queue's reason codes' context, made once per folded state."""
         self._unauthenticated_logged_at = -float("inf")
         self._unauthenticated_unlogged = 0
         self._estimates: tuple[tuple[int, int, int | None], Estimates] | None = None
@@ -353,6 +372,8 @@ class Gateway:
         r.add_get("/v1/share", self.share)
         r.add_get("/v1/explain/{id}", self.explain)
         r.add_get("/v1/jobs", self.jobs)
+        r.add_get("/v1/nodes", self.nodes)
+        r.add_post("/v1/nodes/{node}/health", self.node_health)
         r.add_get("/v1/budget", self.get_budget)
         r.add_post("/v1/budget", self.post_budget)
         r.add_get("/v1/status", self.status)
@@ -694,9 +715,25 @@ class Gateway:
         return web.json_response({"workload": workload, "status": status})
 
     async def queue(self, request: web.Request) -> web.Response:
+        """``GET /v1/queue``, with ``?user=``, ``?team=``, ``?state=pending|running``
+        (a value out of its form or bound: 400 ``bad_query``)."""
+        try:
+            only = QueueFilter.parse(request.query)
+        except QueryError as exc:
+            return _error(R.BAD_QUERY, str(exc))
         est = await self.estimates()
+        key = self._estimate_key()
+        if self._wait_context is None or self._wait_context[0] != key:
+            self._wait_context = (key, WaitContext(self.state))
         return web.json_response(
-            queue_view(self.state, self.history, now_ms=self.now_ms(), estimates=est)
+            queue_view(
+                self.state,
+                self.history,
+                now_ms=self.now_ms(),
+                estimates=est,
+                only=only,
+                wait_context=self._wait_context[1],
+            )
         )
 
     async def share(self, request: web.Request) -> web.Response:
@@ -722,6 +759,51 @@ class Gateway:
 
     async def get_budget(self, request: web.Request) -> web.Response:
         return web.json_response(budget_tree(self.state))
+
+    async def nodes(self, request: web.Request) -> web.Response:
+        """``GET /v1/nodes``: every host like ``sinfo`` (docs/formats.md, "Nodes");
+        ``?state=healthy|draining|down``, else a 400 ``bad_query``."""
+        try:
+            only = parse_node_query(request.query)
+        except QueryError as exc:
+            return _error(R.BAD_QUERY, str(exc))
+        return web.json_response(
+            nodes_view(self.state, self.history, only=only, now_ms=self.now_ms())
+        )
+
+    async def node_health(self, request: web.Request) -> web.Response:
+        """``POST /v1/nodes/{node}/health``: publish a ``NodeHealthChanged`` by the
+        principal; the fold's rules (an operator or the root's owner; a known host;
+        a change) answer first: 403, 404, 409."""
+        node = request.match_info["node"]
+        body: HealthRequest = await _body(request, HealthRequest)
+        if not body.reason.isprintable():
+            return _error(
+                R.MALFORMED, "invalid request: reason: printable text on one line, please"
+            )
+        actor = self._actor(request, body.actor)
+        if not actor:
+            return _error(
+                R.MALFORMED, "invalid request: give 'actor' (this gateway does not authenticate)"
+            )
+        event_id = f"health-{uuid.uuid4().hex}"
+
+        def check() -> Any:
+            return commands.health(
+                self.state, node, body.state, actor, self.state.now_ms, event_id, body.reason
+            )
+
+        event = check()
+        if isinstance(event, Refusal):
+            event = await self._final(event, check)
+            if isinstance(event, Refusal):
+                return _refused(event)
+        ack = await _published(self.log.publish_input(event))
+        self.logger.info("node health", node=node, state=body.state, actor=actor, seq=ack.seq)
+        return web.json_response(
+            {"node": node, "state": body.state, "seq": ack.seq, "duplicate": ack.duplicate},
+            status=202,
+        )
 
     async def post_budget(self, request: web.Request) -> web.Response:
         body: BudgetRequest = await _body(request, BudgetRequest)
@@ -810,8 +892,9 @@ def _http_reason(request: web.Request, exc: web.HTTPException) -> str:
 
 def openapi_document() -> dict[str, Any]:
     """OpenAPI 3.1 for the gateway; request schemas come from the msgspec Structs."""
-    (submit, cancel, budget), components = msgspec.json.schema_components(
-        [SubmitRequest, CancelRequest, BudgetRequest], ref_template="#/components/schemas/{name}"
+    (submit, cancel, budget, health), components = msgspec.json.schema_components(
+        [SubmitRequest, CancelRequest, BudgetRequest, HealthRequest],
+        ref_template="#/components/schemas/{name}",
     )
     err = {
         "description": "error",
@@ -893,7 +976,27 @@ def openapi_document() -> dict[str, Any]:
             "/v1/queue": {
                 "get": {
                     "summary": "Pending workloads in order, with sort-key ratios; running ones",
-                    "responses": {"200": ok},
+                    "parameters": [
+                        {
+                            "name": "user",
+                            "in": "query",
+                            "description": "submitted by this principal",
+                            "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
+                        },
+                        {
+                            "name": "team",
+                            "in": "query",
+                            "description": "owner leaf at or below this budget path",
+                            "schema": {"type": "string", "maxLength": MAX_PATH_LEN},
+                        },
+                        {
+                            "name": "state",
+                            "in": "query",
+                            "description": "only this section (the other is empty)",
+                            "schema": {"type": "string", "enum": ["pending", "running"]},
+                        },
+                    ],
+                    "responses": {"200": ok, "400": err},
                 }
             },
             "/v1/share": {
@@ -957,6 +1060,42 @@ def openapi_document() -> dict[str, Any]:
                         },
                     ],
                     "responses": {"200": ok, "400": err},
+                }
+            },
+            "/v1/nodes": {
+                "get": {
+                    "summary": "Every host: type, GPUs, free, health, running work (like sinfo)",
+                    "parameters": [
+                        {
+                            "name": "state",
+                            "in": "query",
+                            "description": "only hosts in this health state",
+                            "schema": {"type": "string", "enum": list(NODE_STATES)},
+                        }
+                    ],
+                    "responses": {"200": ok, "400": err},
+                }
+            },
+            "/v1/nodes/{node}/health": {
+                "post": {
+                    "summary": "Drain, undrain or take down a host (operators, the root's owner)",
+                    "parameters": [
+                        {
+                            "name": "node",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "requestBody": body(health),
+                    "responses": {
+                        "202": accepted,
+                        "400": err,
+                        "403": err,
+                        "404": err,
+                        "409": err,
+                        **publishing,
+                    },
                 }
             },
             "/v1/budget": {

@@ -42,7 +42,13 @@ from apportion.core.rules.subjects import AGENT_KINDS
 
 ROLE_KINDS: dict[str, tuple[str, ...]] = {
     "scheduler": ("ClockTicked", "NodeHealthChanged"),
-    "gateway": ("WorkloadSubmitted", "WorkloadCancelled", "BudgetSet", "BudgetRemoved"),
+    "gateway": (
+        "WorkloadSubmitted",
+        "WorkloadCancelled",
+        "BudgetSet",
+        "BudgetRemoved",
+        "NodeHealthChanged",
+    ),
     "operator": (
         "WorkloadSubmitted",
         "WorkloadCancelled",

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from fractions import Fraction
 from typing import Any
 
+import msgspec
 from apportion.core.budget import ROOT
 from apportion.core.cycle import decide
 from apportion.core.estimate import ASSUMPTION, Estimates, estimate_starts
@@ -27,16 +28,19 @@ from apportion.core.ordering import FairShareView, queue_order
 from apportion.core.rules.contract import is_protected, may_use_reserved
 from apportion.core.rules.gpu_types import is_any, overlap, takes
 from apportion.core.state import ClusterNode, State, Workload
+from apportion.schemas.bounds import MAX_NAME_LEN, MAX_PATH_LEN
 from apportion.schemas.events import (
     HOUR_MS,
     InputRejected,
+    NodeHealthChanged,
     WorkloadPlaced,
     WorkloadPreempted,
     WorkloadSubmitted,
 )
 from apportion.schemas.history import HistoryItem, InputItem
+from msgspec import UNSET
 
-from .job_history import JobHistory, job_json, job_words
+from .job_history import JobHistory, QueryError, job_json, job_words
 
 
 def iso(ms: int) -> str:
@@ -126,6 +130,9 @@ class History:
         """The last cycle's wake-up (the last part of a cycle carries it)."""
         self.jobs = JobHistory()
         """Every workload's submission, attempts and end."""
+        self.node_changes: dict[str, dict[str, Any]] = {}
+        """Each host's last health change the fold took: ``{"at_ms","state","actor",
+        "reason"}`` (``apportion nodes``; a host changed before this reader began has none)."""
         self.cluster = cluster
         self.agent_work_dir = agent_work_dir
         """The host agents' ``--work-dir``, where known (``apportion up --agents``):
@@ -134,6 +141,15 @@ class History:
     def observe(self, item: HistoryItem, state: State, rejected: str | None) -> None:
         """``item`` was just folded into ``state`` (``rejected``: why an input changed nothing)."""
         self.jobs(item, state, rejected)
+        if rejected is None and isinstance(item, InputItem):
+            e = item.event
+            if isinstance(e, NodeHealthChanged):
+                self.node_changes[e.node] = {
+                    "at_ms": item.at_ms,
+                    "state": e.state,
+                    "actor": e.actor,
+                    "reason": "" if e.reason is UNSET else e.reason,
+                }
 
     def job(self, workload: str) -> dict[str, Any] | None:
         """``workload``'s history as JSON (docs/formats.md), if it is kept."""
@@ -195,6 +211,140 @@ def estimates_for(state: State, history: History | None, only: str | None = None
     return estimate_starts(state, only=only, **estimate_context(state, history))
 
 
+QUEUE_STATES = ("pending", "running")
+"""The values of ``apportion queue --state`` and ``GET /v1/queue?state=``."""
+
+
+class QueueFilter(msgspec.Struct, frozen=True):
+    """Which workloads ``queue`` shows (like ``squeue -u/-A/-t``): every filter given
+    must hold; ``None``: any."""
+
+    user: str | None = None
+    """``submitted_by`` equals it."""
+    team: str | None = None
+    """The owner leaf is this budget path or below it (by whole segments)."""
+    state: str | None = None
+    """``pending`` or ``running``: the other section is left empty."""
+
+    @classmethod
+    def parse(cls, query: Any) -> QueueFilter:
+        """From ``GET /v1/queue``'s parameters; :class:`QueryError` names the first one
+        out of its form or bound."""
+        unknown = sorted(set(query) - {"user", "team", "state"})
+        if unknown:
+            raise QueryError(f"unknown parameter {unknown[0][:64]!r} (known: user, team, state)")
+        user = query.get("user") or None
+        if user is not None and len(user) > MAX_NAME_LEN:
+            raise QueryError(f"user: at most {MAX_NAME_LEN} characters")
+        team = query.get("team") or None
+        if team is not None:
+            if len(team) > MAX_PATH_LEN:
+                raise QueryError(f"team: at most {MAX_PATH_LEN} characters")
+            team = team.strip("/") or None
+        state = query.get("state") or None
+        if state is not None and state not in QUEUE_STATES:
+            raise QueryError(f"state: {state[:64]!r} is not one of {', '.join(QUEUE_STATES)}")
+        return cls(user, team, state)
+
+    def matches(self, w: Workload) -> bool:
+        if self.state is not None and w.status != self.state:
+            return False
+        if self.user is not None and w.submitted_by != self.user:
+            return False
+        return not (
+            self.team is not None
+            and not (w.owner == self.team or w.owner.startswith(self.team + "/"))
+        )
+
+    def as_json(self) -> dict[str, str | None]:
+        return {"user": self.user, "team": self.team, "state": self.state}
+
+
+WAIT_REASONS: dict[str, str] = {
+    "fits_soon": "it fits in the free GPUs now: the next cycle places it",
+    "waiting_for_notice": "runs preempted for it are stopping with notice; it starts when "
+    "their GPUs come free",
+    "holds_reservation": "it holds the reservation: nodes are kept for it until their "
+    "protected runs end",
+    "reserved_for_other": "the free GPUs it could use are kept for another workload: "
+    "reserved for it (and this one would still be protected when the reservation starts), "
+    "or on nodes whose runs are stopping for it",
+    "unallocated_waits": "unallocated (min_runtime 0): it waits for free GPUs and never preempts",
+    "outranked": "work ranked ahead of it wants the same nodes",
+    "waiting_for_protection": "the GPUs it needs are held by runs still protected by their "
+    "minimum runtime",
+    "waiting_for_share": "the GPUs it needs are held by runs it may not preempt: its team is "
+    "not under-served enough (by the preemption margin)",
+    "no_nodes_of_type": "no healthy node of its GPU type",
+    "gang_too_large": "more GPUs at once than the healthy nodes of its type can hold",
+}
+"""Why a pending workload waits: a stable code (docs/reasons.md, "Why a workload
+waits") and its meaning. The first that applies, in this order, is its ``reason``."""
+
+
+def _fits(gpus: int, nodes: Iterable[ClusterNode], free: bool) -> bool:
+    """``gpus`` fit on ``nodes`` as the scheduler places them: on one node, or a gang of
+    whole nodes of one size; ``free``: in the GPUs free now, else on empty nodes."""
+    whole: dict[int, int] = {}
+    for n in nodes:
+        if gpus <= n.gpus and (not free or n.free >= gpus):
+            return True
+        if gpus > n.gpus and gpus % n.gpus == 0 and (not free or n.free == n.gpus):
+            whole[n.gpus] = whole.get(n.gpus, 0) + 1
+    return any(count * size >= gpus for size, count in whole.items())
+
+
+class WaitContext:
+    """What :func:`wait_reason` needs once per state: the queue order and the
+    reservation the next cycle would make (one cycle's cost)."""
+
+    def __init__(self, state: State) -> None:
+        self.order = queue_order(state, FairShareView(state))
+        self.rank = {w.id: i for i, w in enumerate(self.order)}
+        self.reservation = decide(state, report_reservation=True).reservation
+        self.held: dict[str, str] = {}
+        """Node -> the workload its stopping runs were preempted for (held for it)."""
+        for r in state.running.values():
+            if r.stopping is not None and r.stopping.for_workload:
+                for slot in r.placement:
+                    self.held[slot.node] = r.stopping.for_workload
+        self.notice_for = set(self.held.values())
+
+
+def wait_reason(state: State, w: Workload, ctx: WaitContext) -> str:
+    """Why pending ``w`` waits: the first code of :data:`WAIT_REASONS` that applies."""
+    fits = [n for n in state.nodes.values() if n.schedulable and takes(w.gpu_type, n.gpu_type)]
+    if not fits:
+        return "no_nodes_of_type"
+    if not _fits(w.gpus, fits, free=False):
+        return "gang_too_large"
+    if w.id in ctx.notice_for:
+        return "waiting_for_notice"
+    reservation = ctx.reservation
+    if reservation is not None and reservation.workload == w.id and w.allocated:
+        return "holds_reservation"
+    kept = {n for n, for_w in ctx.held.items() if for_w != w.id}
+    if (
+        reservation is not None
+        and reservation.workload != w.id
+        and not may_use_reserved(state.now_ms, w.min_runtime_ms, reservation.start_ms)
+    ):
+        kept.update(reservation.nodes)
+    usable = [n for n in fits if n.node not in kept]
+    if _fits(w.gpus, usable, free=True):
+        return "fits_soon"
+    if _fits(w.gpus, fits, free=True):
+        return "reserved_for_other"
+    if not w.allocated:
+        return "unallocated_waits"
+    rank = ctx.rank.get(w.id, 0)
+    if any(a.allocated and overlap(a.gpu_type, w.gpu_type) for a in ctx.order[:rank]):
+        return "outranked"
+    if protections_bound(state, w, fits) is not None:
+        return "waiting_for_protection"
+    return "waiting_for_share"
+
+
 def _estimate_fields(est: Estimates, wid: str, now_ms: int) -> dict[str, Any]:
     start = est.starts.get(wid)
     if start is None:
@@ -208,26 +358,40 @@ def queue_view(
     *,
     now_ms: int | None = None,
     estimates: Estimates | None = None,
+    only: QueueFilter | None = None,
+    wait_context: WaitContext | None = None,
 ) -> dict[str, Any]:
     """Pending workloads in the order the next cycle considers them
     (:func:`~apportion.core.ordering.queue_order`) with the ratios that rank them
     and the estimated start; running ones after.
 
     ``now_ms`` (default: the state's time) is what waits are measured to: the
-    gateway passes its wall clock. ``estimates`` default to :func:`estimates_for`."""
+    gateway passes its wall clock. ``estimates`` default to :func:`estimates_for`.
+    ``only``: the workloads shown (``position`` stays the place in the whole queue;
+    ``totals`` counts every pending and running workload). Each pending row has a
+    ``reason`` code (:data:`WAIT_REASONS`) and its ``reason_text``; ``wait_context``
+    (made here when not given: one cycle's cost) is what they come from."""
     now = max(state.now_ms, now_ms if now_ms is not None else state.now_ms)
     est = estimates if estimates is not None else estimates_for(state, history)
     view = FairShareView(state)
+    only = only if only is not None else QueueFilter()
+    ctx = wait_context if wait_context is not None else WaitContext(state)
     pending = []
-    for i, w in enumerate(queue_order(state, view), start=1):
+    for i, w in enumerate(ctx.order, start=1):
+        if not only.matches(w):
+            continue
         row = workload_json(w)
         row["position"] = i
+        row["reason"] = code = wait_reason(state, w, ctx)
+        row["reason_text"] = WAIT_REASONS[code]
         row["wait_ms"] = max(0, now - w.queued_ms)
         row["ratios"] = _ratio_rows(state, view, w.owner) if w.allocated else []
         row.update(_estimate_fields(est, w.id, now))
         pending.append(row)
     running = []
     for w in sorted(state.running.values(), key=lambda w: (w.started_ms, w.id)):
+        if not only.matches(w):
+            continue
         row = workload_json(w)
         row["started_ms"] = w.started_ms
         row["protected_until_ms"] = w.protected_until_ms
@@ -242,7 +406,67 @@ def queue_view(
         "estimate_assumption": ASSUMPTION,
         "pending": pending,
         "running": running,
+        "filter": only.as_json(),
+        "totals": {"pending": len(state.pending), "running": len(state.running)},
     }
+
+
+NODE_STATES = ("healthy", "draining", "down")
+"""The values of ``apportion nodes --state`` and ``GET /v1/nodes?state=``."""
+
+
+def parse_node_query(query: Any) -> str | None:
+    """The ``state`` filter of ``GET /v1/nodes`` (``None``: every node);
+    :class:`QueryError` for an unknown parameter or state."""
+    unknown = sorted(set(query) - {"state"})
+    if unknown:
+        raise QueryError(f"unknown parameter {unknown[0][:64]!r} (known: state)")
+    text = query.get("state")
+    if text is None or text == "":
+        return None
+    if text not in NODE_STATES:
+        raise QueryError(f"state: {text[:64]!r} is not one of {', '.join(NODE_STATES)}")
+    return str(text)
+
+
+def nodes_view(
+    state: State,
+    history: History | None = None,
+    *,
+    only: str | None = None,
+    now_ms: int | None = None,
+) -> dict[str, Any]:
+    """Every host (like ``sinfo``), by name: its GPU type, GPUs, free GPUs, health,
+    whether a draining one is drained (empty), the workloads running on it, when
+    the last protection of its runs ends, and its last health change (who, when,
+    why) when ``history`` saw it. ``only``: hosts in this health state."""
+    now = max(state.now_ms, now_ms if now_ms is not None else state.now_ms)
+    changes = history.node_changes if history is not None else {}
+    rows = []
+    for name in sorted(state.nodes):
+        n = state.nodes[name]
+        if only is not None and n.health != only:
+            continue
+        runs = sorted(n.workloads)
+        protected = [
+            state.running[w].protected_until_ms
+            for w in runs
+            if w in state.running and is_protected(state.running[w], state.now_ms)
+        ]
+        rows.append(
+            {
+                "node": name,
+                "gpu_type": n.gpu_type,
+                "gpus": n.gpus,
+                "free": n.free,
+                "state": n.health,
+                "drained": n.health == "draining" and n.drained,
+                "workloads": runs,
+                "protected_until_ms": max(protected) if protected else None,
+                "last_change": changes.get(name),
+            }
+        )
+    return {"at_ms": state.now_ms, "now_ms": now, "state": only, "nodes": rows}
 
 
 def _capacity_gpus(state: State) -> int:
@@ -455,7 +679,10 @@ def explain(
             f"{len(competing)} workloads that could use the same nodes rank ahead of it, "
             f"needing {sum(a.gpus for a in competing)} GPUs"
         )
-    reservation = decide(state, report_reservation=True).reservation
+    ctx = WaitContext(state)
+    out["reason"] = code = wait_reason(state, w, ctx)
+    out["reason_text"] = WAIT_REASONS[code]
+    reservation = ctx.reservation
     if reservation is not None and w.allocated:
         nodes = ", ".join(reservation.nodes)
         if reservation.workload == workload:

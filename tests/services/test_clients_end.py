@@ -74,6 +74,8 @@ CLIENT_COMMANDS = {
     "explain": ["explain", "w1"],
     "budget show": ["budget", "show"],
     "status": ["status"],
+    "nodes": ["nodes"],
+    "node drain": ["node", "drain", "h1", "--reason", "fans"],
 }
 
 

@@ -49,7 +49,13 @@ AGENT = "agent-h100-000"
 ROLES = ("scheduler", "gateway", "operator", AGENT, "projector", "auditor", "executor")
 INPUT_KINDS = {
     "scheduler": {"ClockTicked", "NodeHealthChanged"},
-    "gateway": {"WorkloadSubmitted", "WorkloadCancelled", "BudgetSet", "BudgetRemoved"},
+    "gateway": {
+        "WorkloadSubmitted",
+        "WorkloadCancelled",
+        "BudgetSet",
+        "BudgetRemoved",
+        "NodeHealthChanged",
+    },
     "operator": {
         "WorkloadSubmitted",
         "WorkloadCancelled",

@@ -393,7 +393,11 @@ def answer(
 
 
 def parse_query(query: Any) -> tuple[int | None, str | None, int]:
-    """``attempt``, ``node`` and ``from`` of a logs query (:class:`LogQueryError`)."""
+    """``attempt``, ``node`` and ``from`` of a logs query (:class:`LogQueryError`;
+    any other parameter too)."""
+    other = sorted(set(query) - {"attempt", "node", "from"})
+    if other:
+        raise LogQueryError(f"unknown parameter {other[0][:40]!r} (attempt, node, from)")
     attempt: int | None = None
     text = query.get("attempt")
     if text is not None:

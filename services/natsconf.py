@@ -15,7 +15,9 @@ streams with any credential. So:
   needs: the direct-get and stream-info services of the two streams, the
   inputs subjects it may publish (a service: JetStream's acknowledgement comes
   back as its reply), the streams' subjects as a read-only stream (wake-ups),
-  and for agents their own heartbeat subject and everyone's heartbeats. A
+  and for agents their own heartbeat subject, everyone's heartbeats and
+  their own host's log subjects (``LOGS_<c>``, :mod:`.attempt_logs`; read
+  by the gateway and the operator only). A
   reply the server sends for a request from such an account is delivered
   *inside that account*, where the only subjects that lead anywhere are the
   ones its credential may publish itself: no credential can make the server

@@ -363,3 +363,44 @@ async def test_an_agent_may_ship_only_its_own_hosts_logs(secure_server: int) -> 
     finally:
         for nc in conns.values():
             await nc.close()
+
+
+async def test_the_emulators_runs_have_no_log_and_apportion_logs_says_so(
+    jlog: JetStreamLog, tmp_path: Path, creds: Any
+) -> None:
+    """Under the executor emulator (no agent: nothing runs, nothing is shipped),
+    ``apportion logs`` ends with one line saying why, status 2; with a token, as explain."""
+    from apportion.services.executor import Executor
+    from services_helpers import eventually, small_cluster, submit
+
+    await jlog.publish_inputs(small_cluster())
+    gateway = Gateway(jlog, auth=creds.authenticator)
+    stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(supervise_scheduler(Scheduler(jlog), stop)),
+        asyncio.create_task(Executor(jlog).run(stop)),
+        asyncio.create_task(gateway.serve(stop, port=0)),
+    ]
+    try:
+        await jlog.publish_input(submit("w1", gpus=4, duration_ms=200))
+        await eventually(lambda: gateway.state.status_of("w1") == "succeeded", what="w1 ran")
+        url = gateway.url
+        assert url is not None
+        token = str(creds.token_files["alice"])  # any principal may read it, as explain
+        body = await apportion(
+            "logs", "w1", "--json", "--url", url, "--token-file", token, cwd=tmp_path
+        )
+        answer = json.loads(body.stdout)
+        assert not answer["shipped"] and answer["complete"] and answer["text"] == ""
+        out = await apportion("logs", "w1", "--url", url, "--token-file", token, cwd=tmp_path)
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr.strip().splitlines() == [
+            f"apportion: w1: no agent reported starting attempt 1 on {answer['node']}: nothing "
+            "was shipped (the executor emulator, and an executor without host agents, write "
+            "no logs)"
+        ]
+        anonymous = await apportion("logs", "w1", "--url", url, cwd=tmp_path)
+        assert anonymous.returncode == 2 and "not authenticated" in anonymous.stderr
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)

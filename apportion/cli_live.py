@@ -920,6 +920,126 @@ def jobs(
     _print_jobs(data)
 
 
+FOLLOW_POLL_S = 1.0
+"""How long ``logs --follow`` waits between two reads."""
+FOLLOW_END_S = 15.0
+"""How long ``logs --follow`` waits, once the attempt has ended, for its agent to
+ship the end of its log before it stops anyway (a dead agent ships nothing)."""
+
+
+def _last_lines(text: str, lines: int) -> str:
+    if lines <= 0:
+        return ""
+    parts = text.splitlines(keepends=True)
+    return "".join(parts[-lines:])
+
+
+@main.command()
+@click.argument("workload")
+@click.option("--attempt", type=click.IntRange(min=1), default=None, help="default: the last")
+@click.option(
+    "--node", default=None, help="the host of a gang's rank (default: the first that started it)"
+)
+@click.option("--follow", "-f", is_flag=True, help="keep printing new output until the run ends")
+@click.option(
+    "--tail",
+    "tail_lines",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="LINES",
+    help="print only the last LINES lines of what is there now",
+)
+@click.option("--json", "as_json", is_flag=True, help="the API's answer (not with --follow)")
+@click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
+def logs(
+    workload: str,
+    attempt: int | None,
+    node: str | None,
+    follow: bool,
+    tail_lines: int | None,
+    as_json: bool,
+    url: str | None,
+    timeout: float | None,
+    token_file: Path | None,
+) -> None:
+    """An attempt's output (stdout and stderr), as its host's agent shipped it to the
+    bus: the last MiB of each attempt, for 7 days (docs/agent.md, "Logs on the
+    bus"). The emulator's runs have none. --follow prints new output as it comes
+    and stops once the attempt has ended and all of it was read."""
+    import time
+
+    from apportion.services.client import GatewayError
+
+    if as_json and follow:
+        raise UserError("--json shows one answer: give it without --follow")
+    client = _client(url, timeout, token_file)
+
+    def read(offset: int) -> dict[str, Any]:
+        return _call(client.logs, workload, attempt, node, offset)
+
+    try:
+        while True:
+            try:
+                data = client.logs(workload, attempt, node, 0)
+                break
+            except GatewayError as exc:
+                if not follow or exc.status != 400:
+                    raise UserError(exc.reason) from None
+                # a workload not placed yet: wait for its first attempt
+                state = _call(client.workload, workload).get("status")
+                if state != "pending":
+                    raise UserError(exc.reason) from None
+                time.sleep(FOLLOW_POLL_S)
+        if as_json:
+            _echo_json(data)
+            return
+        if not data["shipped"] and data["complete"]:
+            raise UserError(f"{workload}: {data['note']}")
+        if data["note"] and data["shipped"]:
+            click.echo(f"apportion: note: {data['note']}", err=True)
+        text = data["text"]
+        if tail_lines is not None:
+            text = _last_lines(text, tail_lines)
+        click.echo(text, nl=False)
+        sys.stdout.flush()
+        if not follow:
+            return
+        attempt, node = data["attempt"], data["node"]  # follow this one
+        quiet_since: float | None = None
+        while not data["complete"]:
+            time.sleep(FOLLOW_POLL_S)
+            before = data["next"]
+            data = read(before)
+            if data["dropped"]:
+                click.echo(
+                    f"\napportion: note: {data['dropped']:,} bytes dropped while following "
+                    "(over the bound)",
+                    err=True,
+                )
+            click.echo(data["text"], nl=False)
+            sys.stdout.flush()
+            if data["attempt_ended"] and not data["complete"]:
+                if data["next"] != before or quiet_since is None:
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since > FOLLOW_END_S:
+                    click.echo(
+                        f"apportion: attempt {attempt} ended, but its agent shipped no end of "
+                        f"its log within {FOLLOW_END_S:g} s; stopped following",
+                        err=True,
+                    )
+                    break
+        if data["status"] in ("pending", "running") and data["attempts"][-1] != attempt:
+            click.echo(
+                f"apportion: note: {workload} runs again as attempt {data['attempts'][-1]}: "
+                f"apportion logs {workload} --attempt {data['attempts'][-1]} --follow",
+                err=True,
+            )
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
 def _print_nodes(data: dict[str, Any]) -> None:
     from apportion.services.views import iso, relative
 

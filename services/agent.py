@@ -70,7 +70,7 @@ from apportion.schemas.events import (
     WorkloadStarted,
 )
 
-from . import agent_runs, logs
+from . import agent_runs, attempt_logs, logs
 from .agent_fence import Lease
 from .agent_health import HostHealth, discover_gpus, error_text, gpu_type_of
 from .agent_process import SLEEPER, ProcessRuntime, container_runtime, master_port
@@ -244,6 +244,7 @@ class Agent:
         for run in list(self.runs.values()):
             if not run.started_reported and not run.lost:
                 await self._report_start(run)
+            await self._ship_log(run)
             if run.exited and not run.end_reported:
                 await self._report_end(run)
             if run.end_reported:
@@ -346,10 +347,32 @@ class Agent:
                 lost=run.lost,
             )
 
+    async def _ship_log(self, run: Attempt) -> None:
+        """Ship the run's new output to the log stream (every
+        :data:`~apportion.services.attempt_logs.FLUSH_S` at most; all of it, marked
+        final, once the run has ended): :mod:`~apportion.services.attempt_logs`."""
+        shipper = run.meta.get("log")
+        if shipper is None:
+            cluster = self.log.subjects.cluster
+            wid, n = run.workload, run.attempt
+            shipper = run.meta["log"] = attempt_logs.Shipper(
+                path=run.dir / agent_runs.OUTPUT,
+                subject=lambda k: attempt_logs.slot_subject(cluster, self.node, wid, n, k),
+            )
+        await attempt_logs.ship_due(
+            shipper,
+            self.log.publish_log,
+            run.exited,
+            self.logger,
+            {"workload": run.workload, "attempt": run.attempt},
+        )
+
     async def _stop_all(self) -> None:
         """Stop every run (``stop_on_exit``), then report what ended."""
         live = await self.processes.stop_all(lambda w: self.ledger.grace_ms(self.state, w))
         for run in live:
+            if run.exited:
+                await self._ship_log(run)
             if run.exited and not run.end_reported:
                 await self._report_end(run)
 

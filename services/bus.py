@@ -10,6 +10,7 @@ Subjects and streams for cluster ``C`` (a name of letters, digits, ``_``, ``-``)
 | scheduler snapshots | object ``scheduler`` | object store ``apportion_C_snapshots`` |
 | scheduler lease | key ``scheduler`` | KV bucket ``apportion_C_leases`` |
 | host agents' heartbeats | ``apportion.C.heartbeat.<node>`` | none (plain NATS) |
+| each attempt's output (the last MiB) | ``apportion.C.logs.<node>.<workload>.<attempt>.<slot>`` | ``LOGS_C`` (:mod:`~apportion.services.attempt_logs`) |
 
 Both streams use file storage, ``num_replicas`` 1 or 3, and are created
 idempotently. Inputs are published with ``Nats-Msg-Id = event.id`` (stored once
@@ -52,7 +53,7 @@ from apportion.schemas.codec import EventDecodeError, decode_batch, decode_input
 from apportion.schemas.events import DecisionBatch, Input, InputsLost, kind_of, kind_of_type
 from apportion.schemas.history import BatchItem, InputItem, malformed_item
 
-from . import logs
+from . import attempt_logs, logs
 from .direct import DirectTail, StoredMessage, get_batch, last_sequence
 
 T = TypeVar("T")
@@ -130,6 +131,8 @@ class Subjects:
         self.lease_bucket = f"apportion_{cluster}_leases"
         self.heartbeats = f"apportion.{cluster}.heartbeat.>"
         """Every host agent's heartbeat (plain NATS, not a stream)."""
+        self.logs_stream = attempt_logs.stream_name(cluster)
+        """Each attempt's output, shipped by the agents (:mod:`~apportion.services.attempt_logs`)."""
 
     def input_subject(self, kind: str, host: str | None = None) -> str:
         """``apportion.C.inputs.<kind>``, or the agent of ``host``'s own
@@ -246,6 +249,14 @@ class EventLog(Protocol):
 
     def tail_batches(self, from_seq: int) -> Tail[BatchItem]: ...
 
+    async def publish_log(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """Store one region of an attempt's log (:mod:`~apportion.services.attempt_logs`)."""
+        ...
+
+    async def read_log(self, host: str, workload: str, attempt: int) -> attempt_logs.LogView:
+        """What the log stream holds of ``attempt`` of ``workload`` on ``host``."""
+        ...
+
 
 class SnapshotStore(Protocol):
     async def save(self, name: str, data: bytes) -> None: ...
@@ -321,9 +332,27 @@ class MemoryLog:
         self._input_waiters: list[asyncio.Event] = []
         self._batch_waiters: list[asyncio.Event] = []
         self._last_ms = 0
+        self.log_regions: dict[str, tuple[bytes, dict[str, str]]] = {}
+        """Each log slot subject's last message (as ``LOGS_<c>`` keeps one per subject)."""
 
     async def setup(self) -> None:
         return None
+
+    async def publish_log(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        self.log_regions[subject] = (bytes(data), dict(headers))
+
+    async def read_log(self, host: str, workload: str, attempt: int) -> attempt_logs.LogView:
+        c = self.subjects.cluster
+        slots = {
+            attempt_logs.slot_subject(c, host, workload, attempt, k)
+            for k in range(attempt_logs.SLOTS)
+        }
+        regions = [
+            (int(h[attempt_logs.HDR_OFFSET]), d, h.get(attempt_logs.HDR_FINAL) == "1")
+            for subject, (d, h) in self.log_regions.items()
+            if subject in slots
+        ]
+        return attempt_logs.assemble(regions)
 
     def _now(self) -> int:
         self._last_ms = max(self._last_ms, self.clock())
@@ -518,6 +547,36 @@ class JetStreamLog:
                     await asyncio.sleep(0.5)
         max_msg_size = getattr(getattr(infos[-1], "config", None), "max_msg_size", None)
         self.max_batch_bytes = batch_byte_limit(self._max_payload(), max_msg_size)
+        await self._setup_logs()
+
+    async def _setup_logs(self, attempts: int = 3) -> bool:
+        """Create (or update) ``LOGS_<c>``, each attempt's output (services/attempt_logs.py).
+        Not fatal: a server whose accounts predate it (its NATS configuration not
+        generated again) refuses; then the agents ship nothing and ``apportion logs``
+        says so, and everything else works."""
+        config = attempt_logs.stream_config(self.subjects.cluster, self.replicas)
+        for attempt in range(attempts):
+            try:
+                try:
+                    await self.js.stream_info(config.name)
+                except Exception as exc:
+                    from nats.js.errors import NotFoundError
+
+                    if not isinstance(exc, NotFoundError):
+                        raise
+                    await self.js.add_stream(config)
+                return True
+            except Exception as exc:
+                if attempt == attempts - 1:
+                    logs.get("bus", cluster=self.subjects.cluster).warning(
+                        "cannot create the log stream: attempts' logs will not be on the bus "
+                        "(generate the NATS configuration again: apportion nats-config)",
+                        stream=config.name,
+                        error=f"{type(exc).__name__}: {exc}".rstrip(": ").splitlines()[0],
+                    )
+                    return False
+                await asyncio.sleep(0.5)
+        return False
 
     # -- publishing ---------------------------------------------------
     async def publish_input(self, event: Input) -> PublishResult:
@@ -637,6 +696,12 @@ class JetStreamLog:
     def tail_batches(self, from_seq: int) -> DirectTail[BatchItem]:
         s = self.subjects
         return DirectTail(self.nc, s.decisions_stream, s.decisions, from_seq, _convert_batch)
+
+    async def publish_log(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        await self.js.publish(subject, data, headers=headers, timeout=5.0)
+
+    async def read_log(self, host: str, workload: str, attempt: int) -> attempt_logs.LogView:
+        return await attempt_logs.read_log(self.nc, self.subjects.cluster, host, workload, attempt)
 
     @property
     def nc(self) -> Any:

@@ -227,6 +227,19 @@ class GatewayClient:
                 return {"node": node, "state": state, "seq": None, "duplicate": True}
             raise
 
+    def logs(
+        self,
+        workload: str,
+        attempt: int | None = None,
+        node: str | None = None,
+        offset: int = 0,
+    ) -> dict[str, Any]:
+        """``GET /v1/logs/{id}``: an attempt's output from byte ``offset`` on."""
+        params = {"attempt": attempt, "node": node, "from": offset or None}
+        query = {k: str(v) for k, v in params.items() if v is not None}
+        suffix = "?" + urllib.parse.urlencode(query) if query else ""
+        return self._call("GET", f"/v1/logs/{urllib.parse.quote(workload, safe='')}" + suffix)
+
     def budget(self) -> dict[str, Any]:
         return self._call("GET", "/v1/budget")
 

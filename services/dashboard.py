@@ -7,7 +7,7 @@ Pages (see docs/dashboard.md):
 | ``/ui/`` | the cluster now: nodes by health, GPUs in use, a GPU timeline of the last hours (preemptible work hatched, preemptions marked) |
 | ``/ui/queue`` | pending work in queue order with the sort-key ratios per level (and the estimated start where the API gives one), running work, a submit form |
 | ``/ui/usage`` | each budget node's usage against its allocation over the lookback window; per team, owed vs delivered hour by hour (:mod:`~apportion.services.usage_history`) |
-| ``/ui/workload/{id}`` | why a workload is pending, preempted or placed where it is (the explain view), its attempts and their logs' locations |
+| ``/ui/workload/{id}`` | why a workload is pending, preempted or placed where it is (the explain view), its attempts and their logs' locations, and the output of its last attempt (``?attempt=N``: another's) as the agents shipped it (the last :data:`LOG_LINES` lines) |
 | ``/ui/jobs`` | ended (or any) workloads, newest first, searched by id, submitter, team, state, end time (``GET /v1/jobs``'s query) |
 | ``/ui/budget`` | the budget tree, with forms to edit it (the fold decides who may) |
 | ``/ui/live`` | JSON ``{"html": ...}``: the live part of a page, polled by the page's script |
@@ -74,6 +74,8 @@ COOKIE = "apportion_token"
 COOKIE_MAX_AGE_S = 12 * 3600
 TIMELINE_HOURS = 6
 """How far back the cluster page's GPU timeline reaches by default (``?hours=`` changes it)."""
+LOG_LINES = 200
+"""The workload page shows the last this many lines of an attempt's output."""
 STATIC = "dashboard_static"
 
 
@@ -313,18 +315,42 @@ class Dashboard:
             raise web.HTTPSeeOther("/ui/queue")
         raise web.HTTPSeeOther("/ui/workload/" + urllib.parse.quote(wid, safe=""))
 
+    async def _log(self, wid: str, attempt: str | None) -> dict[str, Any] | None:
+        """The output of ``wid``'s attempt (the last if ``attempt`` is ``None``) as the
+        API answers it (the gateway's own read: explain's authority), cut to its last
+        :data:`LOG_LINES` lines; ``{"error": ...}`` for one it cannot give; ``None``
+        for a workload not known or never placed."""
+        from .gateway import _HttpError
+
+        job = self.gw.history.job(wid)
+        if job is None or not job["attempts"]:
+            return None
+        number = int(attempt) if attempt and attempt.isdigit() and len(attempt) < 10 else None
+        try:
+            body = await self.gw.read_log(wid, number, None, 0)
+        except _HttpError as exc:
+            return {"error": exc.reason}
+        lines = body["text"].splitlines(keepends=True)
+        body["cut"] = len(lines) > LOG_LINES
+        body["lines"] = LOG_LINES
+        body["text"] = "".join(lines[-LOG_LINES:])
+        return body
+
     async def workload(self, request: web.Request) -> web.Response:
         who = self._require(request)
         wid = request.match_info["id"]
+        attempt = request.query.get("attempt")
+        live = {"id": wid, **({"attempt": attempt} if attempt else {})}
         return self._page(
             request,
             "workload.html",
             f"Workload {wid}",
             principal=who,
-            live="workload?" + urllib.parse.urlencode({"id": wid}),
+            live="workload?" + urllib.parse.urlencode(live),
             wid=wid,
             found=workload_data(self.gw, wid, await self.estimates()),
             cancellable=wid in self.gw.state.workloads,
+            log=await self._log(wid, attempt),
         )
 
     async def jobs(self, request: web.Request) -> web.Response:
@@ -373,7 +399,8 @@ class Dashboard:
         elif which == "workload":
             wid = request.query.get("id", "")
             found = workload_data(self.gw, wid, await self.estimates())
-            text = render("workload_live.html", wid=wid, found=found)
+            log = await self._log(wid, request.query.get("attempt"))
+            text = render("workload_live.html", wid=wid, found=found, log=log)
         else:
             return web.json_response({"error": f"no live page {which!r}"}, status=404)
         return web.json_response(

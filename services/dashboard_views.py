@@ -617,7 +617,9 @@ def usage_html(gw: Gateway, hours: int | None = None, team: str | None = None) -
 
 def workload_html(gw: Gateway, workload: str, estimates: Any = None) -> str | None:
     data = workload_data(gw, workload, estimates)
-    return None if data is None else render("workload_live.html", wid=workload, found=data)
+    return (
+        None if data is None else render("workload_live.html", wid=workload, found=data, log=None)
+    )
 
 
 def jobs_html(gw: Gateway, query: Any) -> str:

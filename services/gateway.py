@@ -16,6 +16,7 @@ rejected by the scheduler (an ``InputRejected`` decision) when two requests race
 | GET | ``/v1/queue`` | pending in order with position, sort-key ratios and a ``reason`` code; running (``?user=``, ``?team=``, ``?state=pending|running``) |
 | GET | ``/v1/share`` | budget tree with usage against allocation (``sshare``) |
 | GET | ``/v1/explain/{id}`` | why pending / preempted / ended; an ended one's attempts, exit code, who cancelled, logs |
+| GET | ``/v1/logs/{id}`` | an attempt's output as the agents shipped it (``?attempt=``, ``?node=``, ``?from=`` a byte offset; :mod:`~apportion.services.attempt_logs`) |
 | GET | ``/v1/jobs`` | ended (or any) workloads, newest first (``?state=``, ``?user=``, ``?team=``, ``?id=``, ``?since=``, ``?limit=``; :mod:`~apportion.services.job_history`) |
 | GET | ``/v1/nodes`` | every host: type, GPUs, free, health, drained, running work, last health change (``?state=``) |
 | POST | ``/v1/nodes/{node}/health`` | ``{"state": "healthy"|"draining"|"down", "reason"}`` -> 202 ``{"node","state","seq","duplicate"}`` (operators and the root's owner) |
@@ -88,7 +89,7 @@ from apportion.schemas.events import ANY_GPU_TYPE, HealthState
 from apportion.schemas.reasons import Refusal
 from msgspec import Meta
 
-from . import logs
+from . import attempt_logs, logs
 from .auth import Authenticator, AuthError
 from .bus import EventLog
 from .canonical import Follower
@@ -374,6 +375,7 @@ class Gateway:
         r.add_get("/v1/jobs", self.jobs)
         r.add_get("/v1/nodes", self.nodes)
         r.add_post("/v1/nodes/{node}/health", self.node_health)
+        r.add_get("/v1/logs/{id}", self.get_log)
         r.add_get("/v1/budget", self.get_budget)
         r.add_post("/v1/budget", self.post_budget)
         r.add_get("/v1/status", self.status)
@@ -757,6 +759,41 @@ class Gateway:
             return _error(R.BAD_QUERY, str(exc))
         return web.json_response(list_jobs(self.history.jobs, query, now))
 
+    async def read_log(
+        self, workload: str, attempt: int | None, node: str | None, offset: int
+    ) -> dict[str, Any]:
+        """The answer of ``GET /v1/logs/{id}`` (:func:`.attempt_logs.answer`):
+        :class:`_HttpError` 404 for an unknown workload, 400 ``bad_query`` for an
+        attempt or host it does not have, 503 when NATS does not answer."""
+        job = self.history.job(workload)
+        if job is None:
+            raise _HttpError(R.UNKNOWN_WORKLOAD, f"unknown workload {workload!r}")
+        try:
+            a, host = attempt_logs.pick(job, attempt, node)
+        except attempt_logs.LogQueryError as exc:
+            raise _HttpError(R.BAD_QUERY, str(exc)) from None
+        try:
+            view = await asyncio.wait_for(self.log.read_log(host, workload, a["attempt"]), 10.0)
+        except Exception as exc:  # NATS away, the stream missing, a permission refused
+            self.logger.warning("could not read a log", workload=workload, error=str(exc))
+            raise _HttpError(
+                R.CATCHING_UP,
+                f"could not read the log from NATS ({type(exc).__name__}); try again",
+                {"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        return attempt_logs.answer(job, a, host, offset, view)
+
+    async def get_log(self, request: web.Request) -> web.Response:
+        """``GET /v1/logs/{id}``: an attempt's output (docs/formats.md, "Logs"); read
+        with explain's authority: any authenticated principal (docs/security.md)."""
+        try:
+            attempt, node, offset = attempt_logs.parse_query(request.query)
+        except attempt_logs.LogQueryError as exc:
+            return _error(R.BAD_QUERY, str(exc))
+        return web.json_response(
+            await self.read_log(request.match_info["id"], attempt, node, offset)
+        )
+
     async def get_budget(self, request: web.Request) -> web.Response:
         return web.json_response(budget_tree(self.state))
 
@@ -1096,6 +1133,33 @@ def openapi_document() -> dict[str, Any]:
                         "409": err,
                         **publishing,
                     },
+                }
+            },
+            "/v1/logs/{id}": {
+                "get": {
+                    "summary": "An attempt's output as its host's agent shipped it (the last MiB)",
+                    "parameters": [
+                        *wid,
+                        {
+                            "name": "attempt",
+                            "in": "query",
+                            "description": "the attempt (default: the last)",
+                            "schema": {"type": "integer", "minimum": 1},
+                        },
+                        {
+                            "name": "node",
+                            "in": "query",
+                            "description": "the host (default: the first that started it)",
+                            "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
+                        },
+                        {
+                            "name": "from",
+                            "in": "query",
+                            "description": "the byte offset to read from (a reply's next)",
+                            "schema": {"type": "integer", "minimum": 0, "default": 0},
+                        },
+                    ],
+                    "responses": {"200": ok, "400": err, "404": err},
                 }
             },
             "/v1/budget": {

@@ -15,7 +15,9 @@ streams with any credential. So:
   needs: the direct-get and stream-info services of the two streams, the
   inputs subjects it may publish (a service: JetStream's acknowledgement comes
   back as its reply), the streams' subjects as a read-only stream (wake-ups),
-  and for agents their own heartbeat subject and everyone's heartbeats. A
+  and for agents their own heartbeat subject, everyone's heartbeats and
+  their own host's log subjects (``LOGS_<c>``, :mod:`.attempt_logs`; read
+  by the gateway and the operator only). A
   reply the server sends for a request from such an account is delivered
   *inside that account*, where the only subjects that lead anywhere are the
   ones its credential may publish itself: no credential can make the server
@@ -39,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from apportion.core.rules.subjects import AGENT_KINDS
+
+from .attempt_logs import host_subjects, logs_prefix, stream_name
 
 ROLE_KINDS: dict[str, tuple[str, ...]] = {
     "scheduler": ("ClockTicked", "NodeHealthChanged"),
@@ -131,6 +135,13 @@ def accounts_conf(
     last sequence (the JetStream API, stream info included, answers only inside
     APPORTION)."""
     wakes = [f"{inputs}.>", decisions]
+    logs_stream = stream_name(c)
+    log_reads = [f"$JS.API.DIRECT.GET.{logs_stream}"]
+    """Who reads the attempts' logs (services/attempt_logs.py): the gateway, which
+    shows them with explain's authority, and the operator; not the agents (one
+    host's agent has no business reading another's output), the projector or
+    the auditor."""
+    log_readers = ["gateway", "operator"]
     leases, snaps = f"apportion_{c}_leases", f"apportion_{c}_snapshots"
 
     # what each non-scheduler user may publish into APPORTION (service imports)
@@ -146,7 +157,11 @@ def accounts_conf(
     hears: dict[str, list[str]] = {}
     for h in hosts:
         user = agent_user(h)
-        publishes[user] = [f"{inputs}.{k}.{h}" for k in AGENT_KINDS] + [f"{heartbeat}.{h}"]
+        publishes[user] = [
+            *(f"{inputs}.{k}.{h}" for k in AGENT_KINDS),
+            f"{heartbeat}.{h}",
+            host_subjects(c, h),  # its own host's attempt logs only
+        ]
         hears[user] = [f"{heartbeat}.>"]
     writers = [_account_of(u) for u, subjects in publishes.items() if subjects]
     agents = [_account_of(agent_user(h)) for h in hosts]
@@ -169,6 +184,10 @@ def accounts_conf(
         *reads,
         *(f"$JS.API.STREAM.CREATE.{s}" for s in streams),
         *(f"$JS.API.STREAM.UPDATE.{s}" for s in streams),
+        f"$JS.API.STREAM.INFO.{logs_stream}",
+        f"$JS.API.STREAM.CREATE.{logs_stream}",
+        f"$JS.API.STREAM.UPDATE.{logs_stream}",
+        *log_reads,
         f"$JS.API.STREAM.INFO.KV_{leases}",
         f"$JS.API.STREAM.CREATE.KV_{leases}",
         f"$JS.API.DIRECT.GET.KV_{leases}.>",
@@ -192,9 +211,9 @@ def accounts_conf(
     sched_deny = [
         "$JS.API.STREAM.DELETE.>",
         "$JS.API.STREAM.MSG.DELETE.>",
-        *(f"$JS.API.STREAM.PURGE.{s}" for s in streams),
-        *(f"$JS.API.CONSUMER.CREATE.{s}" for s in streams),
-        *(f"$JS.API.CONSUMER.CREATE.{s}.>" for s in streams),
+        *(f"$JS.API.STREAM.PURGE.{s}" for s in [*streams, logs_stream]),
+        *(f"$JS.API.CONSUMER.CREATE.{s}" for s in [*streams, logs_stream]),
+        *(f"$JS.API.CONSUMER.CREATE.{s}.>" for s in [*streams, logs_stream]),
         "$JS.API.CONSUMER.DURABLE.CREATE.>",
     ]
     sched_sub = [
@@ -232,19 +251,28 @@ def accounts_conf(
         f"      {{ stream: {_q(inputs + '.>')} }}",
         f"      {{ stream: {_q(decisions)} }}",
     ]
+    readers = ", ".join(_q(_account_of(u)) for u in log_readers if u in publishes)
+    out += [
+        *(
+            f"      {{ service: {_q(s)}, response_type: stream, accounts: [{readers}] }}"
+            for s in log_reads
+        ),
+    ]
     if agents:
         names = ", ".join(_q(a) for a in agents)
         out += [
             f"      {{ service: {_q(heartbeat + '.>')}, accounts: [{names}] }}",
             f"      {{ stream: {_q(heartbeat + '.>')}, accounts: [{names}] }}",
+            f"      {{ service: {_q(logs_prefix(c) + '.>')}, accounts: [{names}] }}",
         ]
     out += ["    ]", "  }"]
     # -- one account per other credential ---------------------------------------
     for user, pubs in publishes.items():
         account = _account_of(user)
         subs = [f"{inbox_prefix(user)}.>", *wakes, *hears.get(user, [])]
+        user_reads = [*reads, *(log_reads if user in log_readers else [])]
         imports = [
-            *(f"{{ service: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}" for s in reads),
+            *(f"{{ service: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}" for s in user_reads),
             *(f"{{ service: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}" for s in pubs),
             *(
                 f"{{ stream: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}"
@@ -258,7 +286,7 @@ def accounts_conf(
             f"        user: {_q(user)}, password: {_q(passwords[user])}",
             "        permissions {",
             "          publish { allow: [",
-            _list([*reads, *pubs], "            ").rstrip("\n"),
+            _list([*user_reads, *pubs], "            ").rstrip("\n"),
             "          ] }",
             "          subscribe { allow: [",
             _list(subs, "            ").rstrip("\n"),

@@ -215,6 +215,17 @@ async def test_names_with_markup_are_escaped_on_every_page() -> None:
     async def no_estimates() -> None:
         return None
 
+    output = "out" + BAD  # a job's output is as hostile as anything else
+
+    async def read_log(wid: str, attempt: int | None, node: str | None, offset: int) -> Any:
+        return {
+            "attempt": 1,
+            "node": "n" + BAD,
+            "text": output + "\n",
+            "note": BAD,
+            "shipped": True,
+        }
+
     gw = SimpleNamespace(
         state=f.state,
         history=f.history,
@@ -222,6 +233,7 @@ async def test_names_with_markup_are_escaped_on_every_page() -> None:
         url=None,
         logger=SimpleNamespace(info=print, exception=print),
         estimates=no_estimates,
+        read_log=read_log,
     )
     d = Dashboard(gw)  # type: ignore[arg-type]
     pages = {
@@ -231,7 +243,7 @@ async def test_names_with_markup_are_escaped_on_every_page() -> None:
         "/ui/usage": (d.usage, {}, [path, owner]),
         "/ui/usage?team=llm": (d.usage, {}, [path, owner]),
         "/ui/budget": (d.budget, {}, [path, owner]),
-        "/ui/workload/w": (d.workload, {"id": running}, [running, path]),
+        "/ui/workload/w": (d.workload, {"id": running}, [running, path, output]),
         "/ui/workload/q": (d.workload, {"id": pending}, [pending, path]),
         "/ui/workload/x": (d.workload, {"id": "x" + BAD}, ["x" + BAD]),
         "/ui/jobs?state=all": (d.jobs, {}, [running, pending, path]),
@@ -245,7 +257,7 @@ async def test_names_with_markup_are_escaped_on_every_page() -> None:
         "usage&team=llm": [path, owner],
         "budget": [path, owner],
         "jobs&state=all": [running, pending, path],
-        "workload&id=" + urllib.parse.quote(running): [running, path],
+        "workload&id=" + urllib.parse.quote(running): [running, path, output],
         "workload&id=" + urllib.parse.quote("x" + BAD): ["x" + BAD],
     }
     for which, names in live.items():

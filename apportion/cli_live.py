@@ -46,6 +46,13 @@ AS_DEPRECATED = (
     "--as is deprecated: a gateway that authenticates takes who you are from your token "
     "and ignores it (it only matters for a gateway run with --no-auth)"
 )
+_offline_log_option = click.option(
+    "--log",
+    "log_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="answer from this event log (or DuckDB projection) instead of the live gateway",
+)
 
 
 def _duration_ms(text: str | None, what: str) -> int | None:
@@ -760,13 +767,7 @@ def explain_offline(log_path: Path, workload: str, at_ms: int | None) -> dict[st
 @_timeout_option
 @_token_option
 @click.option("--json", "as_json", is_flag=True)
-@click.option(
-    "--log",
-    "log_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="answer from this event log (or DuckDB projection) instead of the live gateway",
-)
+@_offline_log_option
 @click.option(
     "--at",
     "at",
@@ -873,13 +874,7 @@ def _print_jobs(data: dict[str, Any]) -> None:
     "--limit", type=int, default=None, help="at most this many, newest first (1-1000, default 50)"
 )
 @click.option("--json", "as_json", is_flag=True)
-@click.option(
-    "--log",
-    "log_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="answer from this event log (or DuckDB projection) instead of the live gateway",
-)
+@_offline_log_option
 @click.option("--url", default=None, help=URL_HELP)
 @_timeout_option
 @_token_option

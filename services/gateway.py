@@ -951,6 +951,20 @@ def openapi_document() -> dict[str, Any]:
         "required": ["error", "code"],
     }
     publishing = {"413": err, "504": err}
+    user_and_team = [  # the filters /v1/queue and /v1/jobs share
+        {
+            "name": "user",
+            "in": "query",
+            "description": "submitted by this principal",
+            "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
+        },
+        {
+            "name": "team",
+            "in": "query",
+            "description": "owner leaf at or below this budget path",
+            "schema": {"type": "string", "maxLength": MAX_PATH_LEN},
+        },
+    ]
     unauthenticated = {
         "description": "no credential, or one the gateway does not know",
         "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}},
@@ -1014,18 +1028,7 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "summary": "Pending workloads in order, with sort-key ratios; running ones",
                     "parameters": [
-                        {
-                            "name": "user",
-                            "in": "query",
-                            "description": "submitted by this principal",
-                            "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
-                        },
-                        {
-                            "name": "team",
-                            "in": "query",
-                            "description": "owner leaf at or below this budget path",
-                            "schema": {"type": "string", "maxLength": MAX_PATH_LEN},
-                        },
+                        *user_and_team,
                         {
                             "name": "state",
                             "in": "query",
@@ -1060,18 +1063,7 @@ def openapi_document() -> dict[str, Any]:
                             "live, all",
                             "schema": {"type": "string"},
                         },
-                        {
-                            "name": "user",
-                            "in": "query",
-                            "description": "submitted by this principal",
-                            "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
-                        },
-                        {
-                            "name": "team",
-                            "in": "query",
-                            "description": "owner leaf at or below this budget path",
-                            "schema": {"type": "string", "maxLength": MAX_PATH_LEN},
-                        },
+                        *user_and_team,
                         {
                             "name": "id",
                             "in": "query",

@@ -203,6 +203,9 @@ def _values_for(annotation: Any) -> st.SearchStrategy[Any]:
     if get_origin(annotation) is not None and type(None) in args:  # X | None
         inner = [a for a in args if a is not type(None)][0]
         return st.one_of(st.none(), _values_for(inner))
+    if get_origin(annotation) is not None and msgspec.UnsetType in args:  # X | UnsetType
+        inner = [a for a in args if a is not msgspec.UnsetType][0]
+        return _values_for(inner)  # unset: the field is left out (input_bodies' choice)
     if base is bool:
         return st.booleans()
     if get_origin(base) is tuple:  # a bounded list of names or arguments

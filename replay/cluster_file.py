@@ -48,7 +48,6 @@ import msgspec
 from apportion.core.rules.fence import heartbeat_timeout_problem
 from apportion.core.rules.gpu_types import is_any
 from apportion.schemas.events import (
-    DAY_MS,
     HOUR_MS,
     PPM,
     BudgetSet,
@@ -307,7 +306,8 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
                 kwargs[field] = parse_duration_ms(policy[key])
         except ValueError as exc:
             raise fail(f"policy.{key}", str(exc)) from None
-    if kwargs.get("preemption_margin_wait_ms", 0) > kwargs.get("lookback_ms", 7 * DAY_MS):
+    lookback_ms = kwargs.get("lookback_ms", PolicySet(id="-", at_ms=0).lookback_ms)
+    if kwargs.get("preemption_margin_wait_ms", 0) > lookback_ms:
         raise fail("policy.preemption_margin_wait", "must not exceed the lookback")
     problem = heartbeat_timeout_problem(kwargs.get("heartbeat_timeout_ms", 0))
     if problem:

@@ -2,9 +2,10 @@
 
 Once allocated ``w`` failed (no fit, no victim set), every later workload of its
 leaf with no higher priority (the leaf's order guarantees that), the same GPU
-type and reservation gate and at least as many GPUs fails too (when ``w`` is no longer held to the preemption margin, or
-the margin has no wait: a later workload may have waited longer than ``w``, and
-gets no looser rule than ``w`` had only then), as long as no
+type and reservation gate and at least as many GPUs fails too (when ``w`` is no
+longer held to the preemption margin, or the margin has no wait: a later
+workload may have waited longer than ``w``, and gets no looser rule than ``w``
+had only then), as long as no
 preemption freed GPUs and the leaf's victim subtrees are the same (an *epoch*,
 :meth:`DoomedShapes.epoch`), provided no pool takes the larger request that
 could not take the smaller one (:meth:`~.memo.FailureMemo.rules_out`). When the

@@ -163,10 +163,11 @@ class Reserver:
         end of ``c``'s margin wait if only the rule without the margin says so
         (:func:`~apportion.core.rules.outranking.held_to_margin`); else never."""
         s = self.s
-        if s.outranking.may_preempt(c, v, subtrees):
+        rule = s.outranking_for(c)
+        if rule.may_preempt(c, v, subtrees):
             return s.t
         waited = s.outranking_waited
-        if waited is s.outranking_for(c):
+        if waited is rule:
             return NEVER  # no margin, or no wait, or waited already: the rule said no
         if waited.may_preempt(c, v, waited.victim_subtrees(c.owner)):
             return c.queued_ms + s.state.policy.margin_wait_ms

@@ -567,6 +567,39 @@ def cancel(workload: str, url: str | None, timeout: float | None, token_file: Pa
         click.echo(f"cancel of {out['workload']} published (input {out['seq']})")
 
 
+def _hold_command(
+    workload: str, release: bool, url: str | None, timeout: float | None, token_file: Path | None
+) -> None:
+    what = "release" if release else "hold"
+    client = _client(url, timeout, token_file)
+    out = _call(client.hold, workload, os.environ.get("USER", ""), release)
+    if out.get("seq") is None:
+        click.echo(f"{what} of {out['workload']} published (an earlier attempt was stored)")
+    else:
+        click.echo(f"{what} of {out['workload']} published (input {out['seq']})")
+
+
+@main.command()
+@click.argument("workload")
+@click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
+def hold(workload: str, url: str | None, timeout: float | None, token_file: Path | None) -> None:
+    """Hold a pending workload: it stays in the queue but is not placed until released
+    (like scontrol hold; its submitter or an owner above its leaf may)."""
+    _hold_command(workload, False, url, timeout, token_file)
+
+
+@main.command()
+@click.argument("workload")
+@click.option("--url", default=None, help=URL_HELP)
+@_timeout_option
+@_token_option
+def release(workload: str, url: str | None, timeout: float | None, token_file: Path | None) -> None:
+    """Release a held workload: it is scheduled again at its old place in the queue."""
+    _hold_command(workload, True, url, timeout, token_file)
+
+
 def _ratios(row: dict[str, Any]) -> str:
     """``llm 42% > llm/pretrain 80%``: each level's usage as a percentage of its share."""
     parts = []
@@ -607,7 +640,7 @@ def _print_queue(data: dict[str, Any]) -> None:
         )
         for row in data["pending"]:
             click.echo(
-                f"{row['position']:>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} "
+                f"{row['position'] if row['position'] is not None else '-':>4} {row['workload']:<24} {row['owner']:<22} {row['gpus']:>5} "
                 f"{row['priority']:>4} {span(row['wait_ms']):>12}  {_start(row, now):<32} "
                 f"{row.get('reason', '-'):<22} "
                 f"{_ratios(row) if row['allocated'] else 'unallocated'}"

@@ -33,6 +33,8 @@ from apportion.schemas.events import (
     NodeRegistered,
     PolicySet,
     WorkloadCancelled,
+    WorkloadHeld,
+    WorkloadReleased,
     WorkloadSubmitted,
 )
 from apportion.schemas.reasons import Refusal
@@ -43,6 +45,7 @@ from .refusals import (
     budget_set_refusal,
     cancel_refusal,
     health_refusal,
+    hold_refusal,
     policy_refusal,
     registration_refusal,
     submission_refusal,
@@ -58,6 +61,7 @@ __all__ = [
     "check",
     "check_all",
     "health",
+    "hold",
     "submission",
     "submit",
     "submit_id",
@@ -150,6 +154,10 @@ def check(state: State, event: Input) -> Refusal | None:
         return submission_refusal(state, event)
     if isinstance(event, WorkloadCancelled):
         return cancel_refusal(state, event.workload, event.actor)
+    if isinstance(event, WorkloadHeld | WorkloadReleased):
+        return hold_refusal(
+            state, event.workload, event.actor, release=isinstance(event, WorkloadReleased)
+        )
     if isinstance(event, BudgetSet):
         return budget_set_refusal(state, event)
     if isinstance(event, BudgetRemoved):
@@ -195,6 +203,18 @@ def cancel(
     return WorkloadCancelled(
         id=cancel_id(workload) if id is None else id, at_ms=at_ms, workload=workload, actor=actor
     )
+
+
+def hold(
+    state: State, workload: str, actor: str, at_ms: int, id: str, release: bool = False
+) -> WorkloadHeld | WorkloadReleased | Refusal:
+    """A hold (``release``: a release) of ``workload`` by ``actor`` with id ``id``, or
+    why not (the fold's message for it, without its ``hold: `` prefix)."""
+    problem = hold_refusal(state, workload, actor, release)
+    if problem is not None:
+        return problem
+    kind = WorkloadReleased if release else WorkloadHeld
+    return kind(id=id, at_ms=at_ms, workload=workload, actor=actor)
 
 
 def budget(

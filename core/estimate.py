@@ -126,7 +126,7 @@ def estimate_starts(
             ends[w.id] = max(t0, end)
     limit = t0 + horizon_ms
     wanted = {only} if only is not None else set(state.pending)
-    wanted &= set(state.pending)
+    wanted &= {wid for wid, w in state.pending.items() if not w.held}  # held: never starts
     if not wanted:
         return Estimates(at_ms=t0, starts={}, ends=ends, horizon_ms=limit, exhausted=True, cycles=0)
     sim = state.copy() if copy else state

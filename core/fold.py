@@ -36,8 +36,10 @@ from apportion.schemas.events import (
     PolicySet,
     WorkloadCancelled,
     WorkloadFinished,
+    WorkloadHeld,
     WorkloadPlaced,
     WorkloadPreempted,
+    WorkloadReleased,
     WorkloadStarted,
     WorkloadSubmitted,
 )
@@ -50,6 +52,7 @@ from .refusals import (
     budget_set_refusal,
     cancel_refusal,
     health_refusal,
+    hold_refusal,
     policy_refusal,
     registration_refusal,
     stale_refusal,
@@ -248,8 +251,37 @@ def _workload_cancelled(state: State, e: WorkloadCancelled) -> None:
         _end_run(state, w)
     else:
         del state.pending[w.id]
-        state.pending_index.remove(w)
+        if w.held:
+            w.held_by = w.held_ms = UNSET
+        else:
+            state.pending_index.remove(w)
     _end(state, w, "cancelled")
+    return None
+
+
+def _workload_held(state: State, e: WorkloadHeld) -> None:
+    """Pending ``w`` leaves the pending index (no cycle walks it), stays pending."""
+    _tick(state, e)
+    problem = hold_refusal(state, e.workload, e.actor, release=False)
+    if problem is not None:
+        return _reject(state, e, asked("hold", problem))
+    w = state.workloads[e.workload]
+    state.pending_index.remove(w)
+    w.held_by = e.actor
+    w.held_ms = state.now_ms
+    return None
+
+
+def _workload_released(state: State, e: WorkloadReleased) -> None:
+    """Held ``w`` goes back into the pending index with its old keys (submit time
+    unchanged: it keeps its place in the queue)."""
+    _tick(state, e)
+    problem = hold_refusal(state, e.workload, e.actor, release=True)
+    if problem is not None:
+        return _reject(state, e, asked("release", problem))
+    w = state.workloads[e.workload]
+    w.held_by = w.held_ms = UNSET
+    state.pending_index.add(w)
     return None
 
 
@@ -407,6 +439,8 @@ def _workload_placed(state: State, e: WorkloadPlaced) -> None:
     w = state.pending.get(e.workload)
     if w is None:
         raise CorruptHistory(f"placed {e.workload!r}, which is not pending")
+    if w.held_by is not UNSET:
+        raise CorruptHistory(f"placed {e.workload!r}, which is held")
     allocated = is_allocated(w)
     if e.allocated != allocated:
         raise CorruptHistory(
@@ -515,6 +549,8 @@ _HANDLERS: dict[type, Callable[[State, Any], None]] = {
     ClockTicked: _clock_ticked,
     WorkloadStarted: _workload_started,
     InputsLost: _inputs_lost,
+    WorkloadHeld: _workload_held,
+    WorkloadReleased: _workload_released,
     WorkloadPlaced: _workload_placed,
     WorkloadPreempted: _workload_preempted,
     NodeDrained: _node_drained,

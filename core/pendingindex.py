@@ -10,6 +10,10 @@ sort the whole queue again each time:
   (:class:`~apportion.core.ordering.FairShareWalk`);
 - ``free``: unallocated work by ``(submit time, id)``.
 
+A held workload (``WorkloadHeld``) is pending but in none of them: the fold
+removes it when it is held and adds it back, with its old keys, when it is
+released, so no cycle walks it and it keeps its place.
+
 All are sorted lists of tuples (a total order ending in the workload id), so
 they are the same however they were built.
 
@@ -30,6 +34,8 @@ from bisect import bisect_left, insort
 from collections.abc import Mapping
 from typing import Protocol
 
+from msgspec import UNSET, UnsetType
+
 from .rules.contract import is_allocated
 
 
@@ -41,6 +47,7 @@ class _Pending(Protocol):
     min_runtime_ms: int
     gpu_type: str
     gpus: int
+    held_by: str | UnsetType
 
 
 LeafKey = tuple[int, int, str]
@@ -108,6 +115,8 @@ class PendingIndex:
         by_shape: dict[str, dict[Shape, list[LeafKey]]] = {}
         free: list[FreeKey] = []
         for w in self._pending.values():
+            if w.held_by is not UNSET:  # held: pending, but no cycle walks it
+                continue
             if is_allocated(w):
                 key = (-w.priority, w.submitted_ms, w.id)
                 shape = (w.gpu_type, w.gpus, w.min_runtime_ms)

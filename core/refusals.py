@@ -331,3 +331,26 @@ def cancel_refusal(state: State, workload: str, actor: str) -> Refusal | None:
         return gone_refusal(state, workload)
     problem = cancel_authority_error(state, actor, w)
     return None if problem is None else Refusal(R.NOT_AUTHORISED, problem)
+
+
+def hold_refusal(state: State, workload: str, actor: str, release: bool) -> Refusal | None:
+    """Why ``actor`` cannot hold (``release``: release) ``workload`` now, or ``None``:
+    it is not live (:func:`gone_refusal`), ``actor`` may not (the same people as may
+    cancel it), or it is not pending and unheld (``release``: not held). The fold
+    records it prefixed (:func:`asked`)."""
+    w = state.workloads.get(workload)
+    if w is None:
+        return gone_refusal(state, workload)
+    problem = cancel_authority_error(state, actor, w, "release" if release else "hold")
+    if problem is not None:
+        return Refusal(R.NOT_AUTHORISED, problem)
+    held = isinstance(w.held_by, str)
+    if release:
+        if not held:
+            return Refusal(R.NOT_HELD, f"workload {workload!r} is {w.status}, not held")
+        return None
+    if w.status != "pending":
+        return Refusal(R.NOT_PENDING, f"workload {workload!r} is {w.status}, not pending")
+    if held:
+        return Refusal(R.NOT_PENDING, f"workload {workload!r} is already held")
+    return None

@@ -139,6 +139,16 @@ class Workload(msgspec.Struct, kw_only=True, gc=False):
     """Its own preemption notice (``None``: the policy's)."""
     stopping: Stopping | None = None
     """Set while the current run is preempted with notice (status stays ``running``)."""
+    held_by: str | UnsetType = UNSET
+    """Who held it (``WorkloadHeld``), while it is held: it stays pending but out
+    of the pending index, so no cycle places it. Unset (and then not encoded, so
+    a state without holds encodes as before the field existed) otherwise."""
+    held_ms: int | UnsetType = UNSET
+    """When it was held (set with :attr:`held_by`)."""
+
+    @property
+    def held(self) -> bool:
+        return self.held_by is not UNSET
 
     @property
     def allocated(self) -> bool:

@@ -221,6 +221,25 @@ class WorkloadStarted(Event, frozen=True, kw_only=True, tag="WorkloadStarted"):
     actor: Name = ""
 
 
+class WorkloadHeld(Event, frozen=True, kw_only=True, tag="WorkloadHeld"):
+    """Keep pending ``workload`` out of scheduling until it is released (like
+    ``scontrol hold``): it stays pending, keeps its place in the queue, and no
+    cycle places it. ``actor``: as for :class:`WorkloadCancelled`. Refused unless
+    the workload is pending and not held already."""
+
+    workload: Name
+    actor: Name = ""
+
+
+class WorkloadReleased(Event, frozen=True, kw_only=True, tag="WorkloadReleased"):
+    """Let held ``workload`` be scheduled again, at its old place in the queue (its
+    submit time is unchanged). ``actor``: as for :class:`WorkloadCancelled`.
+    Refused unless the workload is held."""
+
+    workload: Name
+    actor: Name = ""
+
+
 class ClockTicked(Event, frozen=True, kw_only=True, tag="ClockTicked"):
     """Time moves with nothing else happening (for example a protection expiry)."""
 
@@ -306,6 +325,8 @@ Input = (
     | ClockTicked
     | WorkloadStarted
     | InputsLost
+    | WorkloadHeld
+    | WorkloadReleased
 )
 Decision = WorkloadPlaced | WorkloadPreempted | NodeDrained | InputRejected
 AnyEvent = Input | Decision
@@ -322,6 +343,8 @@ INPUT_TYPES: tuple[type[Event], ...] = (
     ClockTicked,
     WorkloadStarted,
     InputsLost,
+    WorkloadHeld,
+    WorkloadReleased,
 )
 DECISION_TYPES: tuple[type[Event], ...] = (
     WorkloadPlaced,

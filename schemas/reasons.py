@@ -140,6 +140,11 @@ INVALID_TEXT = _code(
     "invalid_text",
     "a command argument or environment value holding a NUL character, which no process can receive",
 )
+NOT_PENDING = _code(
+    "not_pending",
+    "a hold of a workload that is not waiting to be scheduled: it is running, or already held",
+)
+NOT_HELD = _code("not_held", "a release of a workload that is not held")
 
 
 # -- the gateway's own (a request that never becomes an input) --------------------

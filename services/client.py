@@ -181,6 +181,19 @@ class GatewayClient:
                 return {"workload": workload, "seq": None, "duplicate": True}
             raise
 
+    def hold(self, workload: str, actor: str = "", release: bool = False) -> dict[str, Any]:
+        """Hold (``release``: release) a workload. A retry after a 504 that finds it
+        already held (released) means the earlier attempt was stored."""
+        what = "release" if release else "hold"
+        path = f"/v1/workloads/{urllib.parse.quote(workload, safe='')}/{what}"
+        try:
+            return self._call("POST", path, {"actor": actor}, retry=True)
+        except GatewayError as exc:
+            done = "not held" if release else "already held"
+            if exc.retried and exc.status == 409 and done in exc.reason:
+                return {"workload": workload, "seq": None, "duplicate": True}
+            raise
+
     def workload(self, workload: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/workloads/{urllib.parse.quote(workload, safe='')}")
 

@@ -12,6 +12,8 @@ rejected by the scheduler (an ``InputRejected`` decision) when two requests race
 |---|---|---|
 | POST | ``/v1/workloads`` | submit: ``{"owner","gpus","min_runtime_ms",...}`` -> 202 ``{"workload","seq","duplicate"}`` |
 | POST | ``/v1/workloads/{id}/cancel`` | -> 202 |
+| POST | ``/v1/workloads/{id}/hold`` | -> 202 (pending work is not placed until released) |
+| POST | ``/v1/workloads/{id}/release`` | -> 202 (back at its old place in the queue) |
 | GET | ``/v1/workloads/{id}`` | the workload's status |
 | GET | ``/v1/queue`` | pending in order with position, sort-key ratios and a ``reason`` code; running (``?user=``, ``?team=``, ``?state=pending|running``) |
 | GET | ``/v1/share`` | budget tree with usage against allocation (``sshare``) |
@@ -208,6 +210,8 @@ HTTP_STATUS: dict[str, int] = {
     R.WRONG_HOST: 403,
     R.RESERVED_NAME: 400,
     R.INVALID_TEXT: 400,
+    R.NOT_PENDING: 409,
+    R.NOT_HELD: 409,
     # the gateway's own
     R.EMPTY_REQUEST: 400,
     R.NOT_AUTHENTICATED: 401,
@@ -369,6 +373,8 @@ class Gateway:
         r.add_post("/v1/workloads", self.submit)
         r.add_get("/v1/workloads/{id}", self.get_workload)
         r.add_post("/v1/workloads/{id}/cancel", self.cancel)
+        r.add_post("/v1/workloads/{id}/hold", self.hold)
+        r.add_post("/v1/workloads/{id}/release", self.release)
         r.add_get("/v1/queue", self.queue)
         r.add_get("/v1/share", self.share)
         r.add_get("/v1/explain/{id}", self.explain)
@@ -689,6 +695,37 @@ class Gateway:
             if isinstance(event, Refusal):
                 return _refused(event)
         ack = await _published(self.log.publish_input(event))
+        return web.json_response(
+            {"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202
+        )
+
+    async def hold(self, request: web.Request) -> web.Response:
+        """``POST /v1/workloads/{id}/hold``: keep a pending workload from being placed
+        (by the same people as may cancel it); 404, 409 (``not_pending``) or 403 first."""
+        return await self._hold(request, release=False)
+
+    async def release(self, request: web.Request) -> web.Response:
+        """``POST /v1/workloads/{id}/release``: let a held workload be placed again,
+        at its old place in the queue; 404, 409 (``not_held``) or 403 first."""
+        return await self._hold(request, release=True)
+
+    async def _hold(self, request: web.Request, release: bool) -> web.Response:
+        workload = request.match_info["id"]
+        body: CancelRequest = await _body(request, CancelRequest)
+        actor = self._actor(request, body.actor)
+        what = "release" if release else "hold"
+        event_id = f"{what}-{uuid.uuid4().hex}"
+
+        def check() -> Any:
+            return commands.hold(self.state, workload, actor, self.state.now_ms, event_id, release)
+
+        event = check()
+        if isinstance(event, Refusal):
+            event = await self._final(event, check)
+            if isinstance(event, Refusal):
+                return _refused(event)
+        ack = await _published(self.log.publish_input(event))
+        self.logger.info(what, workload=workload, actor=actor, seq=ack.seq)
         return web.json_response(
             {"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202
         )
@@ -1023,6 +1060,26 @@ def openapi_document() -> dict[str, Any]:
                         **publishing,
                     },
                 }
+            },
+            **{
+                f"/v1/workloads/{{id}}/{what}": {
+                    "post": {
+                        "summary": summary,
+                        "parameters": wid,
+                        "requestBody": body(cancel),
+                        "responses": {
+                            "202": accepted,
+                            "403": err,
+                            "404": err,
+                            "409": err,
+                            **publishing,
+                        },
+                    }
+                }
+                for what, summary in (
+                    ("hold", "Hold a pending workload (it is not placed until released)"),
+                    ("release", "Release a held workload (at its old place in the queue)"),
+                )
             },
             "/v1/queue": {
                 "get": {

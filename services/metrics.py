@@ -38,6 +38,8 @@ _CLASS_OF_CODE = {
     R.STALE_REPORT: "stale",
     R.ALREADY_ENDED: "stale",
     R.NO_CHANGE: "stale",
+    R.NOT_PENDING: "stale",
+    R.NOT_HELD: "stale",
     R.NOT_AUTHORISED: "authority",
     R.NOT_AUTHENTICATED: "authority",  # the gateway's own (401)
     R.DUPLICATE_ID: "duplicate",

@@ -49,6 +49,8 @@ ROLE_KINDS: dict[str, tuple[str, ...]] = {
     "gateway": (
         "WorkloadSubmitted",
         "WorkloadCancelled",
+        "WorkloadHeld",
+        "WorkloadReleased",
         "BudgetSet",
         "BudgetRemoved",
         "NodeHealthChanged",
@@ -56,6 +58,8 @@ ROLE_KINDS: dict[str, tuple[str, ...]] = {
     "operator": (
         "WorkloadSubmitted",
         "WorkloadCancelled",
+        "WorkloadHeld",
+        "WorkloadReleased",
         "BudgetSet",
         "BudgetRemoved",
         "PolicySet",

@@ -193,6 +193,7 @@ def workload_json(w: Workload) -> dict[str, Any]:
         "preemptions": w.preemptions,
         "duration_ms": w.duration_ms,
         "submitted_by": w.submitted_by,
+        **({"held_by": w.held_by, "held_ms": w.held_ms} if w.held else {}),
     }
 
 
@@ -261,6 +262,7 @@ class QueueFilter(msgspec.Struct, frozen=True):
 
 
 WAIT_REASONS: dict[str, str] = {
+    "held": "held (apportion hold): no cycle places it until it is released",
     "fits_soon": "it fits in the free GPUs now: the next cycle places it",
     "waiting_for_notice": "runs preempted for it are stopping with notice; it starts when "
     "their GPUs come free",
@@ -313,6 +315,8 @@ class WaitContext:
 
 def wait_reason(state: State, w: Workload, ctx: WaitContext) -> str:
     """Why pending ``w`` waits: the first code of :data:`WAIT_REASONS` that applies."""
+    if w.held:
+        return "held"
     fits = [n for n in state.nodes.values() if n.schedulable and takes(w.gpu_type, n.gpu_type)]
     if not fits:
         return "no_nodes_of_type"
@@ -387,6 +391,21 @@ def queue_view(
         row["wait_ms"] = max(0, now - w.queued_ms)
         row["ratios"] = _ratio_rows(state, view, w.owner) if w.allocated else []
         row.update(_estimate_fields(est, w.id, now))
+        pending.append(row)
+    # held work is out of the order the cycle walks: after it, by submit time
+    for w in sorted(
+        (w for w in state.pending.values() if w.held), key=lambda w: (w.submitted_ms, w.id)
+    ):
+        if not only.matches(w):
+            continue
+        row = workload_json(w)
+        row["position"] = None
+        row["reason"] = "held"
+        row["reason_text"] = WAIT_REASONS["held"]
+        row["wait_ms"] = max(0, now - w.queued_ms)
+        row["ratios"] = []
+        row["estimated_start_ms"] = None
+        row["estimate_note"] = "no estimate: it is held until released"
         pending.append(row)
     running = []
     for w in sorted(state.running.values(), key=lambda w: (w.started_ms, w.id)):
@@ -616,6 +635,26 @@ def explain(
             reasons.append(f"earlier: {pre_txt}")
         reasons.extend(_history_words(job, now))
         out["reasons"] = reasons
+        return out
+    if w.held:
+        reasons.append(
+            f"held by {w.held_by or '(no actor)'} at {when(int(w.held_ms or 0), now)}: "
+            f"pending, but no cycle places it until it is released (apportion release "
+            f"{workload}); it keeps its place in the queue (submitted {iso(w.submitted_ms)})"
+        )
+        if pre_txt:
+            reasons.append(pre_txt)
+        reasons.extend(_history_words(job, now))
+        out.update(
+            held_by=w.held_by,
+            held_ms=w.held_ms,
+            reason="held",
+            reason_text=WAIT_REASONS["held"],
+            position=None,
+            estimated_start_ms=None,
+            estimate_note="no estimate: it is held until released",
+            reasons=reasons,
+        )
         return out
     order = queue_order(state, view)
     pos = next(i for i, x in enumerate(order, start=1) if x.id == workload)

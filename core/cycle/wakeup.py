@@ -49,7 +49,7 @@ def next_wakeup(s: Scratch) -> int | None:
         wait = state.policy.margin_wait_ms
         for w in state.pending.values():
             end = w.queued_ms + wait
-            if end > t and is_allocated(w) and (out is None or end < out):
+            if end > t and is_allocated(w) and not w.held and (out is None or end < out):
                 out = end
     if waiting:
         for entries in s.added.values():

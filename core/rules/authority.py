@@ -61,12 +61,15 @@ def not_operator(actor: str, what: str, agent: str = "the host's own agent") -> 
     )
 
 
-def cancel_authority_error(state: State, actor: str, w: Workload) -> str | None:
-    """Why ``actor`` may not cancel ``w``, or ``None``: its submitter, or the owner of
-    its leaf or of a node above it, may. Used by the fold and the gateway."""
+def cancel_authority_error(
+    state: State, actor: str, w: Workload, what: str = "cancel"
+) -> str | None:
+    """Why ``actor`` may not cancel ``w`` (or ``what``: hold, release), or ``None``:
+    its submitter, or the owner of its leaf or of a node above it, may. Used by
+    the fold and the gateway."""
     if (actor and actor == w.submitted_by) or state.budget.owns(actor, w.owner):
         return None
     return (
-        f"{actor or '(no actor)'} may not cancel {w.id!r}: only its submitter or the "
+        f"{actor or '(no actor)'} may not {what} {w.id!r}: only its submitter or the "
         f"owner of {w.owner!r} or a node above it"
     )

@@ -26,6 +26,8 @@ from apportion.schemas.events import (
     PolicySet,
     WorkloadCancelled,
     WorkloadFinished,
+    WorkloadHeld,
+    WorkloadReleased,
     WorkloadStarted,
     WorkloadSubmitted,
 )
@@ -77,6 +79,11 @@ def node(name: str, gpus: int = 8, gpu_type: str = "a100", actor: str = ADMIN) -
 
 def health(name: str, state: str = "draining", actor: str = ADMIN) -> NodeHealthChanged:
     return NodeHealthChanged(id="req", at_ms=0, node=name, state=state, actor=actor)  # type: ignore[arg-type]
+
+
+def hold(workload: str, actor: str = ADMIN, release: bool = False) -> Input:
+    kind = WorkloadReleased if release else WorkloadHeld
+    return kind(id="req", at_ms=0, workload=workload, actor=actor)
 
 
 def cancel(workload: str, actor: str = ADMIN) -> WorkloadCancelled:
@@ -156,6 +163,11 @@ CASES: list[tuple[str, Callable[[], Input], str]] = [
     ("reserved_name", lambda: budget_set("llm/b", owner="agent:n0"), "is reserved"),
     ("invalid_text", lambda: sub(command=("run", "a\0b")), "argument 1 holds a NUL"),
     ("invalid_text", lambda: sub(env={"X": "\0"}), "value X holds a NUL"),
+    ("not_pending", lambda: hold("run"), "is running, not pending"),
+    ("not_held", lambda: hold("pend", release=True), "is pending, not held"),
+    ("not_authorised", lambda: hold("pend", "mallory"), "mallory may not hold"),
+    ("unknown_workload", lambda: hold("ghost", release=True), "unknown workload 'ghost'"),
+    ("already_ended", lambda: hold("done"), "already ended as succeeded"),
 ]
 
 SUBJECT_CODES = {"wrong_subject", "wrong_host"}

@@ -105,6 +105,12 @@ def test_up_submit_queue_explain_budget_and_ctrl_c(stack, nats_server) -> None:
     assert ex.returncode == 0 and "running" in ex.stdout
     assert run(["share"], env).returncode == 0
     assert run(["explain", "nope"], env).returncode != 0
+    # hold / release through the gateway: a running job cannot be held, nor released
+    held = run(["hold", "job1"], env)
+    assert held.returncode != 0 and held.stderr.count("\n") == 1 and "not pending" in held.stderr
+    rel = run(["release", "job1"], env)
+    assert rel.returncode != 0 and "not held" in rel.stderr
+    assert "unknown workload" in run(["hold", "ghost"], env).stderr
     assert run(["cancel", "job1"], env).returncode == 0
 
     os.killpg(proc.pid, signal.SIGINT)

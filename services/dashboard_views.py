@@ -287,7 +287,10 @@ def usage_history_data(
     state = gw.state
     now = max(state.now_ms, wall_ms())
     most = hours_in(hist.usage.window_ms)
-    n = most if hours is None else min(max(hours, 1), most)
+    asked = most if hours is None else min(max(hours, 1), most)
+    # a new cluster: the axis spans the hours that hold data, not an empty window
+    have = hist.usage.hours_of_data(now)
+    n = min(asked, have)
     data = usage_over_time(hist.usage, state.budget, now, hours=n)
     teams = data["teams"]
     shown = next((t for t in teams if t["path"] == team and t["users"]), None)
@@ -309,8 +312,14 @@ def usage_history_data(
     utop = chart_top(users)
     return {
         "window": span(n * HOUR_MS),
+        "short": (
+            None
+            if n == asked
+            else f"the data covers only the last {span(n * HOUR_MS)}: the charts span "
+            f"it, not the {span(asked * HOUR_MS)} window"
+        ),
         "choices": [
-            {"href": href(h, here), "label": span(h * HOUR_MS), "active": h == n}
+            {"href": href(h, here), "label": span(h * HOUR_MS), "active": h == asked}
             for h in sorted({h for h in (24, 72) if h < most} | {most})
         ],
         "teams": teams,

@@ -395,6 +395,7 @@ def test_the_usage_page_charts_owed_and_delivered_per_team() -> None:
     from apportion.services.dashboard_views import usage_history_html
 
     f = cluster_with_a_preemption()
+    f.feed(at(submit("later", owner="vision", gpus=1, min_runtime_ms=HOUR), T0 + 6 * HOUR))
     gw = SimpleNamespace(state=f.state, history=f.history, auth=None, url=None)
     out = usage_history_html(gw, 6)  # type: ignore[arg-type]
     charts = re.findall(r'<svg id="usage-history-([^"]+)".*?</svg>', out)
@@ -421,6 +422,28 @@ def test_the_usage_page_charts_owed_and_delivered_per_team() -> None:
     assert usage_history_html(gw, 6, "nope").count("usage-history user") == 0  # type: ignore[arg-type]
     # the page has it under the usage chart
     assert '<svg id="usage-history-llm"' in usage_html(gw, 6)  # type: ignore[arg-type]
+
+
+def test_a_new_clusters_usage_charts_span_its_data_and_say_what_each_pct_is() -> None:
+    from apportion.services.dashboard_views import usage_history_html
+
+    f = Folded()
+    for e in small_cluster():
+        f.feed(at(e, T0))
+    f.feed(at(submit("paid", gpus=8, min_runtime_ms=HOUR), T0 + 60_000))
+    f.feed(at(submit("more", owner="vision", gpus=4, min_runtime_ms=HOUR), T0 + 9 * 60_000))
+    gw = SimpleNamespace(state=f.state, history=f.history, auth=None, url=None)
+    # minutes of data, a 7-day window: the axis is the hour that holds the data
+    out = usage_history_html(gw)  # type: ignore[arg-type]
+    assert "last 1 h" in out and out.count('class="hour"') == 2  # one hour, two teams
+    assert "the data covers only the last 1 h" in out and "not the 7 d window" in out
+    whole = usage_history_html(gw, 24)  # type: ignore[arg-type]
+    assert whole.count('class="hour"') == 2  # asking for a day: still only the data
+    # the two percentages are told apart: a legend line and a tooltip on each header
+    page = usage_html(gw)  # type: ignore[arg-type]
+    assert "Two different percentages" in page
+    assert re.search(r'<th title="usage ÷ allocation[^"]*">of allocation</th>', page)
+    assert re.search(r'<th title="[^"]*÷ its global share[^"]*">usage vs share</th>', page)
 
 
 def test_the_templates_layout_is_taken_out() -> None:

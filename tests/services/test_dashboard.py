@@ -386,6 +386,21 @@ async def test_without_auth_the_login_names_the_actor(jlog: JetStreamLog) -> Non
         await eventually(lambda: "free1" in gw.state.running, what="free1 placed")
         w = gw.state.running["free1"]
         assert w.submitted_by == "alice" and not w.allocated
+        # the Cancel button: for its submitter and the owners above its leaf only
+        async with s.get(f"{url}/ui/workload/free1") as r2:
+            assert "Cancel this workload" in await r2.text()
+        # (llm/b is owned by b, under llm owned by alice, under the root owned by ops)
+        for viewer, shown in (("mallory", False), ("vic", False), ("b", True), ("ops", True)):
+            async with session() as other:
+                assert (await login(other, url, viewer)).status == 303
+                async with other.get(f"{url}/ui/workload/free1") as r2:
+                    assert r2.status == 200
+                    assert ("Cancel this workload" in await r2.text()) == shown, viewer
+                if viewer == "mallory":  # no button, and the server refuses the request
+                    async with other.post(
+                        f"{url}/ui/workload/free1/cancel", allow_redirects=False
+                    ) as r2:
+                        assert r2.status == 303 and "error=" in r2.headers["Location"]
         async with s.post(f"{url}/ui/workload/free1/cancel", allow_redirects=False) as r2:
             assert r2.status == 303 and "ok=" in r2.headers["Location"]
         await eventually(lambda: gw.state.ended.get("free1") == "cancelled", what="cancelled")

@@ -491,21 +491,55 @@ def usage_data(gw: Gateway, hours: int | None = None, team: str | None = None) -
     }
 
 
+DETAIL_LABELS = {
+    "workload": "workload",
+    "owner": "owner (budget leaf)",
+    "gpus": "GPUs",
+    "gpu_type": "GPU type",
+    "min_runtime_ms": "minimum runtime",
+    "resumable": "resumable",
+    "priority": "priority",
+    "allocated": "allocated (protected work)",
+    "submitted_ms": "submitted",
+    "queued_ms": "queued since",
+    "status": "status",
+    "attempt": "attempt",
+    "preemptions": "preemptions",
+    "duration_ms": "duration hint",
+    "submitted_by": "submitted by",
+}
+"""The workload page's Details: the API's field names (``GET /v1/workloads/{id}``)
+as people say them."""
+
+
+def detail_row(key: str, value: Any, now: int) -> dict[str, Any]:
+    """One row of the Details: a human label, durations as ``2 h``, times as moments,
+    booleans as yes / no, nothing as ``-``."""
+    label = DETAIL_LABELS.get(key) or key.removesuffix("_ms").replace("_", " ")
+    row: dict[str, Any] = {"key": label, "field": key, "at": None, "text": "-"}
+    if value is None:
+        row["text"] = "none given" if key == "duration_ms" else "-"
+    elif isinstance(value, bool):
+        row["text"] = "yes" if value else "no"
+    elif key in ("min_runtime_ms", "duration_ms") and isinstance(value, int):
+        unallocated = key == "min_runtime_ms" and value == 0
+        row["text"] = "none (unallocated)" if unallocated else span(value)
+    elif key.endswith("_ms") and isinstance(value, int):
+        row["at"] = moment(value, now)
+    elif key == "gpu_type" and value in ("", "any"):
+        row["text"] = "any"
+    else:
+        row["text"] = value
+    return row
+
+
 def workload_data(gw: Gateway, workload: str, estimates: Any = None) -> dict[str, Any] | None:
     state = gw.state
     now = max(state.now_ms, wall_ms())
     out = explain(state, gw.history, workload, now_ms=now, estimates=estimates)
     if out is None:
         return None
-    details = []
-    for k, v in (out.get("detail") or {}).items():
-        row: dict[str, Any] = {"key": k, "at": None, "text": "-" if v is None else v}
-        if k in ("min_runtime_ms", "duration_ms"):
-            if isinstance(v, int):
-                row["text"] = span(v)
-        elif k.endswith("_ms") and isinstance(v, int):
-            row["at"] = moment(v, now)
-        details.append(row)
+    details = [detail_row(k, v, now) for k, v in (out.get("detail") or {}).items()]
     w = state.running.get(workload)
     job = out.get("job")
     attempts = [

@@ -130,6 +130,21 @@ def test_the_pages_render_from_the_state() -> None:
     why = workload_html(gw, "waiting")  # type: ignore[arg-type]
     assert why is not None and "pending" in why and "position" in why
     assert workload_html(gw, "nope") is None  # type: ignore[arg-type]
+    # Details: human labels (the API's field name in the tooltip), durations, yes / no
+    assert why is not None
+    cells = {
+        f: (label, text)
+        for f, label, text in re.findall(r'<tr><th title="(\w+)">([^<]+)</th><td>([^<]*)<', why)
+    }
+    assert cells["min_runtime_ms"] == ("minimum runtime", "1 h")
+    assert cells["resumable"][1] in ("yes", "no") and cells["allocated"] == (
+        "allocated (protected work)",
+        "yes",
+    )
+    assert cells["gpus"] == ("GPUs", "16")
+    assert not re.search(r">(True|False|min_runtime_ms|duration_ms)<", why)
+    free = workload_html(gw, "free")  # type: ignore[arg-type]
+    assert free is not None and "none (unallocated)" in free
     # alice owns llm: she may edit llm/a and llm/b, not llm itself nor vision
     tree = budget_html(gw, "alice")  # type: ignore[arg-type]
     editable = set(

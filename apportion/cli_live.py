@@ -700,13 +700,14 @@ def share(url: str | None, timeout: float | None, token_file: Path | None, as_js
     """The budget tree with usage against allocation (like sshare).
 
     USED/SHARE is the usage charged in the lookback window as a percentage of the
-    node's share of it (global share x healthy GPUs x window)."""
+    node's share of it (global share x healthy GPUs x window); RUN GPUS and PEND
+    GPUS are the GPUs of its allocated work running and pending now."""
     data = _call(_client(url, timeout, token_file).share)
     if as_json:
         _echo_json(data)
         return
     click.echo(
-        f"{'PATH':<30} {'WEIGHT':>6} {'SHARE':>7} {'ALLOCATION':>14} {'USAGE':>14} {'USED/SHARE':>10} {'RUN':>5} {'PEND':>5}"
+        f"{'PATH':<30} {'WEIGHT':>6} {'SHARE':>7} {'ALLOCATION':>14} {'USAGE':>14} {'USED/SHARE':>10} {'RUN GPUS':>8} {'PEND GPUS':>9}"
     )
 
     def walk(n: dict[str, Any], depth: int) -> None:
@@ -716,7 +717,7 @@ def share(url: str | None, timeout: float | None, token_file: Path | None, as_js
         click.echo(
             f"{name:<30} {n['weight']:>6} {100 * n['global_share']:>6.1f}% "
             f"{alloc:>8.1f} GPU-h {n['usage_gpu_h']:>8.1f} GPU-h {used:>10} "
-            f"{n['running_gpus']:>5} {n['pending_gpus']:>5}"
+            f"{n['running_gpus']:>8} {n['pending_gpus']:>9}"
         )
         for c in n["children"]:
             walk(c, depth + 1)

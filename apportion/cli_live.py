@@ -733,13 +733,14 @@ def share(url: str | None, timeout: float | None, token_file: Path | None, as_js
     """The budget tree with usage against allocation (like sshare).
 
     USED/SHARE is the usage charged in the lookback window as a percentage of the
-    node's share of it (global share x healthy GPUs x window)."""
+    node's share of it (global share x healthy GPUs x window); RUN GPUS and PEND
+    GPUS are the GPUs of its allocated work running and pending now."""
     data = _call(_client(url, timeout, token_file).share)
     if as_json:
         _echo_json(data)
         return
     click.echo(
-        f"{'PATH':<30} {'WEIGHT':>6} {'SHARE':>7} {'ALLOCATION':>14} {'USAGE':>14} {'USED/SHARE':>10} {'RUN':>5} {'PEND':>5}"
+        f"{'PATH':<30} {'WEIGHT':>6} {'SHARE':>7} {'ALLOCATION':>14} {'USAGE':>14} {'USED/SHARE':>10} {'RUN GPUS':>8} {'PEND GPUS':>9}"
     )
 
     def walk(n: dict[str, Any], depth: int) -> None:
@@ -749,7 +750,7 @@ def share(url: str | None, timeout: float | None, token_file: Path | None, as_js
         click.echo(
             f"{name:<30} {n['weight']:>6} {100 * n['global_share']:>6.1f}% "
             f"{alloc:>8.1f} GPU-h {n['usage_gpu_h']:>8.1f} GPU-h {used:>10} "
-            f"{n['running_gpus']:>5} {n['pending_gpus']:>5}"
+            f"{n['running_gpus']:>8} {n['pending_gpus']:>9}"
         )
         for c in n["children"]:
             walk(c, depth + 1)
@@ -758,19 +759,28 @@ def share(url: str | None, timeout: float | None, token_file: Path | None, as_js
 
 
 def _parse_at(text: str | None) -> int | None:
-    """``--at``: ISO-8601 (``2026-11-30T14:05:00Z``; no zone = UTC) or epoch milliseconds."""
+    """``--at``: ISO-8601 (``2026-11-30T14:05:00Z``; no zone = UTC), epoch milliseconds,
+    or simulated time ``day D HH:MM`` (day 0 starts at epoch 0)."""
     if text is None:
         return None
     import datetime as dt
+    import re
 
     t = text.strip()
     if t.isdigit():
         return int(t)
+    sim = re.fullmatch(r"day\s+(\d{1,6})(?:\s+(\d{1,2}):(\d{2}))?", t, re.IGNORECASE)
+    if sim:
+        day, hour, minute = int(sim[1]), int(sim[2] or 0), int(sim[3] or 0)
+        if hour > 23 or minute > 59:
+            raise UserError(f"--at: {text!r}: the time of day is HH:MM, 00:00 to 23:59")
+        return ((day * 24 + hour) * 60 + minute) * 60_000
     try:
         when = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
     except ValueError:
         raise UserError(
-            f"--at: {text!r} is neither an ISO-8601 time (2026-11-30T14:05:00Z) nor epoch ms"
+            f"--at: {text!r} is neither an ISO-8601 time (2026-11-30T14:05:00Z), "
+            "a simulated time (day 3 14:05) nor epoch ms"
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)
@@ -780,10 +790,11 @@ def _parse_at(text: str | None) -> int | None:
 def explain_offline(log_path: Path, workload: str, at_ms: int | None) -> dict[str, Any] | None:
     """``explain`` from an event log (or a DuckDB projection): the log folded, then
     the live gateway's view function, with times relative to the log's time
-    (or ``at_ms``)."""
+    (or ``at_ms``), never the wall clock; a simulation's times (before 2000) read
+    ``day D HH:MM``."""
     from apportion.replay.eventlog import LogError, open_log
     from apportion.services.views import explain as explain_view
-    from apportion.services.views import replay_history
+    from apportion.services.views import is_simulated, replay_history, simulated_clock
 
     try:
         log = open_log(log_path)
@@ -791,7 +802,8 @@ def explain_offline(log_path: Path, workload: str, at_ms: int | None) -> dict[st
     except LogError as exc:
         raise UserError(str(exc)) from None
     now = max(state.now_ms, at_ms) if at_ms is not None else state.now_ms
-    return explain_view(state, history, workload, now_ms=now)
+    with simulated_clock(is_simulated(now)):
+        return explain_view(state, history, workload, now_ms=now)
 
 
 @main.command()
@@ -945,7 +957,12 @@ def jobs(
     if as_json:
         _echo_json(data)
         return
-    _print_jobs(data)
+    from apportion.services.views import is_simulated, simulated_clock
+
+    # a simulation's log (its time before 2000): ENDED reads day D HH:MM
+    offline_sim = log_path is not None and is_simulated(data.get("now_ms", data.get("at_ms", 0)))
+    with simulated_clock(offline_sim):
+        _print_jobs(data)
 
 
 FOLLOW_POLL_S = 1.0

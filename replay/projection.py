@@ -260,7 +260,9 @@ SELECT team, hour, hour * {HOUR_MS} AS hour_start_ms, allocated AS gpu_hours_all
 FROM grid;
 
 CREATE OR REPLACE VIEW team_usage_daily AS
-SELECT team, hour // 24 AS day, (hour // 24) * {24 * HOUR_MS} AS day_start_ms, count(*) AS hours,
+SELECT team, hour // 24 AS day,
+       CAST(DATE '1970-01-01' + CAST(hour // 24 AS INTEGER) AS DATE) AS "date",
+       (hour // 24) * {24 * HOUR_MS} AS day_start_ms, count(*) AS hours,
        sum(gpu_hours_allocated) AS gpu_hours_allocated,
        sum(gpu_hours_unallocated) AS gpu_hours_unallocated,
        sum(gpu_hours_demand) AS gpu_hours_demand, sum(gpu_hours_share) AS gpu_hours_share,

@@ -336,6 +336,16 @@ class Dashboard:
         body["text"] = "".join(lines[-LOG_LINES:])
         return body
 
+    def _may_cancel(self, who: str, wid: str) -> bool:
+        """Whether the viewer's principal may cancel ``wid`` (live), by the fold's own
+        rule (its submitter or an owner of its leaf or above): the Cancel button shows
+        only then; the gateway and the fold still enforce it on the request."""
+        from apportion.core.rules.authority import cancel_authority_error
+
+        state = self.gw.state
+        w = state.workloads.get(wid)
+        return w is not None and cancel_authority_error(state, who, w) is None
+
     async def workload(self, request: web.Request) -> web.Response:
         who = self._require(request)
         wid = request.match_info["id"]
@@ -349,7 +359,7 @@ class Dashboard:
             live="workload?" + urllib.parse.urlencode(live),
             wid=wid,
             found=workload_data(self.gw, wid, await self.estimates()),
-            cancellable=wid in self.gw.state.workloads,
+            cancellable=self._may_cancel(who, wid),
             log=await self._log(wid, attempt),
         )
 

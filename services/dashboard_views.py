@@ -287,7 +287,10 @@ def usage_history_data(
     state = gw.state
     now = max(state.now_ms, wall_ms())
     most = hours_in(hist.usage.window_ms)
-    n = most if hours is None else min(max(hours, 1), most)
+    asked = most if hours is None else min(max(hours, 1), most)
+    # a new cluster: the axis spans the hours that hold data, not an empty window
+    have = hist.usage.hours_of_data(now)
+    n = min(asked, have)
     data = usage_over_time(hist.usage, state.budget, now, hours=n)
     teams = data["teams"]
     shown = next((t for t in teams if t["path"] == team and t["users"]), None)
@@ -309,8 +312,14 @@ def usage_history_data(
     utop = chart_top(users)
     return {
         "window": span(n * HOUR_MS),
+        "short": (
+            None
+            if n == asked
+            else f"the data covers only the last {span(n * HOUR_MS)}: the charts span "
+            f"it, not the {span(asked * HOUR_MS)} window"
+        ),
         "choices": [
-            {"href": href(h, here), "label": span(h * HOUR_MS), "active": h == n}
+            {"href": href(h, here), "label": span(h * HOUR_MS), "active": h == asked}
             for h in sorted({h for h in (24, 72) if h < most} | {most})
         ],
         "teams": teams,
@@ -482,21 +491,55 @@ def usage_data(gw: Gateway, hours: int | None = None, team: str | None = None) -
     }
 
 
+DETAIL_LABELS = {
+    "workload": "workload",
+    "owner": "owner (budget leaf)",
+    "gpus": "GPUs",
+    "gpu_type": "GPU type",
+    "min_runtime_ms": "minimum runtime",
+    "resumable": "resumable",
+    "priority": "priority",
+    "allocated": "allocated (protected work)",
+    "submitted_ms": "submitted",
+    "queued_ms": "queued since",
+    "status": "status",
+    "attempt": "attempt",
+    "preemptions": "preemptions",
+    "duration_ms": "duration hint",
+    "submitted_by": "submitted by",
+}
+"""The workload page's Details: the API's field names (``GET /v1/workloads/{id}``)
+as people say them."""
+
+
+def detail_row(key: str, value: Any, now: int) -> dict[str, Any]:
+    """One row of the Details: a human label, durations as ``2 h``, times as moments,
+    booleans as yes / no, nothing as ``-``."""
+    label = DETAIL_LABELS.get(key) or key.removesuffix("_ms").replace("_", " ")
+    row: dict[str, Any] = {"key": label, "field": key, "at": None, "text": "-"}
+    if value is None:
+        row["text"] = "none given" if key == "duration_ms" else "-"
+    elif isinstance(value, bool):
+        row["text"] = "yes" if value else "no"
+    elif key in ("min_runtime_ms", "duration_ms") and isinstance(value, int):
+        unallocated = key == "min_runtime_ms" and value == 0
+        row["text"] = "none (unallocated)" if unallocated else span(value)
+    elif key.endswith("_ms") and isinstance(value, int):
+        row["at"] = moment(value, now)
+    elif key == "gpu_type" and value in ("", "any"):
+        row["text"] = "any"
+    else:
+        row["text"] = value
+    return row
+
+
 def workload_data(gw: Gateway, workload: str, estimates: Any = None) -> dict[str, Any] | None:
     state = gw.state
     now = max(state.now_ms, wall_ms())
     out = explain(state, gw.history, workload, now_ms=now, estimates=estimates)
     if out is None:
         return None
-    details = []
-    for k, v in (out.get("detail") or {}).items():
-        row: dict[str, Any] = {"key": k, "at": None, "text": "-" if v is None else v}
-        if k in ("min_runtime_ms", "duration_ms"):
-            if isinstance(v, int):
-                row["text"] = span(v)
-        elif k.endswith("_ms") and isinstance(v, int):
-            row["at"] = moment(v, now)
-        details.append(row)
+    details = [detail_row(k, v, now) for k, v in (out.get("detail") or {}).items()]
     w = state.running.get(workload)
     job = out.get("job")
     attempts = [

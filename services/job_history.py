@@ -495,6 +495,12 @@ def _span(ms: int) -> str:
     return span(ms)
 
 
+def _relative(ms: int, now_ms: int) -> str:
+    from .views import relative
+
+    return relative(ms, now_ms)
+
+
 def _when(ms: int, now_ms: int) -> str:
     from .views import when
 
@@ -507,7 +513,7 @@ def attempt_words(j: dict[str, Any], a: dict[str, Any], now_ms: int) -> str:
     nodes = ", ".join(f"{n}:{g}" for n, g in a["placement"])
     text = f"attempt {a['attempt']} on {nodes} from {_iso(a['start_ms'])}"
     if a["end_ms"] is None:
-        text += f" ({_when(a['start_ms'], now_ms)}): running"
+        text += f" ({_relative(a['start_ms'], now_ms)}): running"
         pre = a["preemption"]
         if pre is not None:
             text += f", stopping since {_iso(pre['at_ms'])}: " + _preempted_words(pre, None)

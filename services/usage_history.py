@@ -104,6 +104,8 @@ class UsageHistory:
         """The lookback: hours older than it are dropped (a ``PolicySet`` changes it)."""
         self.clock = 0
         """Time of the last input applied (the fold's clock: it never goes back)."""
+        self.first_ms: int | None = None
+        """Time of the first input applied: where the data starts (``None``: none yet)."""
         self.hours: dict[int, _Hour] = {}
         """Hour index (``epoch_ms // HOUR_MS``) -> GPU-ms credited to it so far."""
         self.nodes: dict[str, tuple[int, bool]] = {}
@@ -155,6 +157,8 @@ class UsageHistory:
             t = e.at_ms if e is not None else item.at_ms
             if t > self.clock:
                 self.clock = t
+            if self.first_ms is None:
+                self.first_ms = t
             if refused and item.ref in refused:
                 left[item.ref] -= 1
                 if left[item.ref] < refused[item.ref]:
@@ -269,6 +273,16 @@ class UsageHistory:
                 del table[leaf]  # an idle leaf holds no memory
 
     # -- reading ---------------------------------------------------------------
+    def hours_of_data(self, now_ms: int) -> int:
+        """How many hours, up to the one holding ``now_ms``, hold data (at least 1,
+        at most the lookback window's): a new cluster's charts span only these."""
+        most = hours_in(self.window_ms)
+        if self.first_ms is None:
+            return 1
+        now_ms = max(now_ms, self.clock)
+        last = now_ms // HOUR_MS if now_ms % HOUR_MS else now_ms // HOUR_MS - 1
+        return max(1, min(most, last - self.first_ms // HOUR_MS + 1))
+
     def hourly(self, now_ms: int, hours: int | None = None) -> Hourly:
         """The last ``hours`` hours (default: the lookback window's) up to the one
         holding ``now_ms``, the open rates credited up to ``now_ms``. Changes nothing."""

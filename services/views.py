@@ -9,13 +9,17 @@ an ended workload and ``apportion jobs``.
 
 Times in text are ISO-8601 (UTC) with a relative part (``in 2 h 14 min``,
 ``3 min ago``) measured to ``now_ms``: the wall clock on a live stack, the
-state's own time for history. JSON keeps the epoch milliseconds.
+state's own time for history. JSON keeps the epoch milliseconds. Inside
+:func:`simulated_clock` (offline answers from a simulation, whose time starts at
+epoch 0) times read ``day D HH:MM`` instead of 1970 dates.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from fractions import Fraction
 from typing import Any
 
@@ -42,9 +46,42 @@ from msgspec import UNSET
 
 from .job_history import JobHistory, QueryError, job_json, job_words
 
+DAY_MS = 24 * 3_600_000
+SIMULATED_BEFORE_MS = 946_684_800_000
+"""2000-01-01T00:00:00Z: a history whose time is before this is a simulation's
+(simulated time starts at epoch 0), and its times read ``day D HH:MM``."""
+
+_SIM_CLOCK: ContextVar[bool] = ContextVar("apportion_simulated_clock", default=False)
+
+
+def is_simulated(now_ms: int) -> bool:
+    """Whether a history at ``now_ms`` is a simulation's (time before 2000)."""
+    return now_ms < SIMULATED_BEFORE_MS
+
+
+@contextmanager
+def simulated_clock(on: bool = True) -> Iterator[None]:
+    """Within it (``on``), :func:`iso` and :func:`when` write ``day D HH:MM``."""
+    token = _SIM_CLOCK.set(on)
+    try:
+        yield
+    finally:
+        _SIM_CLOCK.reset(token)
+
+
+def sim_time(ms: int) -> str:
+    """Simulated time for people: ``day 3 14:05`` (day 0 starts at epoch 0, as the
+    analyst views' ``day`` column counts)."""
+    day, rest = divmod(ms, DAY_MS)
+    hours, minutes = divmod(rest // 60_000, 60)
+    return f"day {day} {hours:02d}:{minutes:02d}"
+
 
 def iso(ms: int) -> str:
-    """Epoch ms as ISO-8601 UTC, to the second (``2026-11-30T14:05:09Z``)."""
+    """Epoch ms as ISO-8601 UTC, to the second (``2026-11-30T14:05:09Z``), or
+    ``day D HH:MM`` within :func:`simulated_clock`."""
+    if _SIM_CLOCK.get():
+        return sim_time(ms)
     t = _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.UTC)
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 

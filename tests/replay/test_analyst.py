@@ -223,6 +223,15 @@ def test_team_usage_matches_the_kpis(small):
     assert [(t, d) for t, d, _, _ in hourly] == [(t, d) for t, d, _, _ in daily]
     for a, b in zip(hourly, daily, strict=True):
         assert a[2:] == pytest.approx(b[2:])
+    # the epoch day has its calendar date beside it, a DATE (day 0: 1970-01-01)
+    import datetime as dt
+
+    types = dict(
+        con.execute("SELECT column_name, column_type FROM (DESCRIBE team_usage_daily)").fetchall()
+    )
+    assert types["date"] == "DATE" and types["day"] == "BIGINT"
+    for day, date in con.execute('SELECT day, "date" FROM team_usage_daily').fetchall():
+        assert date == dt.date(1970, 1, 1) + dt.timedelta(days=day)
 
 
 def test_views_on_an_empty_projection_and_the_projectors_check(tmp_path):

@@ -130,6 +130,21 @@ def test_the_pages_render_from_the_state() -> None:
     why = workload_html(gw, "waiting")  # type: ignore[arg-type]
     assert why is not None and "pending" in why and "position" in why
     assert workload_html(gw, "nope") is None  # type: ignore[arg-type]
+    # Details: human labels (the API's field name in the tooltip), durations, yes / no
+    assert why is not None
+    cells = {
+        f: (label, text)
+        for f, label, text in re.findall(r'<tr><th title="(\w+)">([^<]+)</th><td>([^<]*)<', why)
+    }
+    assert cells["min_runtime_ms"] == ("minimum runtime", "1 h")
+    assert cells["resumable"][1] in ("yes", "no") and cells["allocated"] == (
+        "allocated (protected work)",
+        "yes",
+    )
+    assert cells["gpus"] == ("GPUs", "16")
+    assert not re.search(r">(True|False|min_runtime_ms|duration_ms)<", why)
+    free = workload_html(gw, "free")  # type: ignore[arg-type]
+    assert free is not None and "none (unallocated)" in free
     # alice owns llm: she may edit llm/a and llm/b, not llm itself nor vision
     tree = budget_html(gw, "alice")  # type: ignore[arg-type]
     editable = set(
@@ -386,6 +401,21 @@ async def test_without_auth_the_login_names_the_actor(jlog: JetStreamLog) -> Non
         await eventually(lambda: "free1" in gw.state.running, what="free1 placed")
         w = gw.state.running["free1"]
         assert w.submitted_by == "alice" and not w.allocated
+        # the Cancel button: for its submitter and the owners above its leaf only
+        async with s.get(f"{url}/ui/workload/free1") as r2:
+            assert "Cancel this workload" in await r2.text()
+        # (llm/b is owned by b, under llm owned by alice, under the root owned by ops)
+        for viewer, shown in (("mallory", False), ("vic", False), ("b", True), ("ops", True)):
+            async with session() as other:
+                assert (await login(other, url, viewer)).status == 303
+                async with other.get(f"{url}/ui/workload/free1") as r2:
+                    assert r2.status == 200
+                    assert ("Cancel this workload" in await r2.text()) == shown, viewer
+                if viewer == "mallory":  # no button, and the server refuses the request
+                    async with other.post(
+                        f"{url}/ui/workload/free1/cancel", allow_redirects=False
+                    ) as r2:
+                        assert r2.status == 303 and "error=" in r2.headers["Location"]
         async with s.post(f"{url}/ui/workload/free1/cancel", allow_redirects=False) as r2:
             assert r2.status == 303 and "ok=" in r2.headers["Location"]
         await eventually(lambda: gw.state.ended.get("free1") == "cancelled", what="cancelled")
@@ -395,6 +425,7 @@ def test_the_usage_page_charts_owed_and_delivered_per_team() -> None:
     from apportion.services.dashboard_views import usage_history_html
 
     f = cluster_with_a_preemption()
+    f.feed(at(submit("later", owner="vision", gpus=1, min_runtime_ms=HOUR), T0 + 6 * HOUR))
     gw = SimpleNamespace(state=f.state, history=f.history, auth=None, url=None)
     out = usage_history_html(gw, 6)  # type: ignore[arg-type]
     charts = re.findall(r'<svg id="usage-history-([^"]+)".*?</svg>', out)
@@ -421,6 +452,28 @@ def test_the_usage_page_charts_owed_and_delivered_per_team() -> None:
     assert usage_history_html(gw, 6, "nope").count("usage-history user") == 0  # type: ignore[arg-type]
     # the page has it under the usage chart
     assert '<svg id="usage-history-llm"' in usage_html(gw, 6)  # type: ignore[arg-type]
+
+
+def test_a_new_clusters_usage_charts_span_its_data_and_say_what_each_pct_is() -> None:
+    from apportion.services.dashboard_views import usage_history_html
+
+    f = Folded()
+    for e in small_cluster():
+        f.feed(at(e, T0))
+    f.feed(at(submit("paid", gpus=8, min_runtime_ms=HOUR), T0 + 60_000))
+    f.feed(at(submit("more", owner="vision", gpus=4, min_runtime_ms=HOUR), T0 + 9 * 60_000))
+    gw = SimpleNamespace(state=f.state, history=f.history, auth=None, url=None)
+    # minutes of data, a 7-day window: the axis is the hour that holds the data
+    out = usage_history_html(gw)  # type: ignore[arg-type]
+    assert "last 1 h" in out and out.count('class="hour"') == 2  # one hour, two teams
+    assert "the data covers only the last 1 h" in out and "not the 7 d window" in out
+    whole = usage_history_html(gw, 24)  # type: ignore[arg-type]
+    assert whole.count('class="hour"') == 2  # asking for a day: still only the data
+    # the two percentages are told apart: a legend line and a tooltip on each header
+    page = usage_html(gw)  # type: ignore[arg-type]
+    assert "Two different percentages" in page
+    assert re.search(r'<th title="usage ÷ allocation[^"]*">of allocation</th>', page)
+    assert re.search(r'<th title="[^"]*÷ its global share[^"]*">usage vs share</th>', page)
 
 
 def test_the_templates_layout_is_taken_out() -> None:

@@ -37,8 +37,10 @@ from apportion.schemas.events import (
     Slot,
     WorkloadCancelled,
     WorkloadFinished,
+    WorkloadHeld,
     WorkloadPlaced,
     WorkloadPreempted,
+    WorkloadReleased,
     WorkloadStarted,
     WorkloadSubmitted,
 )
@@ -258,7 +260,7 @@ def sample_events() -> list[Event]:
     """One event of every kind, every optional field set to a non-default value somewhere."""
     return [
         NodeRegistered(id="i1", at_ms=1, node="n1", gpus=8, gpu_type="h100"),
-        NodeHealthChanged(id="i2", at_ms=2, node="n1", state="draining"),
+        NodeHealthChanged(id="i2", at_ms=2, node="n1", state="draining", reason="bad fan"),
         BudgetSet(id="i3", at_ms=3, path="llm/pretrain", weight=3, owner="bob", actor="alice"),
         BudgetRemoved(id="i4", at_ms=4, path="llm/old", actor="alice"),
         PolicySet(
@@ -300,6 +302,8 @@ def sample_events() -> list[Event]:
         WorkloadStarted(id="i10", at_ms=9, workload="w1", attempt=2, node="n1", actor="agent:n1"),
         ClockTicked(id="i9", at_ms=9),
         InputsLost(id="i11", at_ms=9, first=3, through=5, actor="ops", note="block damaged"),
+        WorkloadHeld(id="i12", at_ms=9, workload="w1", actor="carol"),
+        WorkloadReleased(id="i13", at_ms=9, workload="w1", actor="ops"),
         WorkloadPlaced(
             id="d1",
             at_ms=10,

@@ -341,7 +341,7 @@ def usage_history_data(
         "team_charts": [charts.usage_history(t, start, count, top) for t in teams],
         "pick": [
             {
-                "href": href(n, None if t is shown else t["path"]),
+                "href": href(asked, None if t is shown else t["path"]),
                 "label": t["path"],
                 "active": t is shown,
             }

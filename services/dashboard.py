@@ -4,8 +4,8 @@ Pages (see docs/dashboard.md):
 
 | path | shows |
 |---|---|
-| ``/ui/`` | the cluster now: nodes by health, GPUs in use, a GPU timeline of the last hours (preemptible work hatched, preemptions marked) |
-| ``/ui/queue`` | pending work in queue order with the sort-key ratios per level (and the estimated start where the API gives one), running work, a submit form |
+| ``/ui/`` | the cluster now: nodes by health (state, GPUs used / free, protected-until, the last change's reason; Drain / Undrain / Down for operators), GPUs in use, a GPU timeline of the last hours (preemptible work hatched, preemptions marked) |
+| ``/ui/queue`` | pending work in queue order with its reason code and sentence, the sort-key ratios per level (and the estimated start where the API gives one), Hold / Release where the viewer may; running work; ``GET /v1/queue``'s filters; a submit form |
 | ``/ui/usage`` | each budget node's usage against its allocation over the lookback window; per team, owed vs delivered hour by hour (:mod:`~apportion.services.usage_history`) |
 | ``/ui/workload/{id}`` | why a workload is pending, preempted or placed where it is (the explain view), its attempts and their logs' locations, and the output of its last attempt (``?attempt=N``: another's) as the agents shipped it (the last :data:`LOG_LINES` lines) |
 | ``/ui/jobs`` | ended (or any) workloads, newest first, searched by id, submitter, team, state, end time (``GET /v1/jobs``'s query) |
@@ -19,8 +19,8 @@ own :class:`~apportion.services.auth.Authenticator` and keeps it in a cookie
 (:data:`COOKIE`: ``HttpOnly``, ``SameSite=Strict``, ``Path=/ui``). Every page
 checks the cookie's token with the same authenticator on every request (a
 revoked token stops working at once); without a valid one a page redirects to
-the login form and ``/ui/live`` answers 401. The forms (submit, cancel, budget
-edits) are forwarded to the JSON API (``/v1/...``) with the cookie's token as
+the login form and ``/ui/live`` answers 401. The forms (submit, cancel, hold, release,
+budget edits, node health) are forwarded to the JSON API (``/v1/...``) with the cookie's token as
 the bearer credential, so the API's validation and the fold's authority rules
 apply unchanged. A POST whose ``Origin`` is another site is refused (403).
 

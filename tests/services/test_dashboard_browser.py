@@ -2,9 +2,13 @@
 Playwright through ``executable_path``) against a real ``apportion up`` stack.
 
 It signs in through the login form, loads every page, submits a workload through
-the queue page's form, watches it get placed (the page updates itself), edits a
-budget, checks that the charts are drawn (SVG elements) and that no page logs a
-script error or a Content-Security-Policy violation. Screenshots go to
+the queue page's form, watches it get placed (the page updates itself), checks
+the queue's reason codes against the API's, holds and releases a workload,
+filters the queue, drains, downs and undrains nodes as an operator (and sees a
+non-operator get no actions), cancels a workload and searches the Jobs page's
+ended and filtered views, edits a budget, checks that the charts are drawn (SVG
+elements) and that no page logs a script error or a Content-Security-Policy
+violation. Screenshots go to
 ``build/screenshots/``.
 
 The test skips only when no Chromium can be found or installed (``make test``

@@ -95,6 +95,9 @@ def disagreements(jobs: JobHistory, state: State, con: duckdb.DuckDBPyConnection
                 out.append(f"{wid}: running {mine}, fold {fold}")
         if (job.ended_ms is None) != (w is not None):
             out.append(f"{wid}: ended_ms {job.ended_ms} for a {folded} workload")
+        fold_held = (None, None) if w is None or not w.held else (w.held_ms, w.held_by)
+        if (job.held_ms, job.held_by) != fold_held:
+            out.append(f"{wid}: held {(job.held_ms, job.held_by)}, fold {fold_held}")
     runs = sorted(
         con.execute(
             "SELECT workload, attempt, node, gpus, start_ms, end_ms, end_reason FROM runs"

@@ -37,13 +37,12 @@ TIME_POINTS = frozenset(
         "held_ms",
         "since_ms",
         "until_ms",
-        "from_ms",
+        "kept_from_ms",
         "next_wakeup_ms",
         "deadline_ms",
         "renewed_ms",
         "hour_start_ms",
         "day_start_ms",
-        "accepted_ms",
     }
 )
 """``*_ms`` keys that name a point in time (epoch ms): each gets an ``*_at`` beside it."""

@@ -83,6 +83,22 @@ def _client(url: str | None, timeout: float | None = None, token_file: Path | No
         raise UserError(str(exc)) from None
 
 
+def offline_or_live(
+    log_path: Path | None,
+    offline: Any,
+    route: str,
+    query: dict[str, str],
+    url: str | None,
+    timeout: float | None,
+    token_file: Path | None,
+) -> Any:
+    """The answer of a command with ``--log``: ``offline(log_path, query)`` from the
+    log, else the gateway's (``GatewayClient.<route>(**query)``)."""
+    if log_path is not None:
+        return offline(log_path, query)
+    return _call(getattr(_client(url, timeout, token_file), route), **query)
+
+
 def _deprecated_as(client: Any, value: str | None) -> None:
     """A note on stderr when ``--as`` is given to a client that sends a token."""
     if value is not None and client.token:
@@ -966,10 +982,7 @@ def jobs(
             query[key] = value
     if limit is not None:
         query["limit"] = str(limit)
-    if log_path is not None:
-        data = jobs_offline(log_path, query)
-    else:
-        data = _call(_client(url, timeout, token_file).jobs, **query)
+    data = offline_or_live(log_path, jobs_offline, "jobs", query, url, timeout, token_file)
     if as_json:
         _echo_json(data)
         return

@@ -15,11 +15,10 @@ import click
 from apportion.cli import UserError, echo_json, main
 from apportion.cli_live import (
     URL_HELP,
-    _call,
-    _client,
     _offline_log_option,
     _timeout_option,
     _token_option,
+    offline_or_live,
 )
 
 _WHEN_HELP = (
@@ -157,10 +156,7 @@ def report(
         for k, v in (("since", since), ("until", until), ("by", by), ("team", team))
         if v is not None
     }
-    if log_path is not None:
-        data = report_offline(log_path, query)
-    else:
-        data = _call(_client(url, timeout, token_file).report, **query)
+    data = offline_or_live(log_path, report_offline, "report", query, url, timeout, token_file)
     if as_json:
         echo_json(data)
         return

@@ -1052,13 +1052,21 @@ def openapi_document() -> dict[str, Any]:
             "schema": {"type": "string", "maxLength": MAX_PATH_LEN},
         },
     ]
-    gpu_type = {  # the filter /v1/queue and /v1/jobs share
-        "name": "gpu_type",
-        "in": "query",
-        "description": "the GPU type the work asked for: one of the cluster's (else 400, "
-        "listing them) or any",
-        "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
-    }
+
+    def query(name: str, description: str, **bounds: Any) -> dict[str, Any]:
+        """A string query parameter (``bounds``: more of its schema, e.g. ``maxLength``)."""
+        return {
+            "name": name,
+            "in": "query",
+            "description": description,
+            "schema": {"type": "string", **bounds},
+        }
+
+    gpu_type = query(  # the filter /v1/queue and /v1/jobs share
+        "gpu_type",
+        "the GPU type the work asked for: one of the cluster's (else 400, listing them) or any",
+        maxLength=MAX_NAME_LEN,
+    )
     unauthenticated = {
         "description": "no credential, or one the gateway does not know",
         "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}},
@@ -1171,27 +1179,17 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "summary": "Ended (or any) workloads, newest first, with filters",
                     "parameters": [
-                        {
-                            "name": "state",
-                            "in": "query",
-                            "description": "statuses, comma-separated, or ended (default), "
-                            "live, all",
-                            "schema": {"type": "string"},
-                        },
+                        query(
+                            "state",
+                            "statuses, comma-separated, or held, ended (default), live, all",
+                        ),
                         *user_and_team,
-                        {
-                            "name": "id",
-                            "in": "query",
-                            "description": "part of the workload id",
-                            "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
-                        },
-                        {
-                            "name": "since",
-                            "in": "query",
-                            "description": "ended since: a duration back (2d, 12h; at most a "
-                            "year), an ISO-8601 time or epoch ms",
-                            "schema": {"type": "string"},
-                        },
+                        query("id", "part of the workload id", maxLength=MAX_NAME_LEN),
+                        query(
+                            "since",
+                            "ended since: a duration back (2d, 12h; at most a year), an "
+                            "ISO-8601 time or epoch ms",
+                        ),
                         {
                             "name": "limit",
                             "in": "query",
@@ -1213,33 +1211,27 @@ def openapi_document() -> dict[str, Any]:
                     "or day (like sreport)",
                     "parameters": [
                         *(
-                            {
-                                "name": name,
-                                "in": "query",
-                                "description": f"{words}: a duration back (7d, 12h), an "
-                                "ISO-8601 date or time (UTC if no zone), epoch ms or simulated "
-                                f"time (day 3 14:05); at most {MAX_REPORT_MS // 86_400_000} "
-                                "days in all",
-                                "schema": {"type": "string"},
-                            }
+                            query(
+                                name,
+                                f"{words}: a duration back (7d, 12h), an ISO-8601 date or time "
+                                "(UTC if no zone), epoch ms or simulated time (day 3 14:05); at "
+                                f"most {MAX_REPORT_MS // 86_400_000} days in all",
+                            )
                             for name, words in (
                                 ("since", "from (default: the first hour kept)"),
                                 ("until", "to (default: now)"),
                             )
                         ),
-                        {
-                            "name": "by",
-                            "in": "query",
-                            "description": f"group rows by one or two of {', '.join(REPORT_BY)}, "
+                        query(
+                            "by",
+                            f"group rows by one or two of {', '.join(REPORT_BY)}, "
                             "comma-separated (not team and user; default team)",
-                            "schema": {"type": "string"},
-                        },
-                        {
-                            "name": "team",
-                            "in": "query",
-                            "description": "only teams (and users) at or below this budget path",
-                            "schema": {"type": "string", "maxLength": MAX_PATH_LEN},
-                        },
+                        ),
+                        query(
+                            "team",
+                            "only teams (and users) at or below this budget path",
+                            maxLength=MAX_PATH_LEN,
+                        ),
                     ],
                     "responses": {"200": ok, "400": err},
                 }

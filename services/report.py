@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
+import msgspec
 from apportion.core.budget import ROOT, BudgetTree
 from apportion.core.rules.classes import team_of
 from apportion.schemas.bounds import MAX_PATH_LEN
@@ -50,23 +51,14 @@ FIGURES = (
 """The GPU-hour columns of a row (then ``delivery_ratio``), in order."""
 
 
-class ReportQuery:
+class ReportQuery(msgspec.Struct, frozen=True):
     """What to report: the period (``None``: from the first hour held / to now),
     the grouping, and optionally one team (a budget path: it and its subtree)."""
 
-    __slots__ = ("since_ms", "until_ms", "by", "team")
-
-    def __init__(
-        self,
-        since_ms: int | None = None,
-        until_ms: int | None = None,
-        by: tuple[str, ...] = ("team",),
-        team: str | None = None,
-    ) -> None:
-        self.since_ms = since_ms
-        self.until_ms = until_ms
-        self.by = by
-        self.team = team
+    since_ms: int | None = None
+    until_ms: int | None = None
+    by: tuple[str, ...] = ("team",)
+    team: str | None = None
 
     @classmethod
     def parse(cls, query: Mapping[str, str], now_ms: int) -> ReportQuery:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 
 import aiohttp
 import pytest
 from apportion.services.bus import JetStreamLog
 from conftest import Credentials
-from services_helpers import APPORTION_CMD, eventually, gateway_on
+from services_helpers import APPORTION_CMD, cli_env, eventually, gateway_on
 
 HOUR_MS = 3_600_000
 
@@ -106,11 +105,7 @@ async def test_queue_filters_over_http_and_the_cli(jlog: JetStreamLog, creds: Cr
         assert names == ["user", "team", "state", "gpu_type"]
 
         # the command line
-        env = {
-            **os.environ,
-            "APPORTION_URL": url,
-            "APPORTION_TOKEN_FILE": str(creds.token_files["alice"]),
-        }
+        env = cli_env(url, creds.token_files["alice"])
         out = await asyncio.to_thread(_cli, "queue", env=env)
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
@@ -181,11 +176,7 @@ async def test_gpu_type_filter_on_queue_and_jobs(jlog: JetStreamLog, creds: Cred
         jobs_params = [p["name"] for p in doc["paths"]["/v1/jobs"]["get"]["parameters"]]
         assert "gpu_type" in jobs_params
 
-        env = {
-            **os.environ,
-            "APPORTION_URL": url,
-            "APPORTION_TOKEN_FILE": str(creds.token_files["ops"]),
-        }
+        env = cli_env(url, creds.token_files["ops"])
         out = await asyncio.to_thread(_cli, "queue", "--gpu-type", "h100", "--json", env=env)
         assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)

@@ -8,7 +8,6 @@ import asyncio
 import csv
 import io
 import json
-import os
 import subprocess
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 from apportion.schemas.times import DURATIONS, TIME_POINTS, iso_key, iso_utc
 from apportion.services.bus import JetStreamLog
 from conftest import Credentials
-from services_helpers import APPORTION_CMD, eventually, gateway_on
+from services_helpers import APPORTION_CMD, cli_env, eventually, gateway_on
 
 HOUR_MS = 3_600_000
 
@@ -145,11 +144,7 @@ async def test_report_over_http_and_the_cli(jlog: JetStreamLog, creds: Credentia
         assert "min_runtime_at" not in queue["running"][0]
 
         # the command line
-        env = {
-            **os.environ,
-            "APPORTION_URL": url,
-            "APPORTION_TOKEN_FILE": str(creds.token_files["ops"]),
-        }
+        env = cli_env(url, creds.token_files["ops"])
         out = await asyncio.to_thread(_cli, "report", env=env)
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()

@@ -296,6 +296,8 @@ def sample_events() -> list[Event]:
             grace_ms=60_000,
         ),
         WorkloadCancelled(id="i7", at_ms=7, workload="w1", actor="carol"),
+        WorkloadHeld(id="i12", at_ms=7, workload="w1", actor="carol"),
+        WorkloadReleased(id="i13", at_ms=7, workload="w1", actor="ops"),
         WorkloadFinished(
             id="i8", at_ms=8, workload="w1", outcome="failed", attempt=2, exit_code=-9, actor="x"
         ),
@@ -331,7 +333,8 @@ def reference_order(state: State) -> list[str]:
     """The documented order taken literally: per level ``(ratio, -weight, path)`` from
     the top level down, ratio = (charged usage + committed) / weight, committed = GPUs
     x the rest of the protection of running allocated work under the path (not on a
-    down node); then ``-priority``, submit time, id; unallocated after, by submit time, id."""
+    down node); then ``-priority``, submit time, id; unallocated after, by submit time, id.
+    Held work is out of the order (no cycle walks it)."""
     nodes = state.budget.nodes
     now = state.now_ms
 
@@ -354,4 +357,4 @@ def reference_order(state: State) -> list[str]:
         ]
         return (0, levels, -w.priority, w.submitted_ms, w.id)
 
-    return [w.id for w in sorted(state.pending.values(), key=key)]
+    return [w.id for w in sorted((w for w in state.pending.values() if not w.held), key=key)]

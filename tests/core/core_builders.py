@@ -304,8 +304,6 @@ def sample_events() -> list[Event]:
         WorkloadStarted(id="i10", at_ms=9, workload="w1", attempt=2, node="n1", actor="agent:n1"),
         ClockTicked(id="i9", at_ms=9),
         InputsLost(id="i11", at_ms=9, first=3, through=5, actor="ops", note="block damaged"),
-        WorkloadHeld(id="i12", at_ms=9, workload="w1", actor="carol"),
-        WorkloadReleased(id="i13", at_ms=9, workload="w1", actor="ops"),
         WorkloadPlaced(
             id="d1",
             at_ms=10,

@@ -296,14 +296,14 @@ def sample_events() -> list[Event]:
             grace_ms=60_000,
         ),
         WorkloadCancelled(id="i7", at_ms=7, workload="w1", actor="carol"),
+        WorkloadHeld(id="i12", at_ms=7, workload="w1", actor="carol"),
+        WorkloadReleased(id="i13", at_ms=7, workload="w1", actor="ops"),
         WorkloadFinished(
             id="i8", at_ms=8, workload="w1", outcome="failed", attempt=2, exit_code=-9, actor="x"
         ),
         WorkloadStarted(id="i10", at_ms=9, workload="w1", attempt=2, node="n1", actor="agent:n1"),
         ClockTicked(id="i9", at_ms=9),
         InputsLost(id="i11", at_ms=9, first=3, through=5, actor="ops", note="block damaged"),
-        WorkloadHeld(id="i12", at_ms=9, workload="w1", actor="carol"),
-        WorkloadReleased(id="i13", at_ms=9, workload="w1", actor="ops"),
         WorkloadPlaced(
             id="d1",
             at_ms=10,
@@ -331,7 +331,8 @@ def reference_order(state: State) -> list[str]:
     """The documented order taken literally: per level ``(ratio, -weight, path)`` from
     the top level down, ratio = (charged usage + committed) / weight, committed = GPUs
     x the rest of the protection of running allocated work under the path (not on a
-    down node); then ``-priority``, submit time, id; unallocated after, by submit time, id."""
+    down node); then ``-priority``, submit time, id; unallocated after, by submit time, id.
+    Held work is out of the order (no cycle walks it)."""
     nodes = state.budget.nodes
     now = state.now_ms
 
@@ -354,4 +355,4 @@ def reference_order(state: State) -> list[str]:
         ]
         return (0, levels, -w.priority, w.submitted_ms, w.id)
 
-    return [w.id for w in sorted(state.pending.values(), key=key)]
+    return [w.id for w in sorted((w for w in state.pending.values() if not w.held), key=key)]

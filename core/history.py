@@ -147,16 +147,18 @@ def fold_item(state: State, item: HistoryItem) -> str | None:
         before = len(rejections)
         event = item.event
         if event is not None:
-            refusal = identity_refusal(state, item)  # folded once (rules/identity.py)
-            if refusal is None:
-                remember(state, item)
+            refusal = None
             subject = item.subject
-            if subject is not None and refusal is None:  # None: simulations, older files
+            if subject is not None:  # None: simulations, older files
                 refusal = subject_refusal(subject, kind_of(event))
                 host = subject_host(subject) if refusal is None else None
                 if host is not None:
                     event = as_agent(event, host)  # the actor is the subject's host's agent
                     refusal = host_refusal(state, host, event)
+            if refusal is None:
+                refusal = identity_refusal(state, item)  # folded once (rules/identity.py)
+                if refusal is None:
+                    remember(state, item)
             if refusal is None:
                 apply(state, event)
             else:

@@ -255,7 +255,12 @@ class EventLog(Protocol):
 
     async def publish_inputs(self, events: list[Input]) -> list[PublishResult]: ...
 
-    async def publish_raw_input(self, data: bytes, msg_id: str | None = None) -> PublishResult: ...
+    async def publish_raw_input(
+        self, data: bytes, msg_id: str | None = None, kind: str = "raw"
+    ) -> PublishResult:
+        """Store ``data`` as it is on the subject of ``kind`` (tests: bytes a
+        credential may send on its own subjects)."""
+        ...
 
     async def publish_batch(self, batch: DecisionBatch, expected_last_seq: int) -> int:
         """Append ``batch``; raise :class:`Fenced` unless DECISIONS ends at ``expected_last_seq``."""
@@ -403,8 +408,10 @@ class MemoryLog:
             self._append_input(encode(stamped(e, self._now())), e.id, subject(e)) for e in events
         ]
 
-    async def publish_raw_input(self, data: bytes, msg_id: str | None = None) -> PublishResult:
-        return self._append_input(data, msg_id, self.subjects.input_subject("raw"))
+    async def publish_raw_input(
+        self, data: bytes, msg_id: str | None = None, kind: str = "raw"
+    ) -> PublishResult:
+        return self._append_input(data, msg_id, self.subjects.input_subject(kind))
 
     async def publish_batch(self, batch: DecisionBatch, expected_last_seq: int) -> int:
         if len(self.batches) != expected_last_seq:
@@ -630,9 +637,11 @@ class JetStreamLog:
         acks = await asyncio.gather(*futures)
         return [PublishResult(seq=a.seq, duplicate=bool(a.duplicate)) for a in acks]
 
-    async def publish_raw_input(self, data: bytes, msg_id: str | None = None) -> PublishResult:
+    async def publish_raw_input(
+        self, data: bytes, msg_id: str | None = None, kind: str = "raw"
+    ) -> PublishResult:
         headers = {HDR_MSG_ID: msg_id} if msg_id else None
-        ack = await self.js.publish(self.subjects.input_subject("raw"), data, headers=headers)
+        ack = await self.js.publish(self.subjects.input_subject(kind), data, headers=headers)
         return PublishResult(seq=ack.seq, duplicate=bool(ack.duplicate))
 
     async def publish_batch(self, batch: DecisionBatch, expected_last_seq: int) -> int:
@@ -750,10 +759,16 @@ class JetStreamLog:
     async def input_gaps(self, timeout: float = 10.0) -> list[InputGap]:
         """Every run of sequences missing from INPUTS (read through, from 1 to its
         last sequence), each with the acceptance that bridges it, if any."""
+        from apportion.core.history import bridge_refusal, fold_item
+        from apportion.core.state import State
+
         last = await self.last_input_seq()
         tail = self.tail_inputs(1, bridge=False)
         missing: list[tuple[int, int]] = []
         expected = 1
+        # who may accept a loss (an operator) is judged as the fold judges it, in the
+        # state of the inputs before the gap (operators depend on inputs alone)
+        inputs_only, at_gap = State(), {}
         try:
             while tail.position < last:
                 items = await tail.take(10_000, timeout)
@@ -762,7 +777,10 @@ class JetStreamLog:
                 for item in items:
                     if item.seq > expected:
                         missing.append((expected, item.seq - 1))
+                        at_gap[expected] = inputs_only.copy()
+                        inputs_only.input_seq = item.seq - 1  # read on past the gap
                     expected = item.seq + 1
+                    fold_item(inputs_only, item)
         finally:
             await tail.close()
         if expected <= last:
@@ -781,7 +799,12 @@ class JetStreamLog:
                 lost.append((run_start, through))
         out = []
         for first, through in lost:
-            found = await self.accepted_loss(first, through + 1)
+            state = next((at_gap[k] for k in sorted(at_gap, reverse=True) if k <= first), None)
+
+            def may_accept(item: InputItem, state: State | None = state) -> bool:
+                return state is None or bridge_refusal(state, item) is None
+
+            found = await self.accepted_loss(first, through + 1, may_accept)
             placed = found[0] if found is not None else None
             event = placed.event if placed is not None else None
             out.append(

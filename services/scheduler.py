@@ -411,12 +411,17 @@ class Scheduler:
         lost = lost_range(item)
         if lost is None:
             e = item.event
-            if isinstance(e, InputsLost) and not any(
-                (first, through) == (e.first, e.through) for first, through, _ in self._lost
+            state = self.state
+            if (
+                isinstance(e, InputsLost)
+                and state is not None
+                and not any(
+                    (first, through) == (e.first, e.through) for first, through, _ in self._lost
+                )
+                and self._may_accept(item)  # another's record bridges nothing: refused
+                and e.first <= e.through < state.input_seq
             ):
-                state = self.state
-                if state is not None and e.first <= e.through < state.input_seq:
-                    raise HistoryGap(e.first, e.through, held=True)
+                raise HistoryGap(e.first, e.through, held=True)
             return
         stored_at = getattr(tail, "bridged", {}).get(item.seq, lost[1] + 1)
         entry = (lost[0], lost[1], stored_at - 1)

@@ -128,11 +128,14 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def gateway_on(log: JetStreamLog, auth: Any) -> AsyncIterator[Gateway]:
-    """A supervised scheduler and a gateway (checking ``auth``; ``None``: no auth) on
-    ``log`` with :func:`small_cluster` published first, the gateway caught up with it."""
-    await log.publish_inputs(small_cluster())
-    scheduler, gateway = Scheduler(log), Gateway(log, auth=auth)
+async def gateway_on(
+    log: JetStreamLog, op: JetStreamLog, gw: JetStreamLog, auth: Any
+) -> AsyncIterator[Gateway]:
+    """A supervised scheduler (on ``log``, the scheduler's) and a gateway (on ``gw``,
+    the gateway's; checking ``auth``, ``None``: no auth) with :func:`small_cluster`
+    published first by the operator (``op``), the gateway caught up with it."""
+    await op.publish_inputs(small_cluster())
+    scheduler, gateway = Scheduler(log), Gateway(gw, auth=auth)
     stop = asyncio.Event()
     tasks = [
         asyncio.create_task(supervise_scheduler(scheduler, stop)),

@@ -250,9 +250,12 @@ async def inputs_of(log: JetStreamLog) -> list[Any]:
 
 
 async def test_every_v1_request_but_status_needs_a_known_token(
-    jlog: JetStreamLog, creds: Credentials
+    jlog: JetStreamLog,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway:
         url = gateway.url
         wrong = bearer("apt_" + "x" * 43)
         submit = {"id": "j1", "owner": "llm/a", "gpus": 1, "min_runtime_ms": 0}
@@ -300,9 +303,12 @@ async def test_every_v1_request_but_status_needs_a_known_token(
 
 
 async def test_the_actor_is_the_tokens_principal_whatever_the_body_says(
-    jlog: JetStreamLog, creds: Credentials
+    jlog: JetStreamLog,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway:
         url = gateway.url
 
         async def call(as_: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -366,9 +372,12 @@ async def test_the_actor_is_the_tokens_principal_whatever_the_body_says(
 
 
 async def test_a_revoked_token_is_refused_by_the_running_gateway(
-    jlog: JetStreamLog, creds: Credentials
+    jlog: JetStreamLog,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway:
         url = gateway.url
         status, _, _ = await asyncio.to_thread(
             http, "GET", url + "/v1/queue", None, creds.headers("b")
@@ -386,11 +395,13 @@ async def test_a_revoked_token_is_refused_by_the_running_gateway(
 
 async def test_without_auth_the_gateway_warns_and_takes_the_actor_from_the_body(
     jlog: JetStreamLog,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
 ) -> None:
     out = io.StringIO()
     logs.configure("warning", stream=out)
     try:
-        async with gateway_on(jlog, None) as gateway:
+        async with gateway_on(jlog, oplog, gwlog, None) as gateway:
             status, answer, _ = await asyncio.to_thread(
                 http,
                 "POST",
@@ -437,9 +448,13 @@ def bare_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 async def test_the_cli_sends_its_token_and_a_401_is_one_line(
-    jlog: JetStreamLog, creds: Credentials, tmp_path: Path
+    jlog: JetStreamLog,
+    creds: Credentials,
+    tmp_path: Path,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway:
         env = bare_env(tmp_path, APPORTION_URL=gateway.url or "")
         a_file = str(creds.token_files["a"])
 
@@ -556,10 +571,8 @@ def up(folder: Path, nats_url: str | None, cluster: str, *extra: str) -> Any:
                 proc.wait(60)
 
 
-async def test_up_makes_tokens_for_the_admin_and_the_owners(
-    nats_server: Any, cluster: str, tmp_path: Path
-) -> None:
-    with up(tmp_path, nats_server.url, cluster) as (printed, url):
+async def test_up_makes_tokens_for_the_admin_and_the_owners(cluster: str, tmp_path: Path) -> None:
+    with up(tmp_path, None, cluster) as (printed, url):
         folder = (tmp_path / ".apportion" / "credentials").resolve()
         for principal in ("admin", "alice", "victor"):
             path = folder / f"{principal}.token"
@@ -610,14 +623,12 @@ async def test_up_makes_tokens_for_the_admin_and_the_owners(
         assert answer["submitted_by"] == "alice"
     # a second `up` on the same folder keeps the tokens
     tokens = {p: read_token_file(folder / f"{p}.token") for p in ("admin", "alice", "victor")}
-    with up(tmp_path, nats_server.url, cluster):
+    with up(tmp_path, None, cluster):
         assert {p: read_token_file(folder / f"{p}.token") for p in tokens} == tokens
 
 
-async def test_up_without_auth_warns_and_makes_no_tokens(
-    nats_server: Any, cluster: str, tmp_path: Path
-) -> None:
-    with up(tmp_path, nats_server.url, cluster, "--no-auth") as (printed, url):
+async def test_up_without_auth_warns_and_makes_no_tokens(cluster: str, tmp_path: Path) -> None:
+    with up(tmp_path, None, cluster, "--no-auth") as (printed, url):
         assert "WARNING: --no-auth" in printed and "no authentication" in printed
         assert not (tmp_path / ".apportion" / "credentials").exists()
         deadline = time.monotonic() + 60
@@ -732,7 +743,10 @@ async def test_an_older_data_folder_keeps_its_history_under_users(tmp_path: Path
 
 
 async def test_a_flood_of_401s_is_counted_and_logged_once(
-    jlog: JetStreamLog, creds: Credentials
+    jlog: JetStreamLog,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
 ) -> None:
     """Every 401 counts in ``apportion_gateway_unauthenticated_total``; the log gets
     at most one line a minute (issue 24, item 6: log flooding)."""
@@ -745,7 +759,7 @@ async def test_a_flood_of_401s_is_counted_and_logged_once(
         def __getattr__(self, name: str) -> Any:
             return lambda *a, **kw: None
 
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway:
         gateway.logger = Recorder()  # type: ignore[assignment]
         for _ in range(30):
             status, _, _ = await asyncio.to_thread(
@@ -763,9 +777,12 @@ async def test_a_flood_of_401s_is_counted_and_logged_once(
 
 
 async def test_405_says_what_is_allowed_and_a_nul_is_refused(
-    jlog: JetStreamLog, creds: Credentials
+    jlog: JetStreamLog,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway:
         status, answer, headers = await asyncio.to_thread(
             http, "DELETE", f"{gateway.url}/v1/queue", None, creds.headers()
         )

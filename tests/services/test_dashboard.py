@@ -311,8 +311,10 @@ async def login(s: aiohttp.ClientSession, url: str, token: str) -> aiohttp.Clien
 
 
 @pytest.mark.nats
-async def test_login_cookie_pages_and_forms(jlog: JetStreamLog, creds: Credentials) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw, session() as s:
+async def test_login_cookie_pages_and_forms(
+    jlog: JetStreamLog, creds: Credentials, oplog: JetStreamLog, gwlog: JetStreamLog
+) -> None:
+    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gw, session() as s:
         url = gw.url
         # no cookie: pages send to the login form, the live endpoint says 401
         async with s.get(f"{url}/ui/queue", allow_redirects=False) as r:
@@ -386,8 +388,10 @@ async def test_login_cookie_pages_and_forms(jlog: JetStreamLog, creds: Credentia
 
 
 @pytest.mark.nats
-async def test_without_auth_the_login_names_the_actor(jlog: JetStreamLog) -> None:
-    async with gateway_on(jlog, None) as gw, session() as s:
+async def test_without_auth_the_login_names_the_actor(
+    jlog: JetStreamLog, oplog: JetStreamLog, gwlog: JetStreamLog
+) -> None:
+    async with gateway_on(jlog, oplog, gwlog, None) as gw, session() as s:
         url = gw.url
         async with s.get(f"{url}/ui/login") as r:
             assert "name to act as" in await r.text()

@@ -408,11 +408,19 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.nats
-async def test_jobs_endpoint_cli_and_page(jlog: JetStreamLog, creds: Credentials) -> None:
+async def test_jobs_endpoint_cli_and_page(
+    jlog: JetStreamLog,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
+    log_as,
+) -> None:
     import os
 
+    from apportion.services.natsconf import agent_user
+
     async with (
-        gateway_on(jlog, creds.authenticator) as gw,
+        gateway_on(jlog, oplog, gwlog, creds.authenticator) as gw,
         aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as s,
     ):
         url, ops, alice = gw.url, creds.headers("ops"), creds.headers("alice")
@@ -425,7 +433,8 @@ async def test_jobs_endpoint_cli_and_page(jlog: JetStreamLog, creds: Credentials
             what="two placed, one waiting",
         )
         host = gw.state.running["done"].placement[0].node
-        await jlog.publish_input(
+        agent = await log_as(agent_user(host))  # the host's agent reports the end
+        await agent.publish_input(
             WorkloadFinished(
                 id="fin-done",
                 at_ms=0,

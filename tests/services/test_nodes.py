@@ -61,9 +61,15 @@ async def _rejected(log: JetStreamLog, ref: str) -> InputRejected | None:
 
 @pytest.mark.nats
 async def test_nodes_list_and_health_changes_over_http_and_the_cli(
-    jlog: JetStreamLog, creds: Credentials
+    jlog: JetStreamLog,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw, aiohttp.ClientSession() as s:
+    async with (
+        gateway_on(jlog, oplog, gwlog, creds.authenticator) as gw,
+        aiohttp.ClientSession() as s,
+    ):
         url = gw.url
         ops, alice, mallory = creds.headers("ops"), creds.headers("alice"), creds.headers("mallory")
         spec = {"owner": "llm/a", "gpus": 8, "min_runtime_ms": 3_600_000, "id": "big"}
@@ -137,7 +143,7 @@ async def test_nodes_list_and_health_changes_over_http_and_the_cli(
         # the fold has the last word: a change published by someone else around the
         # gateway is refused in the history, and a replay of it refuses it too
         evil = NodeHealthChanged(id="evil", at_ms=0, node=busy, state="down", actor="mallory")
-        await jlog.publish_input(evil)
+        await oplog.publish_input(evil)
         await eventually(lambda: _rejected(jlog, "evil"), what="the rejection")
         rejection = await _rejected(jlog, "evil")
         assert rejection is not None and rejection.code == "not_authorised"

@@ -34,8 +34,13 @@ def _ids(rows: list[dict]) -> list[str]:
 
 
 @pytest.mark.nats
-async def test_queue_filters_over_http_and_the_cli(jlog: JetStreamLog, creds: Credentials) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw, aiohttp.ClientSession() as s:
+async def test_queue_filters_over_http_and_the_cli(
+    jlog: JetStreamLog, creds: Credentials, oplog: JetStreamLog, gwlog: JetStreamLog
+) -> None:
+    async with (
+        gateway_on(jlog, oplog, gwlog, creds.authenticator) as gw,
+        aiohttp.ClientSession() as s,
+    ):
         url = gw.url
         # two 8-GPU nodes: a1 (alice, llm/a) and v1 (vic, vision) run; three wait
         for wid, owner, who in (

@@ -326,12 +326,20 @@ def test_follows_the_fold_through_a_simulation() -> None:
 
 
 @pytest.mark.nats
-async def test_the_api_and_the_usage_page(jlog: JetStreamLog, creds: Credentials) -> None:
+async def test_the_api_and_the_usage_page(
+    jlog: JetStreamLog,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
+) -> None:
     import aiohttp
     from services_helpers import eventually, gateway_on
 
-    async with gateway_on(jlog, creds.authenticator) as gw, aiohttp.ClientSession() as http:
-        await jlog.publish_inputs(
+    async with (
+        gateway_on(jlog, oplog, gwlog, creds.authenticator) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        await oplog.publish_inputs(
             [
                 submit("A", owner="llm/a", gpus=8, min_runtime_ms=H),
                 submit("B", owner="llm/b", gpus=4, min_runtime_ms=0),  # free: not counted
@@ -369,7 +377,7 @@ async def test_the_api_and_the_usage_page(jlog: JetStreamLog, creds: Credentials
             assert "/v1/usage/history" in (await r.json())["paths"]
     # the page: one chart per team on the usage page
     async with (
-        gateway_on(jlog, None) as gw,
+        gateway_on(jlog, oplog, gwlog, None) as gw,
         aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as s,
     ):
         async with s.post(f"{gw.url}/ui/login", data={"token": "ops"}) as r:

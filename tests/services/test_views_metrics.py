@@ -47,13 +47,17 @@ def sample(text: str, name: str, **labels: str) -> float | None:
 
 
 async def test_estimates_through_the_api(
-    jlog: JetStreamLog, creds: Credentials, tmp_path: Path
+    jlog: JetStreamLog,
+    creds: Credentials,
+    tmp_path: Path,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw:
-        await jlog.publish_input(submit("p", owner="llm/a", gpus=16, min_runtime_ms=HOUR))
+    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gw:
+        await oplog.publish_input(submit("p", owner="llm/a", gpus=16, min_runtime_ms=HOUR))
         await eventually(lambda: gw.history.placed.get("p") is not None, what="p placed")
-        await jlog.publish_input(submit("q", owner="vision", gpus=8, min_runtime_ms=60_000))
-        await jlog.publish_input(submit("u", owner="llm/b", gpus=1, min_runtime_ms=0))
+        await oplog.publish_input(submit("q", owner="vision", gpus=8, min_runtime_ms=60_000))
+        await oplog.publish_input(submit("u", owner="llm/b", gpus=1, min_runtime_ms=0))
         await eventually(
             lambda: set(gw.state.pending) == {"q", "u"} and gw.history.basis == gw.state.input_seq,
             what="q and u pending after a cycle",
@@ -92,12 +96,17 @@ async def test_estimates_through_the_api(
         assert json.loads(out.stdout) == ex
 
 
-async def test_metrics_endpoint(jlog: JetStreamLog, creds: Credentials) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw:
-        await jlog.publish_input(submit("p", owner="llm/a", gpus=16, min_runtime_ms=HOUR))
-        await jlog.publish_input(submit("q", owner="vision", gpus=8, min_runtime_ms=60_000))
-        await jlog.publish_input(submit("x", owner="no/such", gpus=1))  # rejected: invalid
-        await jlog.publish_raw_input(b"not an event", "junk-1")  # rejected: malformed
+async def test_metrics_endpoint(
+    jlog: JetStreamLog,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
+) -> None:
+    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gw:
+        await oplog.publish_input(submit("p", owner="llm/a", gpus=16, min_runtime_ms=HOUR))
+        await oplog.publish_input(submit("q", owner="vision", gpus=8, min_runtime_ms=60_000))
+        await oplog.publish_input(submit("x", owner="no/such", gpus=1))  # rejected: invalid
+        await oplog.publish_raw_input(b"not an event", "junk-1", kind="WorkloadSubmitted")
         last = await jlog.last_input_seq()
         await eventually(
             lambda: gw.state.input_seq >= last and gw.history.basis == last, what="caught up"

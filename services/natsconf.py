@@ -129,6 +129,12 @@ class _Cluster:
         """What every reader asks: batched direct gets, and ``last_by_subj`` for the
         last sequence (the JetStream API, stream info included, answers only inside
         APPORTION)."""
+        self.leader_gets = [f"$JS.API.STREAM.MSG.GET.INPUTS_{c}"]
+        """An input as the stream's leader holds it (a replica that answered a direct
+        get may have lost it: a damaged R3 member). The scheduler's only: the
+        JetStream API answers a request as if for the account it came from, so an
+        import of it into another account is answered "JetStream not enabled for
+        account" (docs/security.md, "Readers and a damaged replica")."""
         self.wakes = [f"{inputs}.>", decisions]
         self.logs_stream = logs_stream = stream_name(c)
         self.log_reads = [f"$JS.API.DIRECT.GET.{logs_stream}"]
@@ -168,6 +174,7 @@ def _scheduler_api(k: _Cluster) -> list[str]:
     return [
         *(f"$JS.API.STREAM.INFO.{s}" for s in k.streams),
         *k.reads,
+        *k.leader_gets,
         *(f"$JS.API.STREAM.CREATE.{s}" for s in k.streams),
         *(f"$JS.API.STREAM.UPDATE.{s}" for s in k.streams),
         f"$JS.API.STREAM.INFO.{logs_stream}",

@@ -38,6 +38,7 @@ import pytest
 from apportion.services import logs, stack
 from apportion.services.natsconf import accounts_conf, user_url, users_of
 from apportion.services.stack import free_port
+from services_helpers import Roles
 
 if TYPE_CHECKING:
     from apportion.services.bus import JetStreamLog
@@ -322,6 +323,12 @@ async def oplog(jlog: JetStreamLog, log_as: LogMaker) -> JetStreamLog:
 async def gwlog(jlog: JetStreamLog, log_as: LogMaker) -> JetStreamLog:
     """The gateway's log of the test's cluster (its streams created)."""
     return await log_as("gateway")
+
+
+@pytest.fixture
+def roles(jlog: JetStreamLog, oplog: JetStreamLog, gwlog: JetStreamLog) -> Roles:
+    """The scheduler's, the operator's and the gateway's logs of the test's cluster."""
+    return Roles(jlog, oplog, gwlog)
 
 
 @pytest.fixture

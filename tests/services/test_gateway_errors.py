@@ -32,7 +32,7 @@ from apportion.services.gateway import HTTP_STATUS, MAX_BODY_BYTES
 from conftest import production_server
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from services_helpers import eventually, gateway_on, small_cluster
+from services_helpers import Roles, eventually, gateway_on, small_cluster
 
 if TYPE_CHECKING:
     from conftest import Credentials
@@ -146,12 +146,9 @@ def requests(draw: st.DrawFn) -> tuple[str, str, bytes | None]:
 
 
 async def test_bad_requests_get_a_json_error_and_never_a_5xx(
-    jlog: JetStreamLog,
-    creds: Credentials,
-    oplog: JetStreamLog,
-    gwlog: JetStreamLog,
+    roles: Roles, creds: Credentials
 ) -> None:
-    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         url = gateway.url
         assert url is not None
         seen: dict[int, int] = {}
@@ -185,11 +182,9 @@ async def test_bad_requests_get_a_json_error_and_never_a_5xx(
         assert status == 200 and answer["input_seq"] >= len(small_cluster())
 
 
-async def test_bounds_and_sizes_are_named_in_4xx(
-    jlog: JetStreamLog, creds: Credentials, oplog: JetStreamLog, gwlog: JetStreamLog
-) -> None:
+async def test_bounds_and_sizes_are_named_in_4xx(roles: Roles, creds: Credentials) -> None:
     async with (
-        gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway,
+        gateway_on(roles, creds.authenticator) as gateway,
         aiohttp.ClientSession(headers=creds.headers()) as session,
     ):
         url = gateway.url
@@ -230,22 +225,18 @@ async def test_bounds_and_sizes_are_named_in_4xx(
         assert status == 413, body
         async with session.get(f"{url}/v1/status") as r:
             assert r.status == 200
-        inputs = [i for i in await read_history(jlog, 10.0) if isinstance(i, InputItem)]
+        inputs = [i for i in await read_history(roles.sched, 10.0) if isinstance(i, InputItem)]
         assert len(inputs) == len(small_cluster())  # nothing out of bounds was published
 
 
 async def test_a_bug_in_a_handler_is_a_logged_500_and_the_gateway_keeps_serving(
-    jlog: JetStreamLog,
-    monkeypatch: pytest.MonkeyPatch,
-    creds: Credentials,
-    oplog: JetStreamLog,
-    gwlog: JetStreamLog,
+    roles: Roles, monkeypatch: pytest.MonkeyPatch, creds: Credentials
 ) -> None:
     def broken(state: Any, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(gateway_module, "queue_view", broken)
-    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         url = gateway.url
         auth = creds.headers()
         status, body = await asyncio.to_thread(http, "GET", f"{url}/v1/queue", None, auth)
@@ -274,13 +265,10 @@ def test_every_code_has_one_status_and_the_doc_gives_it() -> None:
 
 
 async def test_each_kind_of_refusal_has_its_status_and_code(
-    jlog: JetStreamLog,
-    creds: Credentials,
-    oplog: JetStreamLog,
-    gwlog: JetStreamLog,
+    roles: Roles, creds: Credentials
 ) -> None:
     async with (
-        gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway,
+        gateway_on(roles, creds.authenticator) as gateway,
         aiohttp.ClientSession() as session,
     ):
         url = gateway.url
@@ -407,7 +395,7 @@ async def test_each_kind_of_refusal_has_its_status_and_code(
         await check((P, f"{W}/dup/cancel", "ops", {"json": {}}, "already_ended", "already ended"))
         await check((P, W, "ops", submit(id="dup"), "duplicate_id", "already exists"))
         # nothing refused was published: the cluster, two submissions and one cancel
-        inputs = [i for i in await read_history(jlog, 10.0) if isinstance(i, InputItem)]
+        inputs = [i for i in await read_history(roles.sched, 10.0) if isinstance(i, InputItem)]
         assert len(inputs) == len(small_cluster()) + 3
 
 
@@ -421,10 +409,7 @@ def stored(inputs: list[InputItem], workload: str) -> int:
 
 
 async def test_refused_requests_count_in_rejections_by_source(
-    jlog: JetStreamLog,
-    creds: Credentials,
-    oplog: JetStreamLog,
-    gwlog: JetStreamLog,
+    roles: Roles, creds: Credentials
 ) -> None:
     """A request the gateway answers 4xx never becomes an input (so no ``InputRejected``):
     it counts in ``apportion_rejections_total{source="gateway"}`` by the class of its
@@ -433,7 +418,7 @@ async def test_refused_requests_count_in_rejections_by_source(
     from services_helpers import submit as submit_event
 
     async with (
-        gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway,
+        gateway_on(roles, creds.authenticator) as gateway,
         aiohttp.ClientSession() as session,
     ):
         url = gateway.url
@@ -478,8 +463,8 @@ async def test_refused_requests_count_in_rejections_by_source(
         assert await call("GET", "/v1/explain/ghost") == 404
         assert await call("GET", "/v1/queue", None) == 401
         # an input the scheduler refuses (published past the gateway): the other source
-        await oplog.publish_input(submit_event("x", owner="no/such"))
-        last = await jlog.last_input_seq()
+        await roles.op.publish_input(submit_event("x", owner="no/such"))
+        last = await roles.sched.last_input_seq()
         await eventually(lambda: gateway.history.basis == last, what="the rejection folded")
         after = await rejections()
     expected = dict(before)
@@ -502,7 +487,7 @@ async def test_an_outage_is_a_504_and_a_retry_with_the_same_id_is_stored_once(
     log, op, gw = (JetStreamLog(nc.jetstream(timeout=1.0), cluster) for nc in conns.values())
     await log.setup()
     try:
-        async with gateway_on(log, op, gw, creds.authenticator) as gateway:
+        async with gateway_on(Roles(log, op, gw), creds.authenticator) as gateway:
             url = gateway.url
             auth = creds.headers()
             server.stop()
@@ -555,10 +540,8 @@ async def test_an_outage_is_a_504_and_a_retry_with_the_same_id_is_stored_once(
         server.stop()
 
 
-async def test_the_cli_names_the_bound_in_one_line(
-    jlog: JetStreamLog, creds: Credentials, oplog: JetStreamLog, gwlog: JetStreamLog
-) -> None:
-    async with gateway_on(jlog, oplog, gwlog, creds.authenticator) as gateway:
+async def test_the_cli_names_the_bound_in_one_line(roles: Roles, creds: Credentials) -> None:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         env = {
             "APPORTION_URL": gateway.url or "",
             "PATH": "/usr/bin:/bin",

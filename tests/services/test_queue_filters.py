@@ -11,9 +11,8 @@ import subprocess
 
 import aiohttp
 import pytest
-from apportion.services.bus import JetStreamLog
 from conftest import Credentials
-from services_helpers import APPORTION_CMD, eventually, gateway_on
+from services_helpers import APPORTION_CMD, Roles, eventually, gateway_on
 
 HOUR_MS = 3_600_000
 
@@ -34,11 +33,9 @@ def _ids(rows: list[dict]) -> list[str]:
 
 
 @pytest.mark.nats
-async def test_queue_filters_over_http_and_the_cli(
-    jlog: JetStreamLog, creds: Credentials, oplog: JetStreamLog, gwlog: JetStreamLog
-) -> None:
+async def test_queue_filters_over_http_and_the_cli(roles: Roles, creds: Credentials) -> None:
     async with (
-        gateway_on(jlog, oplog, gwlog, creds.authenticator) as gw,
+        gateway_on(roles, creds.authenticator) as gw,
         aiohttp.ClientSession() as s,
     ):
         url = gw.url

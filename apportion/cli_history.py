@@ -41,14 +41,16 @@ async def _with_log(nats_url: str, cluster: str, work: Any) -> Any:
 
     nc = await connect(nats_url, name="apportion-history", reconnect=False)
     try:
-        js = nc.jetstream()
+        log = JetStreamLog(nc.jetstream(), cluster)
         try:
-            await js.stream_info(f"INPUTS_{cluster}")
+            # a direct get, which every role may ask (stream info answers the scheduler
+            # alone: docs/security.md, "Accounts")
+            await log.last_input_seq()
         except Exception as exc:
             raise UserError(
                 f"cluster {cluster!r}: no INPUTS stream at {nats_url} ({type(exc).__name__})"
             ) from None
-        return await work(JetStreamLog(js, cluster))
+        return await work(log)
     finally:
         await nc.close()
 
@@ -134,6 +136,7 @@ def accept_loss_cmd(
     that every reader places at the gap, so that the history, and scheduling,
     goes on without the lost inputs. Decisions based on lost inputs are left out
     of the history. The record is an audited input (replay and audit reproduce it)."""
+    from apportion.schemas.bounds import MAX_EVENT_ID_LEN
     from apportion.schemas.codec import bounds_error
     from apportion.schemas.events import InputsLost
 
@@ -150,7 +153,9 @@ def accept_loss_cmd(
                 f"{gap.first}..{gap.through} ({gap.count:,} inputs); give --through {gap.through}"
             )
         event = InputsLost(
-            id=f"inputs-lost-{gap.first}-{gap.through}",
+            # one id per gap and actor: a retry is stored once, and another actor's
+            # record (one the fold does not take: not an operator's) is no duplicate
+            id=f"inputs-lost-{gap.first}-{gap.through}-{who}"[:MAX_EVENT_ID_LEN],
             at_ms=time.time_ns() // 1_000_000,
             first=gap.first,
             through=gap.through,

@@ -53,6 +53,7 @@ from .refusals import (
     cancel_refusal,
     health_refusal,
     hold_refusal,
+    loss_refusal,
     policy_refusal,
     registration_refusal,
     stale_refusal,
@@ -372,12 +373,9 @@ def _inputs_lost(state: State, e: InputsLost) -> None:
     places it: :func:`apportion.core.history.fold_item`). Only an operator may
     record a loss."""
     _tick(state, e)
-    if not is_operator(state, e.actor):
-        _reject(
-            state,
-            e,
-            Refusal(R.NOT_AUTHORISED, not_operator(e.actor, "record lost inputs", "nobody else")),
-        )
+    refusal = loss_refusal(state, e)
+    if refusal is not None:
+        _reject(state, e, refusal)
 
 
 # -- runs: the only places that move GPUs and charges ------------------------

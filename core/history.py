@@ -39,11 +39,13 @@ from apportion.schemas.bounds import clip_reason
 from apportion.schemas.codec import encode
 from apportion.schemas.events import DecisionBatch, InputsLost, kind_of
 from apportion.schemas.history import HistoryItem, InputItem
-from apportion.schemas.reasons import MALFORMED
+from apportion.schemas.reasons import MALFORMED, Refusal
 from msgspec import UNSET
 
 from .cycle import CycleResult, decide
 from .fold import apply, refuse
+from .refusals import loss_refusal
+from .rules.identity import identity_refusal, remember
 from .rules.subjects import as_agent, host_refusal, subject_host, subject_refusal
 from .state import CorruptHistory, State
 
@@ -59,6 +61,16 @@ change with it), so that an audit of an older log names the version that made it
 class HistoryOrderError(CorruptHistory):
     """An item that is not the next one in canonical order (a gap, a repeat, a
     batch before the input it is based on, a part of a cycle out of place)."""
+
+
+class LossNotAccepted(HistoryOrderError):
+    """An :class:`~apportion.schemas.events.InputsLost` placed at a gap that may not
+    bridge it (:func:`bridge_refusal`): the history stays stopped at the gap, as if
+    no loss had been accepted. ``refusal`` says why (its reason code)."""
+
+    def __init__(self, message: str, refusal: Refusal) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 class Observer(Protocol):
@@ -81,6 +93,23 @@ def bridges_gap(input_seq: int, item: InputItem) -> bool:
     )
 
 
+def bridge_refusal(state: State, item: InputItem) -> Refusal | None:
+    """Why the loss ``item`` (an :class:`~apportion.schemas.events.InputsLost`) may not
+    bridge its gap in ``state`` (the state right before the gap), or ``None``: it
+    must be stored on its own kind's subject (when the subject is known) and its
+    actor must be an operator (:func:`~apportion.core.refusals.loss_refusal`), as
+    at its own position. Readers ask this to choose the acceptance they hand on
+    (the first one that may bridge); :func:`fold_item` refuses any other."""
+    e = item.event
+    if not isinstance(e, InputsLost):
+        return None
+    if item.subject is not None:  # its kind's subject, never a host agent's
+        refusal = subject_refusal(item.subject, kind_of(e))
+        if refusal is not None:
+            return refusal
+    return loss_refusal(state, e)
+
+
 def lost_range(item: HistoryItem) -> tuple[int, int] | None:
     """``(first, through)`` when ``item`` is a loss placed at its gap (else ``None``)."""
     if isinstance(item, InputItem):
@@ -95,9 +124,18 @@ def fold_item(state: State, item: HistoryItem) -> str | None:
 
     An :class:`~apportion.schemas.events.InputsLost` placed at a gap
     (:func:`bridges_gap`) moves the input sequence over the lost inputs and
-    changes nothing else (the clock included)."""
+    changes nothing else (the clock included); one that may not
+    (:func:`bridge_refusal`: not an operator's) raises :class:`LossNotAccepted`
+    and changes nothing."""
     if isinstance(item, InputItem):
         if bridges_gap(state.input_seq, item):
+            refusal = bridge_refusal(state, item)
+            if refusal is not None:
+                raise LossNotAccepted(
+                    f"the loss of inputs {state.input_seq + 1} to {item.seq} recorded by "
+                    f"{item.ref!r} may not bridge the gap ({refusal.code}: {refusal.message})",
+                    refusal,
+                )
             state.input_seq = item.seq
             return None
         if item.seq != state.input_seq + 1:
@@ -109,19 +147,22 @@ def fold_item(state: State, item: HistoryItem) -> str | None:
         before = len(rejections)
         event = item.event
         if event is not None:
+            refusal = None
             subject = item.subject
-            if subject is None:  # not recorded (simulations, older files): not checked
-                apply(state, event)
-            else:
+            if subject is not None:  # None: simulations, older files
                 refusal = subject_refusal(subject, kind_of(event))
                 host = subject_host(subject) if refusal is None else None
                 if host is not None:
                     event = as_agent(event, host)  # the actor is the subject's host's agent
                     refusal = host_refusal(state, host, event)
+            if refusal is None:
+                refusal = identity_refusal(state, item)  # folded once (rules/identity.py)
                 if refusal is None:
-                    apply(state, event)
-                else:
-                    refuse(state, event, refusal)
+                    remember(state, item)
+            if refusal is None:
+                apply(state, event)
+            else:
+                refuse(state, event, refusal)
         else:
             # bytes that did not decode: the clock and the sequence move, nothing else
             state.input_seq += 1

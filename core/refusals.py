@@ -12,6 +12,7 @@ from apportion.schemas.events import (
     PPM,
     BudgetRemoved,
     BudgetSet,
+    InputsLost,
     NodeHealthChanged,
     NodeRegistered,
     PolicySet,
@@ -23,6 +24,7 @@ from .budget import ROOT, parent_of, path_error
 from .rules.authority import (
     AGENT_PREFIX,
     cancel_authority_error,
+    is_operator,
     may_manage_node,
     not_operator,
 )
@@ -74,6 +76,15 @@ def health_refusal(state: State, e: NodeHealthChanged) -> Refusal | None:
         )
     if node.health == e.state:
         return Refusal(R.NO_CHANGE, f"node {e.node!r} is already {e.state} (no change)")
+    return None
+
+
+def loss_refusal(state: State, e: InputsLost) -> Refusal | None:
+    """Why ``e`` may not record lost inputs, or ``None``: only an operator may, both
+    where the history places it (at the gap it bridges:
+    :func:`apportion.core.history.fold_item`) and at its own position."""
+    if not is_operator(state, e.actor):
+        return Refusal(R.NOT_AUTHORISED, not_operator(e.actor, "record lost inputs", "nobody else"))
     return None
 
 

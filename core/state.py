@@ -174,6 +174,9 @@ class StateSnapshot(msgspec.Struct, kw_only=True):
     """The codes of ``rejections``, in order; written only while there are some (so
     a state without pending rejections encodes as it did before codes). ``""``: a
     code not known (a rejection restored from an older snapshot)."""
+    input_ids: list[tuple[str, int]] | UnsetType = UNSET
+    """:attr:`State.input_ids` in the order remembered; written only while there are
+    some (a state that never saw a sending time encodes as it did before)."""
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
@@ -202,6 +205,8 @@ class State:
         "active_by_owner",
         "protection_index",
         "stop_deadlines",
+        "input_ids",
+        "input_id_expiry",
     )
 
     def __init__(self) -> None:
@@ -239,6 +244,11 @@ class State:
         self.stop_deadlines: list[tuple[int, str]] = []
         """``(stop until, workload)`` of the runs stopping with notice, sorted (few
         at a time; derived from :attr:`Workload.stopping`, rebuilt on restore)."""
+        self.input_ids: dict[str, int] = {}
+        """The id of each input sent within the identity window -> until when it is
+        remembered (:mod:`apportion.core.rules.identity`: an input is folded once)."""
+        self.input_id_expiry: list[tuple[int, str]] = []
+        """``(until, id)`` of :attr:`input_ids`, a heap (derived, rebuilt on restore)."""
 
     # -- reading -------------------------------------------------------
     def usage(self, path: str) -> int:
@@ -270,6 +280,7 @@ class State:
                 if self.rejections
                 else UNSET
             ),
+            input_ids=list(self.input_ids.items()) if self.input_ids else UNSET,
         )
 
     def to_bytes(self) -> bytes:
@@ -309,6 +320,9 @@ class State:
             if w.stopping is not None:
                 state.stop_deadlines.append((w.stopping.until_ms, w.id))
         state.stop_deadlines.sort()
+        if not isinstance(snap.input_ids, UnsetType):
+            state.input_ids = dict(snap.input_ids)
+            state.input_id_expiry = sorted((until, ref) for ref, until in snap.input_ids)
         return state
 
     def copy(self) -> State:

@@ -8,7 +8,9 @@ input 2, ...):
 - ``{"seq": k, "input": <event>}``: input ``k`` of ``INPUTS`` (``at_ms`` is the
   time the log recorded it), with ``"subject": "<subject>"`` after ``seq`` when
   the subject it was stored on is known (the fold checks the event against it:
-  :mod:`apportion.core.rules.subjects`; older files have none);
+  :mod:`apportion.core.rules.subjects`; older files have none), then
+  ``"sent_ms": <ms>`` when the time its writer sent it is known
+  (:mod:`apportion.core.rules.identity`: an input is folded once);
 - ``{"seq": k, "malformed": {"at_ms": ..., "ref": ..., "reason": ...}}``: an
   input whose bytes did not decode (the scheduler folds it as a rejection);
 - ``{"batch": <DecisionBatch>}``: right after the input named by its ``basis``;
@@ -79,6 +81,7 @@ class _Line(msgspec.Struct, kw_only=True):
     header: Header | None = None
     seq: int | None = None
     subject: str | None = None
+    sent_ms: int | None = None
     input: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
     malformed: _MalformedBody | None = None
     batch: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
@@ -120,6 +123,8 @@ class LogWriter:
         self.inputs = item.seq
         if item.event is not None:
             subject = b"" if item.subject is None else b',"subject":' + _enc.encode(item.subject)
+            if item.sent_ms is not None:
+                subject += b',"sent_ms":%d' % item.sent_ms
             f.write(b'{"seq":%d%s,"input":' % (item.seq, subject) + encode(item.event) + b"}\n")
         else:
             body = _MalformedBody(at_ms=item.at_ms, ref=item.ref, reason=item.rejection or "")
@@ -273,6 +278,8 @@ def _file_items(path: Path, log: CanonicalLog) -> Iterator[HistoryItem]:
                     item = input_item(line.seq, decode_input(line.input))
                     if line.subject is not None and item.event is not None:
                         item = msgspec.structs.replace(item, subject=line.subject)
+                    if line.sent_ms is not None and item.event is not None:
+                        item = msgspec.structs.replace(item, sent_ms=line.sent_ms)
                     yield item
                 elif line.malformed is not None and line.seq is not None:
                     m = line.malformed
@@ -382,13 +389,18 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
             "AND column_name = 'subject'"
         ).fetchone()
         subject_col = "subject" if has_subject and has_subject[0] else "NULL"  # files before
+        has_sent = con.execute(
+            "SELECT COUNT(*) FROM duckdb_columns() WHERE table_name = 'events' "
+            "AND column_name = 'sent_ms'"
+        ).fetchone()
+        sent_col = "sent_ms" if has_sent and has_sent[0] else "NULL"  # files before
         batches = con.execute(
             f"SELECT basis, pos, decisions, next_wakeup_ms, v, batch, {logic_col} FROM batches "
             "ORDER BY batch"
         ).fetchall()
         icur, dcur = con.cursor(), con.cursor()
         icur.execute(
-            f"SELECT pos, body, {subject_col} FROM events WHERE pos <= ? "
+            f"SELECT pos, body, {subject_col}, {sent_col} FROM events WHERE pos <= ? "
             "AND kind IN (SELECT unnest(?::VARCHAR[])) ORDER BY pos",
             [last_pos, kinds],
         )
@@ -418,6 +430,8 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                 item = input_item(seq, event)
                 if row[2] is not None and item.event is not None:
                     item = msgspec.structs.replace(item, subject=row[2])
+                if row[3] is not None and item.event is not None:
+                    item = msgspec.structs.replace(item, sent_ms=row[3])
                 yield item
             run = bi
             while run < len(batches) and batches[run][0] == seq:

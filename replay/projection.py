@@ -13,11 +13,12 @@ and no gap. docs/formats.md documents every table.
 Tables (the first columns of each are the interface scripts rely on; later
 columns are additions):
 
-- ``events(pos, at_ms, kind, workload, node, body, subject)``: every input and decision,
+- ``events(pos, at_ms, kind, workload, node, body, subject, sent_ms)``: every input and decision,
   ``pos`` counting from 1 in canonical order; ``body`` is the event's JSON;
   ``at_ms`` the time the fold gave it (inputs never go back in time);
   ``subject`` the subject an input was stored on, when known (NULL for
-  decisions, simulations, and rows written before it was kept).
+  decisions, simulations, and rows written before it was kept); ``sent_ms``
+  the time its writer sent it, likewise (core/rules/identity.py).
 - ``workloads(workload, owner, gpus, min_runtime_ms, resumable, priority,
   submitted_ms, first_placed_ms, ended_ms, status, preemptions, gpu_type,
   duration_ms, legacy_priority, legacy_preemptible, team, held_ms, held_by)``;
@@ -121,7 +122,7 @@ from apportion.schemas.times import ISO_UTC_SQL
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events(pos BIGINT, at_ms BIGINT, kind VARCHAR, workload VARCHAR, node VARCHAR, body VARCHAR,
-    subject VARCHAR);
+    subject VARCHAR, sent_ms BIGINT);
 CREATE TABLE IF NOT EXISTS workloads(workload VARCHAR, owner VARCHAR, gpus INTEGER, min_runtime_ms BIGINT,
     resumable BOOLEAN, priority INTEGER, submitted_ms BIGINT, first_placed_ms BIGINT, ended_ms BIGINT,
     status VARCHAR, preemptions INTEGER, gpu_type VARCHAR, duration_ms BIGINT, legacy_priority VARCHAR,
@@ -151,6 +152,7 @@ ALTER TABLE batches ADD COLUMN IF NOT EXISTS logic VARCHAR;
 ALTER TABLE events ADD COLUMN IF NOT EXISTS subject VARCHAR;
 ALTER TABLE workloads ADD COLUMN IF NOT EXISTS held_ms BIGINT;
 ALTER TABLE workloads ADD COLUMN IF NOT EXISTS held_by VARCHAR;
+ALTER TABLE events ADD COLUMN IF NOT EXISTS sent_ms BIGINT;
 UPDATE workloads SET team = {team_sql("owner")} WHERE team IS NULL AND owner IS NOT NULL;
 UPDATE runs SET team = (SELECT w.team FROM workloads w WHERE w.workload = runs.workload)
  WHERE team IS NULL;
@@ -297,7 +299,7 @@ def snapshot_path(db: str | Path) -> Path:
 
 
 _TYPES = {
-    "events": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR"),
+    "events": ("BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR", "VARCHAR", "BIGINT"),
     "workloads": (
         "VARCHAR",
         "VARCHAR",
@@ -537,6 +539,7 @@ class Projection:
                     getattr(event, "workload", None),
                     getattr(event, "node", None),
                     item.subject,
+                    item.sent_ms,
                 )
                 try:
                     if self.stopping and now > self._now:
@@ -599,6 +602,7 @@ class Projection:
         workload: str | None,
         node: str | None,
         subject: str | None = None,
+        sent_ms: int | None = None,
     ) -> None:
         self._pos += 1
         self._events.append(
@@ -610,6 +614,7 @@ class Projection:
                 node,
                 _json.encode(event).decode(),
                 subject,
+                sent_ms,
             )
         )
 

@@ -47,6 +47,12 @@ class InputItem(msgspec.Struct, frozen=True, kw_only=True):
     the fold binds the kind and, for a host agent's subject, the host and the
     actor to it (:mod:`apportion.core.rules.subjects`). ``None``: not known
     (simulations, files written before subjects were kept): not checked."""
+    sent_ms: int | None = None
+    """When its writer sent it: the ``at_ms`` its payload carries (the publisher
+    stamps it at each publish), before readers replace it with the time it was
+    stored. The fold refuses an input sent too long before it was stored, or
+    whose id it has folded within that window (:mod:`apportion.core.rules.identity`).
+    ``None``: not known (simulations, files written before): not checked."""
 
     @property
     def malformed(self) -> bool:

@@ -145,6 +145,16 @@ NOT_PENDING = _code(
     "a hold of a workload that is not waiting to be scheduled: it is running, or already held",
 )
 NOT_HELD = _code("not_held", "a release of a workload that is not held")
+DUPLICATE_INPUT = _code(
+    "duplicate_input",
+    "an input whose id the fold has already folded, sent within the identity window: "
+    "a copy of a stored input appended again (a replayed message), not a new input",
+)
+STALE_INPUT = _code(
+    "stale_input",
+    "an input sent (the time its writer stamped) longer before it was stored than the "
+    "identity window: an old input appended again, or a writer whose clock is far off",
+)
 
 
 # -- the gateway's own (a request that never becomes an input) --------------------

@@ -185,15 +185,35 @@ class PublishResult(msgspec.Struct, frozen=True):
 def to_input_item(
     seq: int, at_ms: int, data: bytes, msg_id: str | None, subject: str | None = None
 ) -> InputItem:
-    """Decode stored bytes; event time becomes ``at_ms`` (the log's ingestion time);
-    ``subject`` is the one it was stored on (the fold checks the event against it)."""
+    """Decode stored bytes; event time becomes ``at_ms`` (the log's ingestion time),
+    and the ``at_ms`` the payload carries is kept as the time it was sent
+    (``sent_ms``: its publisher stamps it, :func:`stamped`); ``subject`` is the
+    one it was stored on (the fold checks the event against both)."""
     try:
         event = decode_input(data)
     except EventDecodeError as exc:
         return malformed_item(seq, at_ms, msg_id or f"seq:{seq}", str(exc))
-    if event.at_ms != at_ms:
+    sent_ms = event.at_ms
+    if sent_ms != at_ms:
         event = msgspec.structs.replace(event, at_ms=at_ms)
-    return InputItem(seq=seq, at_ms=at_ms, ref=event.id, event=event, subject=subject)
+    return InputItem(
+        seq=seq, at_ms=at_ms, ref=event.id, event=event, subject=subject, sent_ms=sent_ms
+    )
+
+
+def stamped(event: Input, now_ms: int | None = None) -> Input:
+    """``event`` with ``at_ms`` the time it is sent (now): every publish stamps it
+    again, a retry too (same id). Readers keep it as the input's ``sent_ms``, and
+    the fold refuses an input sent too long before it was stored, or one whose id
+    it folded within that window (:mod:`apportion.core.rules.identity`)."""
+    now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    return msgspec.structs.replace(event, at_ms=now)
+
+
+MayAccept = Callable[[InputItem], bool]
+"""Whether an acceptance of lost inputs (an ``InputsLost`` as the history places it,
+at its gap) may bridge the gap: a reader asks the fold's rule
+(:func:`apportion.core.history.bridge_refusal`) with its state at the gap."""
 
 
 class Tail(Protocol[T]):
@@ -235,7 +255,12 @@ class EventLog(Protocol):
 
     async def publish_inputs(self, events: list[Input]) -> list[PublishResult]: ...
 
-    async def publish_raw_input(self, data: bytes, msg_id: str | None = None) -> PublishResult: ...
+    async def publish_raw_input(
+        self, data: bytes, msg_id: str | None = None, kind: str = "raw"
+    ) -> PublishResult:
+        """Store ``data`` as it is on the subject of ``kind`` (tests: bytes a
+        credential may send on its own subjects)."""
+        ...
 
     async def publish_batch(self, batch: DecisionBatch, expected_last_seq: int) -> int:
         """Append ``batch``; raise :class:`Fenced` unless DECISIONS ends at ``expected_last_seq``."""
@@ -245,7 +270,11 @@ class EventLog(Protocol):
 
     async def last_batch_seq(self) -> int: ...
 
-    def tail_inputs(self, from_seq: int) -> Tail[InputItem]: ...
+    def tail_inputs(self, from_seq: int, *, may_accept: MayAccept | None = None) -> Tail[InputItem]:
+        """A tail of INPUTS from ``from_seq``; at a gap it hands on the first
+        acceptance of the loss that ``may_accept`` allows (the reader's state decides:
+        :func:`apportion.core.history.bridge_refusal`)."""
+        ...
 
     def tail_batches(self, from_seq: int) -> Tail[BatchItem]: ...
 
@@ -370,14 +399,19 @@ class MemoryLog:
         return PublishResult(seq=seq)
 
     async def publish_input(self, event: Input) -> PublishResult:
-        return self._append_input(encode(event), event.id, self.subjects.subject_of(event))
+        sent = stamped(event, self._now())
+        return self._append_input(encode(sent), event.id, self.subjects.subject_of(event))
 
     async def publish_inputs(self, events: list[Input]) -> list[PublishResult]:
         subject = self.subjects.subject_of
-        return [self._append_input(encode(e), e.id, subject(e)) for e in events]
+        return [
+            self._append_input(encode(stamped(e, self._now())), e.id, subject(e)) for e in events
+        ]
 
-    async def publish_raw_input(self, data: bytes, msg_id: str | None = None) -> PublishResult:
-        return self._append_input(data, msg_id, self.subjects.input_subject("raw"))
+    async def publish_raw_input(
+        self, data: bytes, msg_id: str | None = None, kind: str = "raw"
+    ) -> PublishResult:
+        return self._append_input(data, msg_id, self.subjects.input_subject(kind))
 
     async def publish_batch(self, batch: DecisionBatch, expected_last_seq: int) -> int:
         if len(self.batches) != expected_last_seq:
@@ -394,7 +428,10 @@ class MemoryLog:
     async def last_batch_seq(self) -> int:
         return len(self.batches)
 
-    def tail_inputs(self, from_seq: int) -> _MemoryTail[InputItem]:
+    def tail_inputs(
+        self, from_seq: int, *, may_accept: MayAccept | None = None
+    ) -> _MemoryTail[InputItem]:
+        """A tail of the inputs (a memory log loses none: ``may_accept`` is never asked)."""
         return _MemoryTail(self.inputs, from_seq, self._input_waiters)
 
     def tail_batches(self, from_seq: int) -> _MemoryTail[BatchItem]:
@@ -582,7 +619,7 @@ class JetStreamLog:
     async def publish_input(self, event: Input) -> PublishResult:
         ack = await self.js.publish(
             self.subjects.subject_of(event),
-            encode(event),
+            encode(stamped(event)),
             headers={HDR_MSG_ID: event.id},
         )
         return PublishResult(seq=ack.seq, duplicate=bool(ack.duplicate))
@@ -594,15 +631,17 @@ class JetStreamLog:
         for event in events:
             futures.append(
                 await self.js.publish_async(
-                    subject(event), encode(event), headers={HDR_MSG_ID: event.id}
+                    subject(event), encode(stamped(event)), headers={HDR_MSG_ID: event.id}
                 )
             )
         acks = await asyncio.gather(*futures)
         return [PublishResult(seq=a.seq, duplicate=bool(a.duplicate)) for a in acks]
 
-    async def publish_raw_input(self, data: bytes, msg_id: str | None = None) -> PublishResult:
+    async def publish_raw_input(
+        self, data: bytes, msg_id: str | None = None, kind: str = "raw"
+    ) -> PublishResult:
         headers = {HDR_MSG_ID: msg_id} if msg_id else None
-        ack = await self.js.publish(self.subjects.input_subject("raw"), data, headers=headers)
+        ack = await self.js.publish(self.subjects.input_subject(kind), data, headers=headers)
         return PublishResult(seq=ack.seq, duplicate=bool(ack.duplicate))
 
     async def publish_batch(self, batch: DecisionBatch, expected_last_seq: int) -> int:
@@ -639,18 +678,24 @@ class JetStreamLog:
         s = self.subjects
         return await last_sequence(self.nc, s.decisions_stream, s.decisions)
 
-    def tail_inputs(self, from_seq: int, *, bridge: bool = True) -> DirectTail[InputItem]:
+    def tail_inputs(
+        self, from_seq: int, *, bridge: bool = True, may_accept: MayAccept | None = None
+    ) -> DirectTail[InputItem]:
         """A tail of INPUTS from ``from_seq``; at a gap it hands on the loss's
-        acceptance placed there (:meth:`accepted_loss`), or stops until there is
-        one (``bridge=False``: no check, sequences may jump)."""
+        acceptance placed there that ``may_accept`` allows (:meth:`accepted_loss`),
+        or stops until there is one (``bridge=False``: no check, sequences may jump)."""
         s = self.subjects
+
+        async def accepted(first: int, next_seq: int) -> tuple[InputItem, int] | None:
+            return await self.accepted_loss(first, next_seq, may_accept)
+
         return DirectTail(
             self.nc,
             s.inputs_stream,
             s.inputs_all,
             from_seq,
             _convert_input,
-            bridge=self.accepted_loss if bridge else None,
+            bridge=accepted if bridge else None,
             logger=logs.get("bus", cluster=s.cluster),
             leader_get=self._leader_input if bridge else None,
         )
@@ -669,12 +714,14 @@ class JetStreamLog:
         headers = {str(k): str(v) for k, v in (raw.headers or {}).items()}
         return StoredMessage.of(seq, ts_ns, raw.subject or "", headers, raw.data or b"")
 
-    async def accepted_loss(self, first: int, next_seq: int) -> tuple[InputItem, int] | None:
+    async def accepted_loss(
+        self, first: int, next_seq: int, may_accept: MayAccept | None = None
+    ) -> tuple[InputItem, int] | None:
         """The :class:`~apportion.schemas.events.InputsLost` stored at or after
         ``next_seq`` that names exactly the inputs ``first`` .. ``next_seq - 1``
-        as lost (the first one, in stream order), as the history places it (input
-        ``next_seq - 1``, at the gap), with the sequence it is stored at. ``None``
-        when there is none."""
+        as lost (the first one, in stream order, that ``may_accept`` allows: an
+        operator's), as the history places it (input ``next_seq - 1``, at the
+        gap), with the sequence it is stored at. ``None`` when there is none."""
         subject = self.subjects.input_subject(kind_of_type(InputsLost))
         seq = next_seq
         while True:
@@ -690,7 +737,8 @@ class JetStreamLog:
                     placed = InputItem(
                         seq=e.through, at_ms=item.at_ms, ref=item.ref, event=e, subject=item.subject
                     )
-                    return placed, m.seq
+                    if may_accept is None or may_accept(placed):
+                        return placed, m.seq
             seq = got[-1].seq + 1
 
     def tail_batches(self, from_seq: int) -> DirectTail[BatchItem]:
@@ -711,10 +759,16 @@ class JetStreamLog:
     async def input_gaps(self, timeout: float = 10.0) -> list[InputGap]:
         """Every run of sequences missing from INPUTS (read through, from 1 to its
         last sequence), each with the acceptance that bridges it, if any."""
+        from apportion.core.history import bridge_refusal, fold_item
+        from apportion.core.state import State
+
         last = await self.last_input_seq()
         tail = self.tail_inputs(1, bridge=False)
         missing: list[tuple[int, int]] = []
         expected = 1
+        # who may accept a loss (an operator) is judged as the fold judges it, in the
+        # state of the inputs before the gap (operators depend on inputs alone)
+        inputs_only, at_gap = State(), {}
         try:
             while tail.position < last:
                 items = await tail.take(10_000, timeout)
@@ -723,7 +777,10 @@ class JetStreamLog:
                 for item in items:
                     if item.seq > expected:
                         missing.append((expected, item.seq - 1))
+                        at_gap[expected] = inputs_only.copy()
+                        inputs_only.input_seq = item.seq - 1  # read on past the gap
                     expected = item.seq + 1
+                    fold_item(inputs_only, item)
         finally:
             await tail.close()
         if expected <= last:
@@ -742,7 +799,12 @@ class JetStreamLog:
                 lost.append((run_start, through))
         out = []
         for first, through in lost:
-            found = await self.accepted_loss(first, through + 1)
+            state = next((at_gap[k] for k in sorted(at_gap, reverse=True) if k <= first), None)
+
+            def may_accept(item: InputItem, state: State | None = state) -> bool:
+                return state is None or bridge_refusal(state, item) is None
+
+            found = await self.accepted_loss(first, through + 1, may_accept)
             placed = found[0] if found is not None else None
             event = placed.event if placed is not None else None
             out.append(

@@ -18,13 +18,19 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from apportion.core.history import HistoryOrderError, Observer, fold_item, lost_range
+from apportion.core.history import (
+    HistoryOrderError,
+    Observer,
+    bridge_refusal,
+    fold_item,
+    lost_range,
+)
 from apportion.core.state import State
 from apportion.replay.eventlog import CanonicalLog, Header, LogError
 from apportion.schemas.history import BatchItem, HistoryItem, InputItem
 
 from . import logs
-from .bus import EventLog, JetStreamLog, Tail, connect
+from .bus import EventLog, JetStreamLog, MayAccept, Tail, connect
 
 
 class SkippingFold:
@@ -74,16 +80,38 @@ class SkippingFold:
             self.on_skip(item, why)
 
 
-class CanonicalReader:
-    """Merges the two streams of ``log`` into canonical order, from a position."""
+def judged_by(state: Callable[[], State | None]) -> MayAccept:
+    """Which acceptance of lost inputs may bridge its gap, as the fold judges it
+    (:func:`~apportion.core.history.bridge_refusal`: an operator's) in the reader's
+    state at the gap, ``state()``."""
 
-    def __init__(self, log: EventLog, inputs_done: int = 0, batches_done: int = 0) -> None:
+    def may_accept(item: InputItem) -> bool:
+        now = state()
+        return now is not None and bridge_refusal(now, item) is None
+
+    return may_accept
+
+
+class CanonicalReader:
+    """Merges the two streams of ``log`` into canonical order, from a position.
+
+    ``may_accept`` judges the acceptances of lost inputs (:func:`judged_by` the
+    consumer's state): at a gap, :meth:`read` returns what it read before it, so
+    that the consumer folds it before the acceptance is judged."""
+
+    def __init__(
+        self,
+        log: EventLog,
+        inputs_done: int = 0,
+        batches_done: int = 0,
+        may_accept: MayAccept | None = None,
+    ) -> None:
         self._log = log
         self.skipped = 0
         """Decision batches left out: based on an input that INPUTS does not hold."""
         self.inputs_done = inputs_done
         self.batches_done = batches_done
-        self._itail = log.tail_inputs(inputs_done + 1)
+        self._itail = log.tail_inputs(inputs_done + 1, may_accept=may_accept)
         self._btail = log.tail_batches(batches_done + 1)
         self._batches: deque[BatchItem] = deque()
         self.lost: list[tuple[int, int]] = []
@@ -160,6 +188,8 @@ class CanonicalReader:
                     self._left_out.append((lost[0], stored_at - 1))
                 self.inputs_done = item.seq
             out.extend(inputs)
+            if getattr(self._itail, "before_gap", False):
+                break  # the consumer folds these before the gap's acceptance is judged
         return out
 
     async def close(self) -> None:
@@ -173,7 +203,7 @@ class Follower:
     def __init__(self, log: EventLog) -> None:
         self.log = log
         self.state = State()
-        self.reader = CanonicalReader(log)
+        self.reader = CanonicalReader(log, may_accept=judged_by(lambda: self.state))
         self._fold = SkippingFold(logs.get("canonical"))
 
     @property
@@ -211,10 +241,13 @@ class Follower:
 # --------------------------------------------------------------------------
 
 
-async def _read_all(tail: Tail[Any], n: int, timeout: float, what: str) -> list[Any]:
+async def _read_all(
+    tail: Tail[Any], n: int, timeout: float, what: str, inputs_only: State | None = None
+) -> list[Any]:
     """The items of a stream tail's first ``n`` messages (a message the tail skips
     gives none), then close it. An input tail stopped at a gap (lost inputs, no
-    loss accepted) ends there: what it read before the gap."""
+    loss accepted) ends there: what it read before the gap. ``inputs_only``: the
+    inputs read are folded into it (without decisions) as they come."""
     got: list[Any] = []
     try:
         while tail.position < n:
@@ -224,6 +257,9 @@ async def _read_all(tail: Tail[Any], n: int, timeout: float, what: str) -> list[
             if not more and tail.position < n:
                 raise LogError(f"{what} stopped at message {tail.position} of {n}")
             got.extend(more)
+            if inputs_only is not None:
+                for item in more:
+                    fold_item(inputs_only, item)
     finally:
         await tail.close()
     return got
@@ -250,8 +286,14 @@ async def read_history(
     cluster = log.subjects.cluster
     n_batches = await log.last_batch_seq()
     n_inputs = await log.last_input_seq()
-    itail = log.tail_inputs(1)
-    inputs: list[InputItem] = await _read_all(itail, n_inputs, timeout, f"nats {cluster}: INPUTS")
+    # the acceptances of lost inputs are judged, as the fold judges them, in the state
+    # of the inputs before each gap (who the operators are depends on inputs alone:
+    # the root's owner and the policy)
+    inputs_only = State()
+    itail = log.tail_inputs(1, may_accept=judged_by(lambda: inputs_only))
+    inputs: list[InputItem] = await _read_all(
+        itail, n_inputs, timeout, f"nats {cluster}: INPUTS", inputs_only
+    )
     batches: list[BatchItem] = await _read_all(
         log.tail_batches(1), n_batches, timeout, f"nats {cluster}: DECISIONS"
     )

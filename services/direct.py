@@ -254,6 +254,12 @@ class DirectTail(Generic[T]):
     def position(self) -> int:
         return self._from - 1
 
+    @property
+    def before_gap(self) -> bool:
+        """The next message read is past a gap: the next :meth:`take` asks the bridge
+        (a reader that judges the bridge by its state folds what it has first)."""
+        return self._bridge is not None and bool(self._buf) and self._buf[0].seq > self._from
+
     async def _fill(self, want: int) -> None:
         if self._sub is None:
 

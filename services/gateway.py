@@ -218,6 +218,8 @@ HTTP_STATUS: dict[str, int] = {
     R.INVALID_TEXT: 400,
     R.NOT_PENDING: 409,
     R.NOT_HELD: 409,
+    R.DUPLICATE_INPUT: 409,
+    R.STALE_INPUT: 409,
     # the gateway's own
     R.EMPTY_REQUEST: 400,
     R.NOT_AUTHENTICATED: 401,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import secrets
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from apportion.core.rules.subjects import AGENT_KINDS
@@ -115,58 +115,116 @@ def _list(items: Iterable[str], indent: str) -> str:
     return "".join(f"{indent}{_q(i)}\n" for i in items)
 
 
+class _Cluster:
+    """The subjects, streams and permissions one cluster adds to the accounts."""
+
+    def __init__(self, c: str, hosts: list[str], executor: bool) -> None:
+        self.name = c
+        inputs = f"apportion.{c}.inputs"
+        self.inputs = inputs
+        self.decisions = decisions = f"apportion.{c}.decisions"
+        self.heartbeat = heartbeat = f"apportion.{c}.heartbeat"
+        self.streams = streams = (f"INPUTS_{c}", f"DECISIONS_{c}")
+        self.reads = [f"$JS.API.DIRECT.GET.{s}" for s in streams]
+        """What every reader asks: batched direct gets, and ``last_by_subj`` for the
+        last sequence (the JetStream API, stream info included, answers only inside
+        APPORTION)."""
+        self.leader_gets = [f"$JS.API.STREAM.MSG.GET.INPUTS_{c}"]
+        """An input as the stream's leader holds it (a replica that answered a direct
+        get may have lost it: a damaged R3 member). The scheduler's only: the
+        JetStream API answers a request as if for the account it came from, so an
+        import of it into another account is answered "JetStream not enabled for
+        account" (docs/security.md, "Readers and a damaged replica")."""
+        self.wakes = [f"{inputs}.>", decisions]
+        self.logs_stream = logs_stream = stream_name(c)
+        self.log_reads = [f"$JS.API.DIRECT.GET.{logs_stream}"]
+        """Who reads the attempts' logs (services/attempt_logs.py): the gateway, which
+        shows them with explain's authority, and the operator; not the agents (one
+        host's agent has no business reading another's output), the projector or
+        the auditor."""
+        self.leases, self.snaps = f"apportion_{c}_leases", f"apportion_{c}_snapshots"
+        # what each non-scheduler user may publish into APPORTION (service imports)
+        self.publishes: dict[str, list[str]] = {
+            "gateway": [f"{inputs}.{k}" for k in ROLE_KINDS["gateway"]],
+            "operator": [f"{inputs}.{k}" for k in ROLE_KINDS["operator"]],
+            "projector": [],
+            "auditor": [],
+            "executor": [f"{inputs}.{k}.>" for k in EXECUTOR_KINDS],
+        }
+        if not executor:
+            del self.publishes["executor"]
+        self.hears: dict[str, list[str]] = {}
+        for h in hosts:
+            user = agent_user(h)
+            self.publishes[user] = [
+                *(f"{inputs}.{k}.{h}" for k in AGENT_KINDS),
+                f"{heartbeat}.{h}",
+                host_subjects(c, h),  # its own host's attempt logs only
+            ]
+            self.hears[user] = [f"{heartbeat}.>"]
+
+
+def _each(clusters: list[_Cluster], part: Callable[[_Cluster], Iterable[str]]) -> list[str]:
+    return [x for k in clusters for x in part(k)]
+
+
+def _scheduler_api(k: _Cluster) -> list[str]:
+    """The JetStream API the scheduler asks for cluster ``k``."""
+    leases, snaps, logs_stream = k.leases, k.snaps, k.logs_stream
+    return [
+        *(f"$JS.API.STREAM.INFO.{s}" for s in k.streams),
+        *k.reads,
+        *k.leader_gets,
+        *(f"$JS.API.STREAM.CREATE.{s}" for s in k.streams),
+        *(f"$JS.API.STREAM.UPDATE.{s}" for s in k.streams),
+        f"$JS.API.STREAM.INFO.{logs_stream}",
+        f"$JS.API.STREAM.CREATE.{logs_stream}",
+        f"$JS.API.STREAM.UPDATE.{logs_stream}",
+        *k.log_reads,
+        f"$JS.API.STREAM.INFO.KV_{leases}",
+        f"$JS.API.STREAM.CREATE.KV_{leases}",
+        f"$JS.API.DIRECT.GET.KV_{leases}.>",
+        f"$JS.API.STREAM.MSG.GET.KV_{leases}",
+        f"$JS.API.STREAM.INFO.OBJ_{snaps}",
+        f"$JS.API.STREAM.CREATE.OBJ_{snaps}",
+        f"$JS.API.STREAM.MSG.GET.OBJ_{snaps}",
+        f"$JS.API.DIRECT.GET.OBJ_{snaps}.>",
+        f"$JS.API.STREAM.PURGE.OBJ_{snaps}",
+        f"$JS.API.CONSUMER.CREATE.OBJ_{snaps}",
+        f"$JS.API.CONSUMER.CREATE.OBJ_{snaps}.>",
+        f"$JS.API.CONSUMER.DELETE.OBJ_{snaps}.>",
+        f"$JS.API.CONSUMER.INFO.OBJ_{snaps}.>",
+    ]
+
+
 def accounts_conf(
-    cluster: str,
+    cluster: str | Sequence[str],
     hosts: Iterable[str],
     passwords: Mapping[str, str],
     *,
     server: str = "",
     executor: bool = True,
 ) -> str:
-    """The ``accounts`` block for cluster ``cluster`` with an agent for each of
-    ``hosts``; ``passwords`` maps every user (:func:`users_of`) to its password.
+    """The ``accounts`` block for cluster ``cluster`` (or for each of several
+    clusters served by one nats-server: the same accounts and users, each with the
+    subjects of every cluster) with an agent for each of ``hosts``; ``passwords``
+    maps every user (:func:`users_of`) to its password.
     ``server`` is put first (``listen``, ``jetstream { ... }``, ...).
     ``executor``: with the executor emulator's user, which may report runs on
     every host (a demo device: leave it out where real agents run)."""
     hosts = list(hosts)
-    c = cluster
-    inputs = f"apportion.{c}.inputs"
-    decisions = f"apportion.{c}.decisions"
-    heartbeat = f"apportion.{c}.heartbeat"
-    streams = (f"INPUTS_{c}", f"DECISIONS_{c}")
-    reads = [f"$JS.API.DIRECT.GET.{s}" for s in streams]
-    """What every reader asks: batched direct gets, and ``last_by_subj`` for the
-    last sequence (the JetStream API, stream info included, answers only inside
-    APPORTION)."""
-    wakes = [f"{inputs}.>", decisions]
-    logs_stream = stream_name(c)
-    log_reads = [f"$JS.API.DIRECT.GET.{logs_stream}"]
-    """Who reads the attempts' logs (services/attempt_logs.py): the gateway, which
-    shows them with explain's authority, and the operator; not the agents (one
-    host's agent has no business reading another's output), the projector or
-    the auditor."""
-    log_readers = ["gateway", "operator"]
-    leases, snaps = f"apportion_{c}_leases", f"apportion_{c}_snapshots"
-
-    # what each non-scheduler user may publish into APPORTION (service imports)
+    names = [cluster] if isinstance(cluster, str) else list(cluster)
+    cs = [_Cluster(c, hosts, executor) for c in names]
+    c = ", ".join(names)
+    first = cs[0]
     publishes: dict[str, list[str]] = {
-        "gateway": [f"{inputs}.{k}" for k in ROLE_KINDS["gateway"]],
-        "operator": [f"{inputs}.{k}" for k in ROLE_KINDS["operator"]],
-        "projector": [],
-        "auditor": [],
-        "executor": [f"{inputs}.{k}.>" for k in EXECUTOR_KINDS],
+        u: [x for k in cs for x in k.publishes[u]] for u in first.publishes
     }
-    if not executor:
-        del publishes["executor"]
-    hears: dict[str, list[str]] = {}
-    for h in hosts:
-        user = agent_user(h)
-        publishes[user] = [
-            *(f"{inputs}.{k}.{h}" for k in AGENT_KINDS),
-            f"{heartbeat}.{h}",
-            host_subjects(c, h),  # its own host's attempt logs only
-        ]
-        hears[user] = [f"{heartbeat}.>"]
+    hears: dict[str, list[str]] = {u: [x for k in cs for x in k.hears[u]] for u in first.hears}
+    reads = _each(cs, lambda k: k.reads)
+    wakes = _each(cs, lambda k: k.wakes)
+    log_reads = _each(cs, lambda k: k.log_reads)
+    log_readers = ["gateway", "operator"]
     writers = [_account_of(u) for u, subjects in publishes.items() if subjects]
     agents = [_account_of(agent_user(h)) for h in hosts]
 
@@ -184,48 +242,35 @@ def accounts_conf(
     sched_pub = [
         "$JS.API.INFO",
         "$JS.API.STREAM.NAMES",
-        *(f"$JS.API.STREAM.INFO.{s}" for s in streams),
-        *reads,
-        *(f"$JS.API.STREAM.CREATE.{s}" for s in streams),
-        *(f"$JS.API.STREAM.UPDATE.{s}" for s in streams),
-        f"$JS.API.STREAM.INFO.{logs_stream}",
-        f"$JS.API.STREAM.CREATE.{logs_stream}",
-        f"$JS.API.STREAM.UPDATE.{logs_stream}",
-        *log_reads,
-        f"$JS.API.STREAM.INFO.KV_{leases}",
-        f"$JS.API.STREAM.CREATE.KV_{leases}",
-        f"$JS.API.DIRECT.GET.KV_{leases}.>",
-        f"$JS.API.STREAM.MSG.GET.KV_{leases}",
-        f"$JS.API.STREAM.INFO.OBJ_{snaps}",
-        f"$JS.API.STREAM.CREATE.OBJ_{snaps}",
-        f"$JS.API.STREAM.MSG.GET.OBJ_{snaps}",
-        f"$JS.API.DIRECT.GET.OBJ_{snaps}.>",
-        f"$JS.API.STREAM.PURGE.OBJ_{snaps}",
-        f"$JS.API.CONSUMER.CREATE.OBJ_{snaps}",
-        f"$JS.API.CONSUMER.CREATE.OBJ_{snaps}.>",
-        f"$JS.API.CONSUMER.DELETE.OBJ_{snaps}.>",
-        f"$JS.API.CONSUMER.INFO.OBJ_{snaps}.>",
+        *_each(cs, _scheduler_api),
         "$JS.FC.>",
         "$JS.ACK.>",
-        f"$KV.{leases}.>",
-        f"$O.{snaps}.>",
-        decisions,
-        *(f"{inputs}.{k}" for k in ROLE_KINDS["scheduler"]),
+        *_each(
+            cs,
+            lambda k: [
+                f"$KV.{k.leases}.>",
+                f"$O.{k.snaps}.>",
+                k.decisions,
+                *(f"{k.inputs}.{kind}" for kind in ROLE_KINDS["scheduler"]),
+            ],
+        ),
     ]
     sched_deny = [
         "$JS.API.STREAM.DELETE.>",
         "$JS.API.STREAM.MSG.DELETE.>",
-        *(f"$JS.API.STREAM.PURGE.{s}" for s in [*streams, logs_stream]),
-        *(f"$JS.API.CONSUMER.CREATE.{s}" for s in [*streams, logs_stream]),
-        *(f"$JS.API.CONSUMER.CREATE.{s}.>" for s in [*streams, logs_stream]),
+        *_each(cs, lambda k: (f"$JS.API.STREAM.PURGE.{s}" for s in [*k.streams, k.logs_stream])),
+        *_each(cs, lambda k: (f"$JS.API.CONSUMER.CREATE.{s}" for s in [*k.streams, k.logs_stream])),
+        *_each(
+            cs, lambda k: (f"$JS.API.CONSUMER.CREATE.{s}.>" for s in [*k.streams, k.logs_stream])
+        ),
         "$JS.API.CONSUMER.DURABLE.CREATE.>",
     ]
     sched_sub = [
         f"{inbox_prefix(SCHEDULER)}.>",
         *wakes,
-        f"$KV.{leases}.>",
-        f"$O.{snaps}.>",
-        f"{heartbeat}.>",
+        *_each(cs, lambda k: [f"$KV.{k.leases}.>"]),
+        *_each(cs, lambda k: [f"$O.{k.snaps}.>"]),
+        *_each(cs, lambda k: [f"{k.heartbeat}.>"]),
     ]
     out += [
         f"  {JS_ACCOUNT} {{",
@@ -251,9 +296,15 @@ def accounts_conf(
         "    ]",
         "    exports = [",
         *(f"      {{ service: {_q(s)}, response_type: stream }}" for s in reads),
-        f"      {{ service: {_q(inputs + '.>')}, accounts: [{', '.join(_q(a) for a in writers)}] }}",
-        f"      {{ stream: {_q(inputs + '.>')} }}",
-        f"      {{ stream: {_q(decisions)} }}",
+        *_each(
+            cs,
+            lambda k: [
+                f"      {{ service: {_q(k.inputs + '.>')}, "
+                f"accounts: [{', '.join(_q(a) for a in writers)}] }}",
+                f"      {{ stream: {_q(k.inputs + '.>')} }}",
+                f"      {{ stream: {_q(k.decisions)} }}",
+            ],
+        ),
     ]
     readers = ", ".join(_q(_account_of(u)) for u in log_readers if u in publishes)
     out += [
@@ -263,12 +314,14 @@ def accounts_conf(
         ),
     ]
     if agents:
-        names = ", ".join(_q(a) for a in agents)
-        out += [
-            f"      {{ service: {_q(heartbeat + '.>')}, accounts: [{names}] }}",
-            f"      {{ stream: {_q(heartbeat + '.>')}, accounts: [{names}] }}",
-            f"      {{ service: {_q(logs_prefix(c) + '.>')}, accounts: [{names}] }}",
-        ]
+        them = ", ".join(_q(a) for a in agents)
+        out += _each(
+            cs,
+            lambda k: [
+                f"      {{ service: {_q(k.heartbeat + '.>')}, accounts: [{them}] }}",
+                f"      {{ service: {_q(logs_prefix(k.name) + '.>')}, accounts: [{them}] }}",
+            ],
+        )
     out += ["    ]", "  }"]
     # -- one account per other credential ---------------------------------------
     for user, pubs in publishes.items():
@@ -278,11 +331,27 @@ def accounts_conf(
         imports = [
             *(f"{{ service: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}" for s in user_reads),
             *(f"{{ service: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}" for s in pubs),
-            *(
-                f"{{ stream: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}"
-                for s in [*wakes, *hears.get(user, [])]
-            ),
+            *(f"{{ stream: {{ account: {JS_ACCOUNT}, subject: {_q(s)} }} }}" for s in wakes),
         ]
+        exports: list[str] = []
+        if user in hears:
+            # heartbeats go from agent to agent directly (a gang's MASTER_ADDR): what
+            # reaches APPORTION through a service import is not passed on to the
+            # accounts that import it as a stream (checked against nats-server)
+            host = user[len("agent-") :]
+            others = [h for h in hosts if h != host]
+            peers = ", ".join(_q(_account_of(agent_user(h))) for h in others)
+            exports = [
+                f"{{ stream: {_q(f'{k.heartbeat}.{host}')}, accounts: [{peers}] }}"
+                for k in cs
+                if others
+            ]
+            imports += [
+                f"{{ stream: {{ account: {_q(_account_of(agent_user(h)))}, "
+                f"subject: {_q(f'{k.heartbeat}.{h}')} }} }}"
+                for k in cs
+                for h in others
+            ]
         out += [
             f"  {_q(account)} {{",
             "    users = [",
@@ -301,6 +370,7 @@ def accounts_conf(
             "    imports = [",
             *(f"      {i}" for i in imports),
             "    ]",
+            *(["    exports = [", *(f"      {e}" for e in exports), "    ]"] if exports else []),
             "  }",
         ]
     out.append("}")

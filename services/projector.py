@@ -36,7 +36,7 @@ from apportion.replay.projection import Projection, ProjectionFault
 
 from . import logs
 from .bus import EventLog
-from .canonical import CanonicalReader, SkippingFold
+from .canonical import CanonicalReader, SkippingFold, judged_by
 from .metrics import ProjectorMetrics, stored_inputs
 
 
@@ -204,7 +204,9 @@ class Projector:
 
     async def run(self, stop: asyncio.Event) -> None:
         inputs_done, batches_done = self.projection.position
-        reader = self._reader = CanonicalReader(self.log, inputs_done, batches_done)
+        reader = self._reader = CanonicalReader(
+            self.log, inputs_done, batches_done, may_accept=judged_by(lambda: self.state)
+        )
         self.logger.info("resuming", input_seq=inputs_done, batches=batches_done)
         p, state = self.projection, self.state
         dirty = False

@@ -76,7 +76,7 @@ from .bus import (
     SnapshotUnreadable,
     Tail,
 )
-from .canonical import SkippingFold
+from .canonical import SkippingFold, judged_by
 from .metrics import SchedulerMetrics, stored_inputs
 
 SNAPSHOT_NAME = "scheduler"
@@ -194,6 +194,9 @@ class Scheduler:
         self.gap: tuple[int, int] | None = None
         """Inputs missing where the scheduler stopped (no loss accepted), or ``None``."""
         self._lost: list[tuple[int, int, int]] = []
+        self._may_accept = judged_by(lambda: self.state)
+        """Which acceptance of lost inputs may bridge a gap: an operator's, in the state
+        at the gap (the fold refuses any other: ``LossNotAccepted``)."""
         """Accepted losses folded, ``(first, through, until)``: inputs ``first`` ..
         ``through`` lost, and batches based on ``first`` .. ``until`` (up to the
         record of the loss) not part of the history."""
@@ -388,7 +391,7 @@ class Scheduler:
         while not stop.is_set() and waited < 30.0:
             if accepted is not None:
                 try:
-                    if await accepted(gap.first, gap.through + 1) is not None:
+                    if await accepted(gap.first, gap.through + 1, self._may_accept) is not None:
                         return
                 except Exception as exc:  # NATS away: ask again
                     self.logger.warning("could not look for an accepted loss", error=str(exc))
@@ -408,12 +411,17 @@ class Scheduler:
         lost = lost_range(item)
         if lost is None:
             e = item.event
-            if isinstance(e, InputsLost) and not any(
-                (first, through) == (e.first, e.through) for first, through, _ in self._lost
+            state = self.state
+            if (
+                isinstance(e, InputsLost)
+                and state is not None
+                and not any(
+                    (first, through) == (e.first, e.through) for first, through, _ in self._lost
+                )
+                and self._may_accept(item)  # another's record bridges nothing: refused
+                and e.first <= e.through < state.input_seq
             ):
-                state = self.state
-                if state is not None and e.first <= e.through < state.input_seq:
-                    raise HistoryGap(e.first, e.through, held=True)
+                raise HistoryGap(e.first, e.through, held=True)
             return
         stored_at = getattr(tail, "bridged", {}).get(item.seq, lost[1] + 1)
         entry = (lost[0], lost[1], stored_at - 1)
@@ -478,7 +486,7 @@ class Scheduler:
         self.state = state
         self.batch_seq, self.last_basis = batch_seq, last_basis
         self._snapshot_at = state.input_seq
-        self._tail = self.log.tail_inputs(state.input_seq + 1)
+        self._tail = self.log.tail_inputs(state.input_seq + 1, may_accept=self._may_accept)
 
     async def _read_snapshot(self) -> tuple[SchedulerSnapshot, State] | None:
         """The stored snapshot, verified (decoded in a thread: the lease and other

@@ -100,11 +100,14 @@ def _replayed() -> tuple[State, Projection]:
 
 
 def _unchanged_but_for_the_rejection(before: State, after: State, item: InputItem) -> None:
-    """A rejected input changes what a ``ClockTicked`` at its time would, plus the record."""
+    """A rejected input changes what a ``ClockTicked`` at its time would, plus the record
+    (and the memory of its id: core/rules/identity.py, an input is folded once)."""
     twin = before.copy()
     at_ms = item.event.at_ms if item.event is not None else item.at_ms
     fold_item(twin, input_item(item.seq, ClockTicked(id="twin", at_ms=at_ms)))
     twin.rejections.append(after.rejections[-1])
+    assert set(after.input_ids) - set(before.input_ids) <= {item.ref}
+    twin.input_ids, twin.input_id_expiry = after.input_ids, after.input_id_expiry
     assert after.to_bytes() == twin.to_bytes()
 
 

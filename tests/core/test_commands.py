@@ -170,9 +170,10 @@ CASES: list[tuple[str, Callable[[], Input], str]] = [
     ("already_ended", lambda: hold("done"), "already ended as succeeded"),
 ]
 
-SUBJECT_CODES = {"wrong_subject", "wrong_host"}
-"""Codes of the subject an input was stored on, which a request does not have
-(tests/core/test_subjects.py)."""
+SUBJECT_CODES = {"wrong_subject", "wrong_host", "duplicate_input", "stale_input"}
+"""Codes of the subject an input was stored on and of its identity (when it was
+sent, its id), which a request does not have (tests/core/test_subjects.py,
+tests/core/test_input_identity.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from apportion.schemas.events import (
     BudgetSet,
@@ -135,12 +135,22 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
             time.sleep(0.05)
 
 
+class Roles(NamedTuple):
+    """One cluster's log as the scheduler, the operator and the gateway see it (each
+    connected with its own credential: tests/services/conftest.py, ``roles``)."""
+
+    sched: JetStreamLog
+    op: JetStreamLog
+    gw: JetStreamLog
+
+
 @contextlib.asynccontextmanager
-async def gateway_on(log: JetStreamLog, auth: Any) -> AsyncIterator[Gateway]:
-    """A supervised scheduler and a gateway (checking ``auth``; ``None``: no auth) on
-    ``log`` with :func:`small_cluster` published first, the gateway caught up with it."""
-    await log.publish_inputs(small_cluster())
-    scheduler, gateway = Scheduler(log), Gateway(log, auth=auth)
+async def gateway_on(roles: Roles, auth: Any) -> AsyncIterator[Gateway]:
+    """A supervised scheduler (the scheduler's log) and a gateway (the gateway's;
+    checking ``auth``, ``None``: no auth) with :func:`small_cluster` published
+    first by the operator, the gateway caught up with it."""
+    await roles.op.publish_inputs(small_cluster())
+    scheduler, gateway = Scheduler(roles.sched), Gateway(roles.gw, auth=auth)
     stop = asyncio.Event()
     tasks = [
         asyncio.create_task(supervise_scheduler(scheduler, stop)),

@@ -30,10 +30,12 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
 )
 from apportion.schemas.history import InputItem
-from apportion.services.bus import JetStreamLog
+from apportion.services.bus import JetStreamLog, connect
 from apportion.services.canonical import Follower
+from apportion.services.natsconf import agent_user, user_url
 from apportion.services.runner import supervise_scheduler
 from apportion.services.scheduler import Scheduler
+from conftest import password
 from services_helpers import APPORTION_CMD
 
 pytestmark = pytest.mark.nats
@@ -86,10 +88,15 @@ def py(code: str, *args: str) -> list[str]:
 class Cluster:
     """A scheduler (in this process), agents (processes), and a follower of the history."""
 
-    def __init__(self, log: JetStreamLog, url: str, work: Path, args: list[str]) -> None:
+    def __init__(
+        self, log: JetStreamLog, op: JetStreamLog, nats: Any, work: Path, args: list[str]
+    ) -> None:
         self.args = args
         self.log = log
-        self.url = url
+        """The scheduler's log (it runs the scheduler, and follows the history)."""
+        self.op = op
+        """The operator's: who sets the cluster up and submits the jobs."""
+        self.nats = nats
         self.work = work
         self.follower = Follower(log)
         self.inputs: list[Any] = []
@@ -100,6 +107,10 @@ class Cluster:
         return self.follower.state
 
     def start_agent(self, node: str, url: str | None = None) -> None:
+        """An agent for ``node``, with its own credential (``agent-<node>``), connected
+        to the server or to ``url`` (a proxy in front of it)."""
+        user = agent_user(node)
+        url = self.nats.url_as(user) if url is None else user_url(url, user, password(user))
         err = open(self.work / f"agent-{node}.log", "ab")  # noqa: SIM115 - kept by the process
         self.agents[node] = subprocess.Popen(
             [
@@ -110,7 +121,7 @@ class Cluster:
                 "--cluster-name",
                 self.log.subjects.cluster,
                 "--nats",
-                url or self.url,
+                url,
                 "--gpus",
                 str(GPUS),
                 "--gpu-type",
@@ -215,11 +226,13 @@ async def cluster_of(
 ) -> AsyncIterator[Cluster]:
     log = JetStreamLog(js, name)
     await log.setup()
-    await log.publish_inputs(budget(heartbeat_timeout_ms))
+    op_nc = await connect(nats_server.url_as("operator"), name="test-operator", timeout_s=10)
+    op = JetStreamLog(op_nc.jetstream(), name)
+    await op.publish_inputs(budget(heartbeat_timeout_ms))
     scheduler = Scheduler(log)
     stop = asyncio.Event()
     task = asyncio.create_task(supervise_scheduler(scheduler, stop))
-    c = Cluster(log, nats_server.url, tmp_path, list(args))
+    c = Cluster(log, op, nats_server, tmp_path, list(args))
     try:
         for i in range(nodes):
             c.start_agent(f"h{i}")
@@ -239,6 +252,7 @@ async def cluster_of(
         stop.set()
         await task
         await c.follower.close()
+        await op_nc.close()
 
 
 ENV_JOB = """
@@ -261,7 +275,7 @@ async def test_jobs_run_and_report_exit_codes(nats_server, js, cluster, tmp_path
     """A job runs as a real process with its env and GPUs, its output is captured, its
     exit code is reported; a failing job is reported failed."""
     async with cluster_of(nats_server, js, cluster, tmp_path, nodes=3) as c:
-        await c.log.publish_inputs(
+        await c.op.publish_inputs(
             [
                 job("ok", py(ENV_JOB, "0", "0"), gpus=2, env={"MY_VAR": "x y"}),
                 job("bad", py(ENV_JOB, "3", "0"), gpus=1),
@@ -318,7 +332,7 @@ async def test_preempted_job_checkpoints_and_resumes(nats_server, js, cluster, t
     saves a checkpoint, is requeued, resumes from it and does exactly the total work."""
     async with cluster_of(nats_server, js, cluster, tmp_path, nodes=3) as c:
         total = 200
-        await c.log.publish_input(
+        await c.op.publish_input(
             job(
                 "free",
                 py(RESUMABLE_JOB, str(total)),
@@ -329,7 +343,7 @@ async def test_preempted_job_checkpoints_and_resumes(nats_server, js, cluster, t
         )
         journal = c.checkpoint("free") / "journal"
         await c.until(lambda: journal.exists(), "the free job started")
-        await c.log.publish_input(
+        await c.op.publish_input(
             job("big", py("import time; time.sleep(0.5)"), gpus=6, owner="llm/b")
         )
         await c.until(lambda: c.status("big") == "succeeded", "the gang ran", timeout=60)
@@ -353,7 +367,7 @@ async def test_two_node_gang(nats_server, js, cluster, tmp_path) -> None:
     """Both ranks of a two-host gang start with consistent variables; rank 1 ending
     first does not end the gang; the gang is reported once."""
     async with cluster_of(nats_server, js, cluster, tmp_path, nodes=3) as c:
-        await c.log.publish_input(job("gang", py(ENV_JOB, "0", "1.0"), gpus=4))
+        await c.op.publish_input(job("gang", py(ENV_JOB, "0", "1.0"), gpus=4))
         await c.until(lambda: c.status("gang") == "succeeded", "the gang succeeded")
         await c.settle()
         envs = [json.loads((c.checkpoint("gang") / f"env-{r}.json").read_text()) for r in (0, 1)]
@@ -377,7 +391,7 @@ async def test_gang_rank_failure_stops_the_others(nats_server, js, cluster, tmp_
     time.sleep(120)
     """
     async with cluster_of(nats_server, js, cluster, tmp_path, nodes=2) as c:
-        await c.log.publish_input(job("g", py(code), gpus=4))
+        await c.op.publish_input(job("g", py(code), gpus=4))
         await c.until(lambda: c.status("g") == "failed", "the gang failed")
         (end,) = c.finishes("g")
         assert end.exit_code == 7
@@ -497,7 +511,7 @@ async def test_partitioned_agent_fences_its_run_before_the_requeue(
     the job checkpoints) before the scheduler marks its host down and the run is
     started elsewhere: the two attempts never write the checkpoint folder at once.
     Healed, the agent brings its host back; attempt 2 runs on."""
-    port = int(nats_server.url.rsplit(":", 1)[1])
+    port = int(nats_server.url.rsplit(":", 1)[1])  # the agent's proxy: its credential added
     proxy = Proxy(port)
     await proxy.start()
     try:
@@ -506,7 +520,7 @@ async def test_partitioned_agent_fences_its_run_before_the_requeue(
         ) as c:
             c.start_agent("h0", url=proxy.url)
             await c.until(lambda: "h0" in c.state.nodes, "h0 registered")
-            await c.log.publish_input(job("long", py(MARKER_JOB), gpus=2))
+            await c.op.publish_input(job("long", py(MARKER_JOB), gpus=2))
             marks = c.checkpoint("long") / "marks"
             await c.until(lambda: marks.exists(), "the job started on h0")
             c.start_agent("h1")
@@ -549,7 +563,7 @@ async def test_killed_agent_fences_its_run_before_the_requeue(
     async with cluster_of(
         nats_server, js, cluster, tmp_path, nodes=2, heartbeat_timeout_ms=1500
     ) as c:
-        await c.log.publish_input(job("long", py(MARKER_JOB), gpus=2, min_runtime_ms=0))
+        await c.op.publish_input(job("long", py(MARKER_JOB), gpus=2, min_runtime_ms=0))
         marks = c.checkpoint("long") / "marks"
         await c.until(lambda: len(c.starts("long")) == 1 and marks.exists(), "the job started")
         (first,) = c.node_of("long")
@@ -584,7 +598,7 @@ async def test_a_host_silent_before_the_scheduler_started_is_marked_down(
     async with cluster_of(
         nats_server, js, cluster, tmp_path, nodes=1, heartbeat_timeout_ms=1500
     ) as c:
-        await c.log.publish_input(
+        await c.op.publish_input(
             NodeRegistered(
                 id="silent", at_ms=0, node="silent", gpus=2, gpu_type="h100", actor="ops"
             )
@@ -609,7 +623,7 @@ async def test_restarted_agent_starts_nothing_twice(nats_server, js, cluster, tm
     sys.exit(int(sys.argv[1]))
     """
     async with cluster_of(nats_server, js, cluster, tmp_path, nodes=1) as c:
-        await c.log.publish_inputs([job("a", py(code, "0")), job("b", py(code, "5"))])
+        await c.op.publish_inputs([job("a", py(code, "0")), job("b", py(code, "5"))])
         await c.until(
             lambda: all((c.checkpoint(w) / "starts").exists() for w in "ab"), "both started"
         )
@@ -669,7 +683,7 @@ async def test_cancel_stops_the_run_and_sigkills_after_the_notice(
     from apportion.schemas.events import WorkloadCancelled
 
     async with cluster_of(nats_server, js, cluster, tmp_path, nodes=1) as c:
-        await c.log.publish_inputs(
+        await c.op.publish_inputs(
             [
                 job("polite", py("import time; time.sleep(120)")),
                 job("stubborn", py(stubborn), grace_ms=500),
@@ -679,7 +693,7 @@ async def test_cancel_stops_the_run_and_sigkills_after_the_notice(
             lambda: len(c.starts("polite")) == 1 and (c.checkpoint("stubborn") / "up").exists(),
             "both running",
         )
-        await c.log.publish_inputs(
+        await c.op.publish_inputs(
             [
                 WorkloadCancelled(id=f"cancel-{w}", at_ms=0, workload=w, actor="ops")
                 for w in ("polite", "stubborn")

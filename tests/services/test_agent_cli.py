@@ -28,13 +28,14 @@ def _wait(check, what: str, timeout: float = 60.0):
 
 
 @pytest.fixture
-def up_agents(nats_server, tmp_path: Path, cluster: str):
+def up_agents(tmp_path: Path, cluster: str):
     """`apportion up --agents 2` (demo cluster under a fresh name): (env, process, data dir)."""
     from apportion.services.stack import DEMO_CLUSTER_TOML
 
     cluster_file = tmp_path / "cluster.toml"
     cluster_file.write_text(DEMO_CLUSTER_TOML.replace('name = "demo"', f'name = "{cluster}"'))
-    env = {**os.environ, "NATS_URL": nats_server.url}
+    env = dict(os.environ)
+    env.pop("NATS_URL", None)  # `up` starts nats-server with the users of production
     env.pop("APPORTION_URL", None)
     data = tmp_path / "data"
     err = open(tmp_path / "up.err", "w+")  # noqa: SIM115 - read while the process runs

@@ -27,6 +27,7 @@ from apportion.services.gateway import Gateway
 from apportion.services.natsconf import agent_user
 from apportion.services.runner import supervise_scheduler
 from apportion.services.scheduler import Scheduler
+from conftest import INFRA, NatsServer
 from services_helpers import APPORTION_CMD
 from test_agent import Cluster, _kill_leftovers, budget, job, py
 
@@ -150,7 +151,8 @@ async def secure_cluster(
         asyncio.create_task(supervise_scheduler(Scheduler(log), stop)),
         asyncio.create_task(gateway.serve(stop, port=0)),
     ]
-    c = Cluster(log, _url(port, agent_user(H0)), tmp_path, [])
+    demo = NatsServer(f"nats://127.0.0.1:{port}", conf=(INFRA / "accounts.conf").read_text())
+    c = Cluster(log, op, demo, tmp_path, [])
     try:
         c.start_agent(H0)
         await c.until(
@@ -366,23 +368,28 @@ async def test_an_agent_may_ship_only_its_own_hosts_logs(secure_server: int) -> 
 
 
 async def test_the_emulators_runs_have_no_log_and_apportion_logs_says_so(
-    jlog: JetStreamLog, tmp_path: Path, creds: Any
+    jlog: JetStreamLog,
+    tmp_path: Path,
+    creds: Any,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
+    exelog: JetStreamLog,
 ) -> None:
     """Under the executor emulator (no agent: nothing runs, nothing is shipped),
     ``apportion logs`` ends with one line saying why, status 2; with a token, as explain."""
     from apportion.services.executor import Executor
     from services_helpers import eventually, small_cluster, submit
 
-    await jlog.publish_inputs(small_cluster())
-    gateway = Gateway(jlog, auth=creds.authenticator)
+    await oplog.publish_inputs(small_cluster())
+    gateway = Gateway(gwlog, auth=creds.authenticator)
     stop = asyncio.Event()
     tasks = [
         asyncio.create_task(supervise_scheduler(Scheduler(jlog), stop)),
-        asyncio.create_task(Executor(jlog).run(stop)),
+        asyncio.create_task(Executor(exelog).run(stop)),
         asyncio.create_task(gateway.serve(stop, port=0)),
     ]
     try:
-        await jlog.publish_input(submit("w1", gpus=4, duration_ms=200))
+        await oplog.publish_input(submit("w1", gpus=4, duration_ms=200))
         await eventually(lambda: gateway.state.status_of("w1") == "succeeded", what="w1 ran")
         url = gateway.url
         assert url is not None

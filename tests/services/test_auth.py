@@ -46,7 +46,7 @@ from apportion.services.auth import (
 from apportion.services.bus import JetStreamLog
 from apportion.services.canonical import read_history
 from apportion.services.stack import DEMO_CLUSTER_TOML, load_cluster_spec
-from services_helpers import eventually, gateway_on, small_cluster
+from services_helpers import Roles, eventually, gateway_on, small_cluster
 
 if TYPE_CHECKING:
     from conftest import Credentials
@@ -250,9 +250,9 @@ async def inputs_of(log: JetStreamLog) -> list[Any]:
 
 
 async def test_every_v1_request_but_status_needs_a_known_token(
-    jlog: JetStreamLog, creds: Credentials
+    roles: Roles, creds: Credentials
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         url = gateway.url
         wrong = bearer("apt_" + "x" * 43)
         submit = {"id": "j1", "owner": "llm/a", "gpus": 1, "min_runtime_ms": 0}
@@ -295,14 +295,14 @@ async def test_every_v1_request_but_status_needs_a_known_token(
             http, "GET", url + "/v1/queue", None, creds.headers("mallory")
         )
         assert status == 200
-    published = await inputs_of(jlog)
+    published = await inputs_of(roles.sched)
     assert len(published) == len(small_cluster())  # nothing unauthenticated was published
 
 
 async def test_the_actor_is_the_tokens_principal_whatever_the_body_says(
-    jlog: JetStreamLog, creds: Credentials
+    roles: Roles, creds: Credentials
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         url = gateway.url
 
         async def call(as_: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -351,7 +351,7 @@ async def test_the_actor_is_the_tokens_principal_whatever_the_body_says(
         await eventually(lambda: "llm/c" in gateway.state.budget.nodes, what="llm/c folded")
         status, answer = await call("b", "GET", "/v1/workloads/j1")
         assert status == 200 and answer["status"] == "cancelled"
-    published = (await inputs_of(jlog))[len(small_cluster()) :]
+    published = (await inputs_of(roles.sched))[len(small_cluster()) :]
     kinds = [
         (type(e).__name__, getattr(e, "actor", getattr(e, "submitted_by", None))) for e in published
     ]
@@ -366,9 +366,9 @@ async def test_the_actor_is_the_tokens_principal_whatever_the_body_says(
 
 
 async def test_a_revoked_token_is_refused_by_the_running_gateway(
-    jlog: JetStreamLog, creds: Credentials
+    roles: Roles, creds: Credentials
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         url = gateway.url
         status, _, _ = await asyncio.to_thread(
             http, "GET", url + "/v1/queue", None, creds.headers("b")
@@ -385,12 +385,12 @@ async def test_a_revoked_token_is_refused_by_the_running_gateway(
 
 
 async def test_without_auth_the_gateway_warns_and_takes_the_actor_from_the_body(
-    jlog: JetStreamLog,
+    roles: Roles,
 ) -> None:
     out = io.StringIO()
     logs.configure("warning", stream=out)
     try:
-        async with gateway_on(jlog, None) as gateway:
+        async with gateway_on(roles, None) as gateway:
             status, answer, _ = await asyncio.to_thread(
                 http,
                 "POST",
@@ -409,7 +409,7 @@ async def test_without_auth_the_gateway_warns_and_takes_the_actor_from_the_body(
         logs.configure("warning")
     warnings = [json.loads(line) for line in out.getvalue().splitlines()]
     assert any("no authentication" in w["event"] for w in warnings), warnings
-    published = (await inputs_of(jlog))[len(small_cluster()) :]
+    published = (await inputs_of(roles.sched))[len(small_cluster()) :]
     assert [(type(e).__name__, e.submitted_by) for e in published] == [("WorkloadSubmitted", "a")]
 
 
@@ -437,9 +437,9 @@ def bare_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 async def test_the_cli_sends_its_token_and_a_401_is_one_line(
-    jlog: JetStreamLog, creds: Credentials, tmp_path: Path
+    roles: Roles, creds: Credentials, tmp_path: Path
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         env = bare_env(tmp_path, APPORTION_URL=gateway.url or "")
         a_file = str(creds.token_files["a"])
 
@@ -556,10 +556,8 @@ def up(folder: Path, nats_url: str | None, cluster: str, *extra: str) -> Any:
                 proc.wait(60)
 
 
-async def test_up_makes_tokens_for_the_admin_and_the_owners(
-    nats_server: Any, cluster: str, tmp_path: Path
-) -> None:
-    with up(tmp_path, nats_server.url, cluster) as (printed, url):
+async def test_up_makes_tokens_for_the_admin_and_the_owners(cluster: str, tmp_path: Path) -> None:
+    with up(tmp_path, None, cluster) as (printed, url):
         folder = (tmp_path / ".apportion" / "credentials").resolve()
         for principal in ("admin", "alice", "victor"):
             path = folder / f"{principal}.token"
@@ -610,14 +608,12 @@ async def test_up_makes_tokens_for_the_admin_and_the_owners(
         assert answer["submitted_by"] == "alice"
     # a second `up` on the same folder keeps the tokens
     tokens = {p: read_token_file(folder / f"{p}.token") for p in ("admin", "alice", "victor")}
-    with up(tmp_path, nats_server.url, cluster):
+    with up(tmp_path, None, cluster):
         assert {p: read_token_file(folder / f"{p}.token") for p in tokens} == tokens
 
 
-async def test_up_without_auth_warns_and_makes_no_tokens(
-    nats_server: Any, cluster: str, tmp_path: Path
-) -> None:
-    with up(tmp_path, nats_server.url, cluster, "--no-auth") as (printed, url):
+async def test_up_without_auth_warns_and_makes_no_tokens(cluster: str, tmp_path: Path) -> None:
+    with up(tmp_path, None, cluster, "--no-auth") as (printed, url):
         assert "WARNING: --no-auth" in printed and "no authentication" in printed
         assert not (tmp_path / ".apportion" / "credentials").exists()
         deadline = time.monotonic() + 60
@@ -731,9 +727,7 @@ async def test_an_older_data_folder_keeps_its_history_under_users(tmp_path: Path
         server.stop()
 
 
-async def test_a_flood_of_401s_is_counted_and_logged_once(
-    jlog: JetStreamLog, creds: Credentials
-) -> None:
+async def test_a_flood_of_401s_is_counted_and_logged_once(roles: Roles, creds: Credentials) -> None:
     """Every 401 counts in ``apportion_gateway_unauthenticated_total``; the log gets
     at most one line a minute (issue 24, item 6: log flooding)."""
     lines: list[tuple[str, dict[str, Any]]] = []
@@ -745,7 +739,7 @@ async def test_a_flood_of_401s_is_counted_and_logged_once(
         def __getattr__(self, name: str) -> Any:
             return lambda *a, **kw: None
 
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         gateway.logger = Recorder()  # type: ignore[assignment]
         for _ in range(30):
             status, _, _ = await asyncio.to_thread(
@@ -763,9 +757,9 @@ async def test_a_flood_of_401s_is_counted_and_logged_once(
 
 
 async def test_405_says_what_is_allowed_and_a_nul_is_refused(
-    jlog: JetStreamLog, creds: Credentials
+    roles: Roles, creds: Credentials
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         status, answer, headers = await asyncio.to_thread(
             http, "DELETE", f"{gateway.url}/v1/queue", None, creds.headers()
         )

@@ -47,13 +47,18 @@ def big_cycle_inputs() -> list:
 
 
 async def test_an_oversized_cycle_is_split_and_every_reader_folds_it(
-    nats_server, jlog: JetStreamLog, cluster: str, tmp_path: Path
+    nats_server,
+    jlog: JetStreamLog,
+    cluster: str,
+    tmp_path: Path,
+    oplog: JetStreamLog,
+    projlog: JetStreamLog,
 ) -> None:
     assert jlog.max_batch_bytes <= BATCH_BYTES_CAP
-    await jlog.publish_inputs(big_cycle_inputs())  # all in INPUTS before any scheduler runs
+    await oplog.publish_inputs(big_cycle_inputs())  # all in INPUTS before any scheduler runs
     last = await jlog.last_input_seq()
     projection = Projection(duckdb.connect(str(tmp_path / "p.duckdb")))
-    scheduler, projector, follower = Scheduler(jlog), Projector(jlog, projection), Follower(jlog)
+    scheduler, projector, follower = Scheduler(jlog), Projector(projlog, projection), Follower(jlog)
     async with running(scheduler, projector):
         await eventually(lambda: scheduler.last_basis >= last, what="the big cycle published")
         await eventually(lambda: projector.position[0] >= last, what="projector caught up")
@@ -82,15 +87,18 @@ async def test_an_oversized_cycle_is_split_and_every_reader_folds_it(
     await again._forget()
     await follower.close()
     # and the audit recomputes the cycle and compares every part, bit for bit
-    out = await asyncio.to_thread(audit_live, nats_server.url, cluster)
+    out = await asyncio.to_thread(audit_live, nats_server.url_as("auditor"), cluster)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"{len(batches):,} decision batches, all reproduced" in out.stdout
 
 
 async def test_a_cycle_left_in_parts_is_completed_by_the_next_leader(
-    nats_server, jlog: JetStreamLog, cluster: str
+    nats_server,
+    jlog: JetStreamLog,
+    cluster: str,
+    oplog: JetStreamLog,
 ) -> None:
-    await jlog.publish_inputs(big_cycle_inputs())
+    await oplog.publish_inputs(big_cycle_inputs())
     # a leader decided the cycle, published two of its parts and died
     history = await read_history(jlog, 10.0)
     state = fold_history(history)
@@ -113,16 +121,18 @@ async def test_a_cycle_left_in_parts_is_completed_by_the_next_leader(
         d.workload for b in batches for d in b.batch.decisions if isinstance(d, WorkloadPlaced)
     ]
     assert len(placed) == len(set(placed)) == PLACED
-    out = await asyncio.to_thread(audit_live, nats_server.url, cluster)
+    out = await asyncio.to_thread(audit_live, nats_server.url_as("auditor"), cluster)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-async def test_a_batch_the_server_refuses_is_not_retried(jlog: JetStreamLog) -> None:
+async def test_a_batch_the_server_refuses_is_not_retried(
+    jlog: JetStreamLog, oplog: JetStreamLog
+) -> None:
     import nats.errors
 
     assert not is_transient(nats.errors.MaxPayloadError())
     assert is_transient(nats.errors.TimeoutError())
-    await jlog.publish_inputs(big_cycle_inputs())
+    await oplog.publish_inputs(big_cycle_inputs())
     jlog.max_batch_bytes = 64 * 1024 * 1024  # as if the scheduler did not split: one huge batch
     scheduler = Scheduler(jlog)
     stop = asyncio.Event()

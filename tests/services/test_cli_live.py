@@ -21,14 +21,15 @@ def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 
 @pytest.fixture
-def stack(nats_server, tmp_path: Path, cluster: str):
-    """`apportion up` on the test server (NATS_URL) with the demo cluster under a fresh
-    name, gateway on a free port; yields the env for clients."""
+def stack(tmp_path: Path, cluster: str):
+    """`apportion up` with a nats-server of its own (the users of production: no
+    NATS_URL), the demo cluster, gateway on a free port; yields the env for clients."""
     from apportion.services.stack import DEMO_CLUSTER_TOML
 
     cluster_file = tmp_path / "cluster.toml"
     cluster_file.write_text(DEMO_CLUSTER_TOML.replace('name = "demo"', f'name = "{cluster}"'))
-    env = {**os.environ, "NATS_URL": nats_server.url}
+    env = dict(os.environ)
+    env.pop("NATS_URL", None)  # `up` starts nats-server with the users of production
     env.pop("APPORTION_URL", None)
     err = open(tmp_path / "up.err", "w+")  # noqa: SIM115 - read while the process runs
     proc = subprocess.Popen(
@@ -62,7 +63,7 @@ def stack(nats_server, tmp_path: Path, cluster: str):
         err.close()
 
 
-def test_up_submit_queue_explain_budget_and_ctrl_c(stack, nats_server) -> None:
+def test_up_submit_queue_explain_budget_and_ctrl_c(stack) -> None:
     env, proc = stack
     deadline = time.monotonic() + 60
     while True:  # the gateway has folded the demo cluster once budget show lists it

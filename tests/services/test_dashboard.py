@@ -17,7 +17,6 @@ from apportion.core.history import decide_batch, fold_item
 from apportion.core.state import State
 from apportion.schemas.history import BatchItem, input_item
 from apportion.services.auth import revoke_tokens
-from apportion.services.bus import JetStreamLog
 from apportion.services.dashboard import COOKIE
 from apportion.services.dashboard_views import (
     TimelineHistory,
@@ -28,7 +27,7 @@ from apportion.services.dashboard_views import (
     usage_html,
     workload_html,
 )
-from services_helpers import eventually, gateway_on, small_cluster, submit
+from services_helpers import Roles, eventually, gateway_on, small_cluster, submit
 
 if TYPE_CHECKING:
     from conftest import Credentials
@@ -392,8 +391,8 @@ async def login(s: aiohttp.ClientSession, url: str, token: str) -> aiohttp.Clien
 
 
 @pytest.mark.nats
-async def test_login_cookie_pages_and_forms(jlog: JetStreamLog, creds: Credentials) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw, session() as s:
+async def test_login_cookie_pages_and_forms(roles: Roles, creds: Credentials) -> None:
+    async with gateway_on(roles, creds.authenticator) as gw, session() as s:
         url = gw.url
         # no cookie: pages send to the login form, the live endpoint says 401
         async with s.get(f"{url}/ui/queue", allow_redirects=False) as r:
@@ -467,8 +466,8 @@ async def test_login_cookie_pages_and_forms(jlog: JetStreamLog, creds: Credentia
 
 
 @pytest.mark.nats
-async def test_without_auth_the_login_names_the_actor(jlog: JetStreamLog) -> None:
-    async with gateway_on(jlog, None) as gw, session() as s:
+async def test_without_auth_the_login_names_the_actor(roles: Roles) -> None:
+    async with gateway_on(roles, None) as gw, session() as s:
         url = gw.url
         async with s.get(f"{url}/ui/login") as r:
             assert "name to act as" in await r.text()

@@ -94,13 +94,14 @@ def chromium() -> str:
 
 
 @pytest.fixture
-def stack(nats_server, tmp_path: Path, cluster: str) -> Iterator[tuple[str, Path]]:
+def stack(tmp_path: Path, cluster: str) -> Iterator[tuple[str, Path]]:
     """`apportion up` with the demo cluster under a fresh name; yields (gateway URL, data dir)."""
     from apportion.services.stack import DEMO_CLUSTER_TOML
 
     cluster_file = tmp_path / "cluster.toml"
     cluster_file.write_text(DEMO_CLUSTER_TOML.replace('name = "demo"', f'name = "{cluster}"'))
-    env = {**os.environ, "NATS_URL": nats_server.url}
+    env = dict(os.environ)
+    env.pop("NATS_URL", None)  # `up` starts nats-server with the users of production
     env.pop("APPORTION_URL", None)
     data = tmp_path / "data"
     err = open(tmp_path / "up.err", "w+")  # noqa: SIM115 - read while the process runs

@@ -47,10 +47,14 @@ class PlacedWatcher:
 
 
 async def test_sigkilled_scheduler_process_is_replaced_by_the_standby(
-    nats_server, jlog: JetStreamLog, cluster: str, tmp_path: Path
+    nats_server,
+    jlog: JetStreamLog,
+    cluster: str,
+    tmp_path: Path,
+    oplog: JetStreamLog,
 ) -> None:
-    await jlog.publish_inputs(small_cluster(nodes=4))  # 32 GPUs: every 1-GPU submission fits
-    env = {**os.environ, "NATS_URL": nats_server.url}
+    await oplog.publish_inputs(small_cluster(nodes=4))  # 32 GPUs: every 1-GPU submission fits
+    env = {**os.environ, "NATS_URL": nats_server.url_as("scheduler")}
     err_path = tmp_path / "leader.err"
     with open(err_path, "w") as err:
         leader = subprocess.Popen(
@@ -62,7 +66,7 @@ async def test_sigkilled_scheduler_process_is_replaced_by_the_standby(
         )
     watcher = PlacedWatcher(jlog)
     try:
-        await jlog.publish_input(submit("w0", gpus=1))
+        await oplog.publish_input(submit("w0", gpus=1))
 
         async def placed(*names: str) -> bool:
             assert leader.poll() in (None, -signal.SIGKILL), err_path.read_text()
@@ -81,7 +85,7 @@ async def test_sigkilled_scheduler_process_is_replaced_by_the_standby(
                 for i, name in enumerate(names):
                     if i == 12:
                         await killed.wait()
-                    await jlog.publish_input(submit(name, gpus=1))
+                    await oplog.publish_input(submit(name, gpus=1))
                     await asyncio.sleep(0.02)  # pacing only: spread inputs over the crash
 
             pub = asyncio.create_task(publisher())
@@ -109,7 +113,7 @@ async def test_sigkilled_scheduler_process_is_replaced_by_the_standby(
     ]
     assert sorted(placed_all) == sorted({"w0", *names})  # each exactly once
     full_fold(inputs, batches)  # no CorruptHistory: no conflicting decision
-    out = audit_live(nats_server.url, cluster)
+    out = audit_live(nats_server.url_as("auditor"), cluster)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all reproduced" in out.stdout, out.stdout
     print(out.stdout)

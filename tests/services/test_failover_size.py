@@ -51,12 +51,13 @@ def job(workload: str, gpus: int = 8, gpu_type: str = "h100", min_runtime_ms: in
 
 
 async def failover_at(
-    pending: int, url: str, jlog: JetStreamLog, name: str, tmp_path: Path
+    pending: int, url: str, jlog: JetStreamLog, oplog: JetStreamLog, name: str, tmp_path: Path
 ) -> None:
-    await jlog.publish_inputs(cluster())
+    """``url``: the scheduler's, for the leader (a process of its own)."""
+    await oplog.publish_inputs(cluster())
     jobs = [job(f"w{i}") for i in range(pending + 1)]  # the first runs, the rest wait
     for i in range(0, len(jobs), 5000):
-        await jlog.publish_inputs(jobs[i : i + 5000])
+        await oplog.publish_inputs(jobs[i : i + 5000])
     last = await jlog.last_input_seq()
     with open(tmp_path / "leader.err", "w") as err:
         leader = subprocess.Popen(
@@ -82,14 +83,14 @@ async def failover_at(
         assert standby.state is not None and len(standby.state.pending) == pending
 
         kill_and_reap(leader)
-        await jlog.publish_input(job("probe", gpus=1, gpu_type="a100", min_runtime_ms=0))
+        await oplog.publish_input(job("probe", gpus=1, gpu_type="a100", min_runtime_ms=0))
         await eventually(
             lambda: standby.state is not None and "probe" in standby.state.running,
             timeout=120,
             what="the standby took over and placed the probe",
         )
         # it keeps leading: a second probe is placed by the same leader, nothing was lost
-        ack = await jlog.publish_input(job("probe2", gpus=1, gpu_type="a100", min_runtime_ms=0))
+        ack = await oplog.publish_input(job("probe2", gpus=1, gpu_type="a100", min_runtime_ms=0))
         await eventually(lambda: standby.last_basis >= ack.seq, what="probe2 decided")
         assert standby.state is not None and "probe2" in standby.state.running
         assert standby.leading.is_set()
@@ -111,15 +112,15 @@ async def failover_at(
 
 
 async def test_a_standby_takes_over_a_large_state(
-    nats_server, jlog: JetStreamLog, cluster: str, tmp_path: Path
+    nats_server, jlog: JetStreamLog, oplog: JetStreamLog, cluster: str, tmp_path: Path
 ) -> None:
-    await failover_at(10_000, nats_server.url, jlog, cluster, tmp_path)
-    out = await asyncio.to_thread(audit_live, nats_server.url, cluster)
+    await failover_at(10_000, nats_server.url_as("scheduler"), jlog, oplog, cluster, tmp_path)
+    out = await asyncio.to_thread(audit_live, nats_server.url_as("auditor"), cluster)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.slow
 async def test_a_standby_takes_over_200k_pending(
-    nats_server, jlog: JetStreamLog, cluster: str, tmp_path: Path
+    nats_server, jlog: JetStreamLog, oplog: JetStreamLog, cluster: str, tmp_path: Path
 ) -> None:
-    await failover_at(200_000, nats_server.url, jlog, cluster, tmp_path)
+    await failover_at(200_000, nats_server.url_as("scheduler"), jlog, oplog, cluster, tmp_path)

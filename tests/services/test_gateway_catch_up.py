@@ -20,9 +20,11 @@ from services_helpers import eventually, small_cluster
 pytestmark = pytest.mark.nats
 
 
-async def test_a_restarted_gateway_answers_503_then_202_never_400(jlog, creds) -> None:
-    log = jlog
-    await log.publish_inputs(small_cluster())
+async def test_a_restarted_gateway_answers_503_then_202_never_400(
+    jlog, oplog, gwlog, creds
+) -> None:
+    log = jlog  # the scheduler's: it ticks the clock
+    await oplog.publish_inputs(small_cluster())
     stop = asyncio.Event()
     scheduler = Scheduler(log)
     sched = asyncio.create_task(scheduler.run(stop))
@@ -35,7 +37,7 @@ async def test_a_restarted_gateway_answers_503_then_202_never_400(jlog, creds) -
             last = await log.last_input_seq()
             await eventually(lambda last=last: scheduler.last_basis == last, what="a cycle")
 
-        gateway = Gateway(log, auth=creds.authenticator)
+        gateway = Gateway(gwlog, auth=creds.authenticator)
         serving = asyncio.create_task(gateway.serve(stop))
         await gateway.ready.wait()
         body = {"owner": "llm/a", "gpus": 4, "min_runtime_ms": 60_000, "id": "at-once"}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 import sys
 import threading
 import urllib.error
@@ -30,10 +29,10 @@ from apportion.services.bus import JetStreamLog, connect
 from apportion.services.canonical import read_history
 from apportion.services.client import GatewayClient, GatewayError
 from apportion.services.gateway import HTTP_STATUS, MAX_BODY_BYTES
-from apportion.services.stack import free_port, nats_server_binary, stop_process
+from conftest import production_server
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from services_helpers import eventually, gateway_on, small_cluster, wait_port
+from services_helpers import Roles, eventually, gateway_on, small_cluster
 
 if TYPE_CHECKING:
     from conftest import Credentials
@@ -147,9 +146,9 @@ def requests(draw: st.DrawFn) -> tuple[str, str, bytes | None]:
 
 
 async def test_bad_requests_get_a_json_error_and_never_a_5xx(
-    jlog: JetStreamLog, creds: Credentials
+    roles: Roles, creds: Credentials
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         url = gateway.url
         assert url is not None
         seen: dict[int, int] = {}
@@ -183,9 +182,9 @@ async def test_bad_requests_get_a_json_error_and_never_a_5xx(
         assert status == 200 and answer["input_seq"] >= len(small_cluster())
 
 
-async def test_bounds_and_sizes_are_named_in_4xx(jlog: JetStreamLog, creds: Credentials) -> None:
+async def test_bounds_and_sizes_are_named_in_4xx(roles: Roles, creds: Credentials) -> None:
     async with (
-        gateway_on(jlog, creds.authenticator) as gateway,
+        gateway_on(roles, creds.authenticator) as gateway,
         aiohttp.ClientSession(headers=creds.headers()) as session,
     ):
         url = gateway.url
@@ -226,18 +225,18 @@ async def test_bounds_and_sizes_are_named_in_4xx(jlog: JetStreamLog, creds: Cred
         assert status == 413, body
         async with session.get(f"{url}/v1/status") as r:
             assert r.status == 200
-        inputs = [i for i in await read_history(jlog, 10.0) if isinstance(i, InputItem)]
+        inputs = [i for i in await read_history(roles.sched, 10.0) if isinstance(i, InputItem)]
         assert len(inputs) == len(small_cluster())  # nothing out of bounds was published
 
 
 async def test_a_bug_in_a_handler_is_a_logged_500_and_the_gateway_keeps_serving(
-    jlog: JetStreamLog, monkeypatch: pytest.MonkeyPatch, creds: Credentials
+    roles: Roles, monkeypatch: pytest.MonkeyPatch, creds: Credentials
 ) -> None:
     def broken(state: Any, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(gateway_module, "queue_view", broken)
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         url = gateway.url
         auth = creds.headers()
         status, body = await asyncio.to_thread(http, "GET", f"{url}/v1/queue", None, auth)
@@ -266,10 +265,10 @@ def test_every_code_has_one_status_and_the_doc_gives_it() -> None:
 
 
 async def test_each_kind_of_refusal_has_its_status_and_code(
-    jlog: JetStreamLog, creds: Credentials
+    roles: Roles, creds: Credentials
 ) -> None:
     async with (
-        gateway_on(jlog, creds.authenticator) as gateway,
+        gateway_on(roles, creds.authenticator) as gateway,
         aiohttp.ClientSession() as session,
     ):
         url = gateway.url
@@ -396,35 +395,11 @@ async def test_each_kind_of_refusal_has_its_status_and_code(
         await check((P, f"{W}/dup/cancel", "ops", {"json": {}}, "already_ended", "already ended"))
         await check((P, W, "ops", submit(id="dup"), "duplicate_id", "already exists"))
         # nothing refused was published: the cluster, two submissions and one cancel
-        inputs = [i for i in await read_history(jlog, 10.0) if isinstance(i, InputItem)]
+        inputs = [i for i in await read_history(roles.sched, 10.0) if isinstance(i, InputItem)]
         assert len(inputs) == len(small_cluster()) + 3
 
 
 # -- a NATS outage ------------------------------------------------------------------
-
-
-class OwnServer:
-    """A nats-server of this test's own (it is stopped and started again)."""
-
-    def __init__(self, store: Path) -> None:
-        self.port = free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.store = store
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.port)]
-            + ["-sd", str(self.store)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_port(self.port, self.proc)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-            self.proc = None
 
 
 def stored(inputs: list[InputItem], workload: str) -> int:
@@ -434,7 +409,7 @@ def stored(inputs: list[InputItem], workload: str) -> int:
 
 
 async def test_refused_requests_count_in_rejections_by_source(
-    jlog: JetStreamLog, creds: Credentials
+    roles: Roles, creds: Credentials
 ) -> None:
     """A request the gateway answers 4xx never becomes an input (so no ``InputRejected``):
     it counts in ``apportion_rejections_total{source="gateway"}`` by the class of its
@@ -443,7 +418,7 @@ async def test_refused_requests_count_in_rejections_by_source(
     from services_helpers import submit as submit_event
 
     async with (
-        gateway_on(jlog, creds.authenticator) as gateway,
+        gateway_on(roles, creds.authenticator) as gateway,
         aiohttp.ClientSession() as session,
     ):
         url = gateway.url
@@ -488,8 +463,8 @@ async def test_refused_requests_count_in_rejections_by_source(
         assert await call("GET", "/v1/explain/ghost") == 404
         assert await call("GET", "/v1/queue", None) == 401
         # an input the scheduler refuses (published past the gateway): the other source
-        await jlog.publish_input(submit_event("x", owner="no/such"))
-        last = await jlog.last_input_seq()
+        await roles.op.publish_input(submit_event("x", owner="no/such"))
+        last = await roles.sched.last_input_seq()
         await eventually(lambda: gateway.history.basis == last, what="the rejection folded")
         after = await rejections()
     expected = dict(before)
@@ -502,17 +477,17 @@ async def test_refused_requests_count_in_rejections_by_source(
 async def test_an_outage_is_a_504_and_a_retry_with_the_same_id_is_stored_once(
     tmp_path: Path, cluster: str, creds: Credentials
 ) -> None:
-    try:
-        nats_server_binary()
-    except FileNotFoundError:
-        pytest.skip("needs a nats-server binary of its own to stop and start")
-    server = OwnServer(tmp_path / "store")
+    # a nats-server of this test's own (it is stopped and started again)
+    server = production_server(tmp_path / "store", cluster)
     server.start()
-    nc = await connect(server.url, name="test-outage")
-    log = JetStreamLog(nc.jetstream(timeout=1.0), cluster)
+    conns = {
+        user: await connect(server.url_as(user), name=f"test-outage-{user}")
+        for user in ("scheduler", "operator", "gateway")
+    }
+    log, op, gw = (JetStreamLog(nc.jetstream(timeout=1.0), cluster) for nc in conns.values())
     await log.setup()
     try:
-        async with gateway_on(log, creds.authenticator) as gateway:
+        async with gateway_on(Roles(log, op, gw), creds.authenticator) as gateway:
             url = gateway.url
             auth = creds.headers()
             server.stop()
@@ -560,12 +535,13 @@ async def test_an_outage_is_a_504_and_a_retry_with_the_same_id_is_stored_once(
         inputs = [i for i in await read_history(log, 10.0) if isinstance(i, InputItem)]
         assert stored(inputs, "during") == 1 and stored(inputs, made) == 1
     finally:
-        await nc.close()
+        for nc in conns.values():
+            await nc.close()
         server.stop()
 
 
-async def test_the_cli_names_the_bound_in_one_line(jlog: JetStreamLog, creds: Credentials) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gateway:
+async def test_the_cli_names_the_bound_in_one_line(roles: Roles, creds: Credentials) -> None:
+    async with gateway_on(roles, creds.authenticator) as gateway:
         env = {
             "APPORTION_URL": gateway.url or "",
             "PATH": "/usr/bin:/bin",

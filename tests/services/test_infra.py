@@ -254,3 +254,55 @@ def test_nats_config_writes_a_valid_file_for_a_cluster(tmp_path: Path) -> None:
         conf.write_text(text)
         check = subprocess.run([binary, "-t", "-c", str(conf)], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr + check.stdout
+
+
+async def test_the_jetstream_api_does_not_cross_accounts(tmp_path: Path) -> None:
+    """Readers and a damaged replica (docs/security.md): ``STREAM.MSG.GET`` (an input
+    as the INPUTS leader holds it, when a replica that answered a direct get lost it)
+    is the scheduler's alone. Importing it into a reader's account from APPORTION
+    does not help: the JetStream API answers a request as if for the account it
+    came from ("JetStream not enabled for account", 10039), where a direct get is
+    answered by the stream itself. So no reader account imports it."""
+    from apportion.services.bus import connect
+    from apportion.services.natsconf import JS_ACCOUNT
+    from conftest import production_conf, production_server
+    from services_helpers import small_cluster
+
+    get = "$JS.API.STREAM.MSG.GET.INPUTS_c1"
+    conf = production_conf("c1", ["h000"], tmp_path / "js")
+    assert get not in conf.split('"AUDITOR"')[1]  # the scheduler's only
+    # the same accounts with the leader's get exported to, and imported by, the auditor
+    conf = conf.replace(
+        "    exports = [\n",
+        f'    exports = [\n      {{ service: "{get}" }}\n',
+        1,
+    ).replace(
+        '"AUDITOR" {\n    users = [\n      {\n        user: "auditor", password: "auditor-secret"\n'
+        "        permissions {\n          publish { allow: [\n",
+        '"AUDITOR" {\n    users = [\n      {\n        user: "auditor", password: "auditor-secret"\n'
+        f'        permissions {{\n          publish {{ allow: [\n            "{get}"\n',
+        1,
+    )
+    conf = conf.replace(
+        "    imports = [\n",
+        f'    imports = [\n      {{ service: {{ account: {JS_ACCOUNT}, subject: "{get}" }} }}\n',
+    )
+    server = production_server(tmp_path, "c1", ["h000"])
+    server.conf = conf
+    server.start()
+    conns = []
+    try:
+        for user in ("scheduler", "operator", "auditor"):
+            conns.append(await connect(server.url_as(user), name=f"t-{user}", timeout_s=10))
+        sched, op, auditor = (JetStreamLog(nc.jetstream(timeout=2.0), "c1") for nc in conns)
+        await sched.setup()
+        await op.publish_inputs(small_cluster())
+        held = await sched._leader_input(2)  # the scheduler asks the leader
+        assert held is not None and held.seq == 2
+        answer = await conns[2].request(get, b'{"seq": 2}', timeout=2.0)
+        assert b"JetStream not enabled for account" in answer.data, answer.data
+        assert await auditor._leader_input(2) is None
+    finally:
+        for nc in conns:
+            await nc.close()
+        server.stop()

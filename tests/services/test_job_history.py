@@ -51,7 +51,7 @@ from apportion.services.job_history import (
 )
 from apportion.services.views import explain, replay_history
 from hypothesis import HealthCheck, settings
-from services_helpers import APPORTION_CMD, eventually, gateway_on
+from services_helpers import APPORTION_CMD, Roles, eventually, gateway_on
 from test_agent_cli import up_agents  # noqa: F401 - the `apportion up --agents 2` fixture
 from test_cli_live import run
 
@@ -68,7 +68,6 @@ from test_projection_agrees import (
 )
 
 if TYPE_CHECKING:
-    from apportion.services.bus import JetStreamLog
     from conftest import Credentials
 
 
@@ -451,11 +450,13 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.nats
-async def test_jobs_endpoint_cli_and_page(jlog: JetStreamLog, creds: Credentials) -> None:
+async def test_jobs_endpoint_cli_and_page(roles: Roles, creds: Credentials, log_as) -> None:
     import os
 
+    from apportion.services.natsconf import agent_user
+
     async with (
-        gateway_on(jlog, creds.authenticator) as gw,
+        gateway_on(roles, creds.authenticator) as gw,
         aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as s,
     ):
         url, ops, alice = gw.url, creds.headers("ops"), creds.headers("alice")
@@ -468,7 +469,8 @@ async def test_jobs_endpoint_cli_and_page(jlog: JetStreamLog, creds: Credentials
             what="two placed, one waiting",
         )
         host = gw.state.running["done"].placement[0].node
-        await jlog.publish_input(
+        agent = await log_as(agent_user(host))  # the host's agent reports the end
+        await agent.publish_input(
             WorkloadFinished(
                 id="fin-done",
                 at_ms=0,

@@ -17,10 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from apportion.services.bus import JetStreamLog
+from apportion.services.direct import GAP_POLL_S
 from apportion.services.gateway import Gateway
 from apportion.services.scheduler import Scheduler
-from apportion.services.stack import free_port
-from conftest import NatsServer, nats_server_binary
+from conftest import NatsServer, nats_server_binary, production_server
 from services_helpers import APPORTION_CMD, audit_live, eventually, small_cluster, submit
 
 pytestmark = pytest.mark.nats
@@ -30,25 +30,24 @@ FILLER = 1300
 
 
 async def publish_filler(log: JetStreamLog) -> None:
-    """:data:`FILLER` raw (undecodable) inputs of 8 KB, published in rounds of 200."""
+    """:data:`FILLER` undecodable inputs of 8 KB, published in rounds of 200 (by the
+    operator, on a subject it may publish)."""
+    subject = log.subjects.input_subject("WorkloadSubmitted")
     for start in range(0, FILLER, 200):
         futures = [
-            await log.js.publish_async(
-                log.subjects.input_subject("raw"), b"x" * 8000, headers={"Nats-Msg-Id": f"f-{i}"}
-            )
+            await log.js.publish_async(subject, b"x" * 8000, headers={"Nats-Msg-Id": f"f-{i}"})
             for i in range(start, min(FILLER, start + 200))
         ]
         await asyncio.gather(*futures)
 
 
 @pytest.fixture
-def own_server(tmp_path: Path):
-    """A nats-server of this test alone (it is stopped, damaged and started again)."""
-    binary = nats_server_binary()
-    if binary is None:
+def own_server(tmp_path: Path, cluster: str):
+    """A nats-server of this test alone, with the users of production (it is stopped,
+    damaged and started again)."""
+    if nats_server_binary() is None:
         pytest.skip("needs the nats-server binary (its store is damaged on disk)")
-    port = free_port()
-    server = NatsServer(f"nats://127.0.0.1:{port}", binary, tmp_path / "store", port)
+    server = production_server(tmp_path / "store", cluster)
     server.start()
     try:
         yield server
@@ -57,7 +56,9 @@ def own_server(tmp_path: Path):
 
 
 def damage_first_block(store: Path, stream: str) -> None:
-    folder = store / "jetstream" / "$G" / "streams" / stream / "msgs"
+    """Flip 64 bytes in the first block of ``stream`` under the JetStream store
+    ``store`` (the streams are in the account APPORTION)."""
+    folder = store / "jetstream" / "APPORTION" / "streams" / stream / "msgs"
     blocks = sorted(folder.glob("*.blk"), key=lambda p: int(p.stem))
     assert len(blocks) >= 2, blocks
     data = bytearray(blocks[0].read_bytes())
@@ -80,15 +81,24 @@ async def cli(*args: str) -> tuple[int, str, str]:
 async def test_a_lost_input_is_reported_then_accepted_and_scheduling_resumes(
     own_server: NatsServer, cluster: str, creds
 ) -> None:
-    import nats
+    """Each service connects as its own user; a record of the loss by someone who
+    is not an operator bridges nothing (the fold refuses it: core/history.py,
+    ``bridge_refusal``), the operator's does."""
+    from apportion.schemas.events import InputsLost
+    from apportion.services.bus import connect
 
-    url = own_server.url
-    nc = await nats.connect(url)
-    log = JetStreamLog(nc.jetstream(), cluster)
+    conns: list = []
+
+    async def log_as(user: str) -> JetStreamLog:
+        conns.append(await connect(own_server.url_as(user), name=f"test-{user}", timeout_s=10))
+        return JetStreamLog(conns[-1].jetstream(), cluster)
+
+    log = await log_as("scheduler")
     await log.setup()
-    await log.publish_inputs(small_cluster())
-    await publish_filler(log)
-    await log.publish_input(submit("before", gpus=4))
+    op = await log_as("operator")
+    await op.publish_inputs(small_cluster())
+    await publish_filler(op)
+    await op.publish_input(submit("before", gpus=4))
     last = await log.last_input_seq()
     first_scheduler = Scheduler(log)  # snapshots in memory: a restart folds the log
     stop = asyncio.Event()
@@ -96,23 +106,27 @@ async def test_a_lost_input_is_reported_then_accepted_and_scheduling_resumes(
     await eventually(lambda: first_scheduler.last_basis == last, what="the first cycles")
     stop.set()
     await task
-    await nc.close()
+    for nc in conns:
+        await nc.close()
+    conns.clear()
 
     own_server.stop()
-    damage_first_block(own_server.store, f"INPUTS_{cluster}")
+    damage_first_block(own_server.store / "js", f"INPUTS_{cluster}")
     own_server.start()
 
-    nc = await nats.connect(url)
-    log = JetStreamLog(nc.jetstream(), cluster)
+    log = await log_as("scheduler")
     await log.setup()
+    op = await log_as("operator")
     gaps = await log.input_gaps()
     assert len(gaps) == 1 and gaps[0].acceptance is None, gaps
     first, through = gaps[0].first, gaps[0].through
     assert 8 < first <= through < last
+    url = own_server.url_as("auditor")  # audit, replay, history gaps: read only
+    op_url = own_server.url_as("operator")  # accept-loss publishes an input
 
     stop = asyncio.Event()
     scheduler = Scheduler(log)
-    gateway = Gateway(log, auth=creds.authenticator)
+    gateway = Gateway(await log_as("gateway"), auth=creds.authenticator)
     tasks = [
         asyncio.create_task(scheduler.run(stop)),
         asyncio.create_task(gateway.serve(stop)),
@@ -158,12 +172,26 @@ async def test_a_lost_input_is_reported_then_accepted_and_scheduling_resumes(
 
         # a wrong --through is refused in one line
         code, out, err = await cli(
-            "history", "accept-loss", "--cluster", cluster, "--nats", url,
+            "history", "accept-loss", "--cluster", cluster, "--nats", op_url,
             "--through", str(through + 1), "--actor", "ops",
         )  # fmt: skip
         assert code == 2 and err.count("\n") == 1 and f"--through {through}" in err
+        # a record of the loss by someone who is not an operator bridges nothing (the
+        # operator's credential could publish it: the fold refuses it, not NATS)
         code, out, err = await cli(
-            "history", "accept-loss", "--cluster", cluster, "--nats", url,
+            "history", "accept-loss", "--cluster", cluster, "--nats", op_url,
+            "--through", str(through), "--actor", "mallory",
+        )  # fmt: skip
+        assert code == 0 and "recorded" in out, err
+        await op.publish_input(
+            InputsLost(id="by-nobody", at_ms=0, first=first, through=through, actor="")
+        )
+        await asyncio.sleep(3 * GAP_POLL_S)  # the readers asked again, and again
+        assert gateway.follower.gap == (first, through) and scheduler.gap == (first, through)
+        code, out, err = await cli("history", "gaps", "--cluster", cluster, "--nats", url)
+        assert code == 1 and "no loss accepted" in out, out + err
+        code, out, err = await cli(
+            "history", "accept-loss", "--cluster", cluster, "--nats", op_url,
             "--through", str(through), "--actor", "ops", "--note", "block 1 damaged",
         )  # fmt: skip
         assert code == 0 and "recorded" in out, err
@@ -183,14 +211,15 @@ async def test_a_lost_input_is_reported_then_accepted_and_scheduling_resumes(
         for t in tasks:
             with contextlib.suppress(Exception):
                 await t
-        await nc.close()
+        for nc in conns:
+            await nc.close()
 
     # audit and replay reproduce the history with the loss, one line about it
     done = audit_live(url, cluster)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "all reproduced" in done.stdout
     assert f"inputs {first:,}..{through:,} were lost" in done.stdout
-    assert "accepted by ops" in done.stdout
+    assert "accepted by ops" in done.stdout and "mallory" not in done.stdout
     replay = subprocess.run(
         [*APPORTION_CMD, "replay", "--cluster", cluster, "--nats", url, "--log", "/dev/null"],
         capture_output=True,

@@ -16,7 +16,7 @@ from apportion.schemas.codec import decode_input, encode
 from apportion.schemas.events import InputRejected, NodeHealthChanged
 from apportion.services.bus import JetStreamLog
 from conftest import Credentials
-from services_helpers import APPORTION_CMD, eventually, gateway_on
+from services_helpers import APPORTION_CMD, Roles, eventually, gateway_on
 
 
 def test_a_health_change_without_a_reason_encodes_as_before() -> None:
@@ -61,9 +61,12 @@ async def _rejected(log: JetStreamLog, ref: str) -> InputRejected | None:
 
 @pytest.mark.nats
 async def test_nodes_list_and_health_changes_over_http_and_the_cli(
-    jlog: JetStreamLog, creds: Credentials
+    roles: Roles, creds: Credentials
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw, aiohttp.ClientSession() as s:
+    async with (
+        gateway_on(roles, creds.authenticator) as gw,
+        aiohttp.ClientSession() as s,
+    ):
         url = gw.url
         ops, alice, mallory = creds.headers("ops"), creds.headers("alice"), creds.headers("mallory")
         spec = {"owner": "llm/a", "gpus": 8, "min_runtime_ms": 3_600_000, "id": "big"}
@@ -137,9 +140,9 @@ async def test_nodes_list_and_health_changes_over_http_and_the_cli(
         # the fold has the last word: a change published by someone else around the
         # gateway is refused in the history, and a replay of it refuses it too
         evil = NodeHealthChanged(id="evil", at_ms=0, node=busy, state="down", actor="mallory")
-        await jlog.publish_input(evil)
-        await eventually(lambda: _rejected(jlog, "evil"), what="the rejection")
-        rejection = await _rejected(jlog, "evil")
+        await roles.op.publish_input(evil)
+        await eventually(lambda: _rejected(roles.sched, "evil"), what="the rejection")
+        rejection = await _rejected(roles.sched, "evil")
         assert rejection is not None and rejection.code == "not_authorised"
         assert gw.state.nodes[busy].health == "healthy" and "big" in gw.state.running
         assert busy not in gw.history.node_changes

@@ -28,12 +28,17 @@ LINE = "could not project an event; recorded in projection_errors, going on"
 
 
 async def test_an_event_the_projection_cannot_apply_is_recorded_and_the_projector_goes_on(
-    jlog: JetStreamLog, tmp_path: Path
+    jlog: JetStreamLog,
+    tmp_path: Path,
+    oplog: JetStreamLog,
+    projlog: JetStreamLog,
 ) -> None:
     path = tmp_path / "live.duckdb"
-    await jlog.publish_inputs([*small_cluster(nodes=1), submit("w1", gpus=8), submit("w2", gpus=8)])
+    await oplog.publish_inputs(
+        [*small_cluster(nodes=1), submit("w1", gpus=8), submit("w2", gpus=8)]
+    )
     last = await jlog.last_input_seq()
-    first = Projector(jlog, open_projection(path))
+    first = Projector(projlog, open_projection(path))
     async with running(Scheduler(jlog), first):
         await eventually(lambda: first.position[0] >= last, what="projector caught up")
     assert first.state.status_of("w1") == "running" and first.state.status_of("w2") == "pending"
@@ -42,14 +47,14 @@ async def test_an_event_the_projection_cannot_apply_is_recorded_and_the_projecto
     con.close()
 
     # w1 ends: the scheduler places w2, which the projection no longer knows; then w3 waits
-    await jlog.publish_inputs(
+    await oplog.publish_inputs(
         [
             WorkloadFinished(id="done-w1", at_ms=0, workload="w1", actor="ops"),
             submit("w3", gpus=8),
         ]
     )
     last = await jlog.last_input_seq()
-    projector = Projector(jlog, open_projection(path))
+    projector = Projector(projlog, open_projection(path))
     with capture_logs() as captured:
         async with running(Scheduler(jlog), projector):  # re-raises if the projector died
             await eventually(

@@ -10,9 +10,8 @@ import subprocess
 
 import aiohttp
 import pytest
-from apportion.services.bus import JetStreamLog
 from conftest import Credentials
-from services_helpers import APPORTION_CMD, cli_env, eventually, gateway_on
+from services_helpers import APPORTION_CMD, Roles, cli_env, eventually, gateway_on
 
 HOUR_MS = 3_600_000
 
@@ -33,8 +32,11 @@ def _ids(rows: list[dict]) -> list[str]:
 
 
 @pytest.mark.nats
-async def test_queue_filters_over_http_and_the_cli(jlog: JetStreamLog, creds: Credentials) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw, aiohttp.ClientSession() as s:
+async def test_queue_filters_over_http_and_the_cli(roles: Roles, creds: Credentials) -> None:
+    async with (
+        gateway_on(roles, creds.authenticator) as gw,
+        aiohttp.ClientSession() as s,
+    ):
         url = gw.url
         # two 8-GPU nodes: a1 (alice, llm/a) and v1 (vic, vision) run; three wait
         for wid, owner, who in (

@@ -34,15 +34,17 @@ def tables(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple]]:
     return {t: con.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall() for t in TABLES}
 
 
-async def _projected(jlog: JetStreamLog, path: Path) -> dict[str, list[tuple]]:
+async def _projected(
+    jlog: JetStreamLog, oplog: JetStreamLog, projlog: JetStreamLog, path: Path
+) -> dict[str, list[tuple]]:
     """A history decided by a scheduler and projected into ``path``; its tables."""
-    await jlog.publish_inputs(small_cluster(nodes=2))
-    await jlog.publish_inputs(
+    await oplog.publish_inputs(small_cluster(nodes=2))
+    await oplog.publish_inputs(
         [submit(f"w{i}", owner=("llm/a", "vision")[i % 2], gpus=4) for i in range(12)]
         + [submit("bad", owner="nope", gpus=1)]
     )
     last = await jlog.last_input_seq()
-    projector = Projector(jlog, open_projection(path))
+    projector = Projector(projlog, open_projection(path))
     scheduler = Scheduler(jlog)
     async with running(scheduler, projector):
         await eventually(lambda: projector.position[0] >= last, what="projector caught up")
@@ -62,10 +64,14 @@ def _flip_bytes(path: Path) -> None:
 
 @pytest.mark.parametrize("damage", ["truncated", "bit-flipped", "missing"])
 async def test_a_damaged_projection_file_is_rebuilt_from_the_streams(
-    jlog: JetStreamLog, tmp_path: Path, damage: str
+    jlog: JetStreamLog,
+    tmp_path: Path,
+    damage: str,
+    oplog: JetStreamLog,
+    projlog: JetStreamLog,
 ) -> None:
     path = tmp_path / "live.duckdb"
-    before = await _projected(jlog, path)
+    before = await _projected(jlog, oplog, projlog, path)
     assert before["workloads"] and before["events"]
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -77,7 +83,7 @@ async def test_a_damaged_projection_file_is_rebuilt_from_the_streams(
     aside = sorted(tmp_path.glob("live.duckdb.corrupt-*"))
     assert len(aside) == (0 if damage == "missing" else 1)
     assert projection.position == (0, 0)
-    projector = Projector(jlog, projection)
+    projector = Projector(projlog, projection)
     last = await jlog.last_input_seq()
     async with running(projector):
         await eventually(lambda: projector.position[0] >= last, what="projector rebuilt")
@@ -86,14 +92,20 @@ async def test_a_damaged_projection_file_is_rebuilt_from_the_streams(
 
 
 async def test_a_projection_ahead_of_the_streams_is_rebuilt(
-    js, jlog: JetStreamLog, cluster: str, tmp_path: Path
+    js,
+    jlog: JetStreamLog,
+    oplog: JetStreamLog,
+    projlog: JetStreamLog,
+    another_cluster: str,
+    log_as,
+    tmp_path: Path,
 ) -> None:
     path = tmp_path / "live.duckdb"
-    before = await _projected(jlog, path)
+    before = await _projected(jlog, oplog, projlog, path)
     # the same cluster after an OS crash lost the tail of its streams: fewer inputs
-    shorter = JetStreamLog(js, f"{cluster}_after")
+    shorter = JetStreamLog(js, another_cluster)
     await shorter.setup()
-    await shorter.publish_inputs(small_cluster(nodes=2))
+    await (await log_as("operator", another_cluster)).publish_inputs(small_cluster(nodes=2))
     projection = await open_projection_for(path, shorter)
     assert projection.position == (0, 0)
     assert len(sorted(tmp_path.glob("live.duckdb.corrupt-*"))) == 1
@@ -104,16 +116,19 @@ async def test_a_projection_ahead_of_the_streams_is_rebuilt(
 
 
 async def test_a_killed_or_failed_child_is_started_again(
-    jlog: JetStreamLog, tmp_path: Path
+    jlog: JetStreamLog,
+    tmp_path: Path,
+    oplog: JetStreamLog,
+    projlog: JetStreamLog,
 ) -> None:
     path = tmp_path / "p.duckdb"
-    await jlog.publish_inputs(small_cluster(nodes=2))
+    await oplog.publish_inputs(small_cluster(nodes=2))
     stop = asyncio.Event()
     sup = Supervisor(stop, logs.get("test"), first_delay_s=0.05)
     projectors: list[Projector] = []
 
     async def start_projector() -> None:
-        projector = Projector(jlog, open_projection(path))
+        projector = Projector(projlog, open_projection(path))
         projectors.append(projector)
         await projector.run(stop)
 
@@ -124,15 +139,15 @@ async def test_a_killed_or_failed_child_is_started_again(
     scheduler = Scheduler(jlog)
     async with running(scheduler):
         supervised = asyncio.create_task(sup.run("projector", start_projector))
-        await jlog.publish_input(submit("a"))
+        await oplog.publish_input(submit("a"))
         await eventually(caught_up, what="first projector")
         sup.tasks["projector"].cancel()  # killed
         await eventually(lambda: len(projectors) == 2, what="projector started again")
         assert sup.restarts["projector"] == 1 and "cancelled" in sup.last_error["projector"]
-        await jlog.publish_input(submit("b"))
+        await oplog.publish_input(submit("b"))
         await eventually(caught_up, what="second projector")
         projectors[-1].projection.con.close()  # its database fails under it
-        await jlog.publish_input(submit("c"))
+        await oplog.publish_input(submit("c"))
         await eventually(lambda: len(projectors) == 3, what="projector started after a failure")
         assert "ConnectionException" in sup.last_error["projector"]
         await eventually(caught_up, what="third projector")

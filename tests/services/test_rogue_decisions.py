@@ -24,12 +24,16 @@ from apportion.cli import main
 
 
 async def test_a_rogue_decisions_message_is_skipped_by_every_reader_and_named_by_the_audit(
-    nats_server, jlog: JetStreamLog, cluster: str
+    nats_server,
+    jlog: JetStreamLog,
+    cluster: str,
+    oplog: JetStreamLog,
+    projlog: JetStreamLog,
 ) -> None:
-    await jlog.publish_inputs([*small_cluster(), submit("w1", gpus=1)])
+    await oplog.publish_inputs([*small_cluster(), submit("w1", gpus=1)])
     scheduler = Scheduler(jlog)
     follower = Follower(jlog)
-    projector = Projector(jlog, Projection(duckdb.connect()))
+    projector = Projector(projlog, Projection(duckdb.connect()))
     stop = asyncio.Event()
     tasks = [asyncio.create_task(s.run(stop)) for s in (scheduler, projector)]
     try:
@@ -43,7 +47,7 @@ async def test_a_rogue_decisions_message_is_skipped_by_every_reader_and_named_by
         await js.publish(jlog.subjects.decisions, b"\x00garbage")
         await js.publish(jlog.subjects.decisions, encode(DecisionBatch(basis=10_000, decisions=())))
         # everyone goes on: new work is placed, the readers follow the scheduler
-        await jlog.publish_input(submit("w2", gpus=1))
+        await oplog.publish_input(submit("w2", gpus=1))
         await eventually(lambda: placed("w1", "w2"), what="w2 placed after the rogue messages")
 
         async def same_digest() -> bool:
@@ -79,7 +83,9 @@ async def test_a_rogue_decisions_message_is_skipped_by_every_reader_and_named_by
     assert len(foreign) == 2 and "not a decision batch" in foreign[0]
     assert "based on input 10000, not in INPUTS" in foreign[1]
     result = await asyncio.to_thread(
-        CliRunner().invoke, main, ["audit", "--cluster", cluster, "--nats", nats_server.url]
+        CliRunner().invoke,
+        main,
+        ["audit", "--cluster", cluster, "--nats", nats_server.url_as("auditor")],
     )
     assert result.exit_code != 0
     assert "2 messages on the decisions stream are not part of the history" in result.output

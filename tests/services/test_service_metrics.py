@@ -61,15 +61,17 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
-async def test_scheduler_and_projector_metrics_move(jlog: JetStreamLog, tmp_path: Path) -> None:
-    await jlog.publish_inputs(small_cluster(nodes=2))
+async def test_scheduler_and_projector_metrics_move(
+    jlog: JetStreamLog, tmp_path: Path, oplog: JetStreamLog, projlog: JetStreamLog
+) -> None:
+    await oplog.publish_inputs(small_cluster(nodes=2))
     scheduler = Scheduler(jlog)
-    projector = Projector(jlog, Projection(duckdb.connect(str(tmp_path / "p.duckdb"))))
+    projector = Projector(projlog, Projection(duckdb.connect(str(tmp_path / "p.duckdb"))))
     s_runner, s_url = await start_metrics_server(scheduler.metrics_text, "127.0.0.1", 0)
     p_runner, p_url = await start_metrics_server(projector.metrics_text, "127.0.0.1", 0)
     try:
         async with running(scheduler, projector):
-            await jlog.publish_inputs(
+            await oplog.publish_inputs(
                 [
                     submit("a1", owner="llm/a", gpus=8),
                     submit("b1", owner="llm/b", gpus=4),
@@ -118,34 +120,40 @@ async def test_scheduler_and_projector_metrics_move(jlog: JetStreamLog, tmp_path
     assert value(fresh, "apportion_scheduler_input_lag") == last  # folded nothing yet
 
 
-async def test_lag_counts_what_is_stored_but_not_folded(jlog: JetStreamLog) -> None:
-    await jlog.publish_inputs(small_cluster(nodes=1))
+async def test_lag_counts_what_is_stored_but_not_folded(
+    jlog: JetStreamLog, oplog: JetStreamLog
+) -> None:
+    await oplog.publish_inputs(small_cluster(nodes=1))
     scheduler = Scheduler(jlog)
     async with running(scheduler):
         await eventually(lambda: scheduler.leading.is_set(), what="leading")
     folded = scheduler.last_basis
-    await jlog.publish_inputs([submit("x1"), submit("x2")])  # nobody folds them
+    await oplog.publish_inputs([submit("x1"), submit("x2")])  # nobody folds them
     s = parse((await scheduler.metrics_text()).decode())
     assert value(s, "apportion_scheduler_input_lag") == 2
     assert value(s, "apportion_scheduler_inputs_folded") == folded
 
 
-async def test_a_rebuilt_projection_is_counted(jlog: JetStreamLog, tmp_path: Path) -> None:
+async def test_a_rebuilt_projection_is_counted(
+    jlog: JetStreamLog, tmp_path: Path, projlog: JetStreamLog
+) -> None:
     db = tmp_path / "broken.duckdb"
     db.write_bytes(b"not a duckdb file" * 100)
     metrics = ProjectorMetrics()
     projection = await open_projection_for(db, jlog, metrics=metrics)
-    projector = Projector(jlog, projection, metrics=metrics)
+    projector = Projector(projlog, projection, metrics=metrics)
     p = parse((await projector.metrics_text()).decode())
     assert value(p, "apportion_projector_rebuilds_total") == 1
     projection.con.close()
 
 
-async def test_gateway_metrics_include_the_other_services(jlog: JetStreamLog) -> None:
+async def test_gateway_metrics_include_the_other_services(
+    jlog: JetStreamLog, oplog: JetStreamLog, gwlog: JetStreamLog
+) -> None:
     """``apportion up``: one process, one endpoint (the gateway's)."""
-    await jlog.publish_inputs(small_cluster(nodes=1))
+    await oplog.publish_inputs(small_cluster(nodes=1))
     scheduler = Scheduler(jlog)
-    gateway = Gateway(jlog, auth=None, extra_metrics=scheduler.metrics_text)
+    gateway = Gateway(gwlog, auth=None, extra_metrics=scheduler.metrics_text)
     stop = asyncio.Event()
     tasks = [
         asyncio.create_task(scheduler.run(stop)),
@@ -165,14 +173,24 @@ async def test_gateway_metrics_include_the_other_services(jlog: JetStreamLog) ->
 
 
 async def test_serve_exposes_the_scheduler_metrics(
-    nats_server: NatsServer, jlog: JetStreamLog, cluster: str
+    nats_server: NatsServer,
+    jlog: JetStreamLog,
+    cluster: str,
+    oplog: JetStreamLog,
 ) -> None:
     """``apportion serve scheduler --metrics-port N``."""
-    await jlog.publish_inputs(small_cluster(nodes=1))
+    await oplog.publish_inputs(small_cluster(nodes=1))
     port = free_port()
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
-        serve("scheduler", nats_server.url, cluster, metrics_port=port, stop=stop, ready=ready)
+        serve(
+            "scheduler",
+            nats_server.url_as("scheduler"),
+            cluster,
+            metrics_port=port,
+            stop=stop,
+            ready=ready,
+        )
     )
     url = f"http://127.0.0.1:{port}/metrics"
 
@@ -190,15 +208,25 @@ async def test_serve_exposes_the_scheduler_metrics(
 
 
 async def test_serve_exposes_the_executor_metrics(
-    nats_server: NatsServer, jlog: JetStreamLog, cluster: str
+    nats_server: NatsServer,
+    jlog: JetStreamLog,
+    cluster: str,
+    oplog: JetStreamLog,
 ) -> None:
     """``apportion serve executor --metrics-port N`` (docs/services.md, Metrics): the
     emulator's own metrics, and nothing of the gateway's."""
-    await jlog.publish_inputs(small_cluster(nodes=1))
+    await oplog.publish_inputs(small_cluster(nodes=1))
     port = free_port()
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
-        serve("executor", nats_server.url, cluster, metrics_port=port, stop=stop, ready=ready)
+        serve(
+            "executor",
+            nats_server.url_as("executor"),
+            cluster,
+            metrics_port=port,
+            stop=stop,
+            ready=ready,
+        )
     )
     try:
         await eventually(ready.is_set, what="the executor started")
@@ -214,7 +242,7 @@ async def test_serve_exposes_the_executor_metrics(
 
 async def test_metrics_port_is_refused_for_the_gateway(nats_server: NatsServer) -> None:
     with pytest.raises(ValueError, match="metrics-port"):
-        await serve("gateway", nats_server.url, "x", metrics_port=0, insecure=True)
+        await serve("gateway", nats_server.url_as("gateway"), "x", metrics_port=0, insecure=True)
 
 
 def test_cli_refuses_metrics_port_for_the_gateway_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,24 +259,26 @@ def test_cli_refuses_metrics_port_for_the_gateway_only(monkeypatch: pytest.Monke
     assert "scheduler, projector, executor: serve Prometheus metrics" in " ".join(help_text.split())
 
 
-async def test_executor_metrics_count_runs_by_outcome(jlog: JetStreamLog, tmp_path: Path) -> None:
+async def test_executor_metrics_count_runs_by_outcome(
+    jlog: JetStreamLog, tmp_path: Path, oplog: JetStreamLog, exelog: JetStreamLog
+) -> None:
     """The executor emulator: runs started, finished by outcome (its own report, a
     preemption, a cancel), runs and timers now, timer lag, follower lag."""
     from apportion.schemas.events import WorkloadCancelled
     from apportion.services.executor import Executor
     from apportion.services.stack import Stack, load_cluster_spec
 
-    await jlog.publish_inputs(small_cluster(nodes=1))
-    scheduler, executor = Scheduler(jlog), Executor(jlog)
+    await oplog.publish_inputs(small_cluster(nodes=1))
+    scheduler, executor = Scheduler(jlog), Executor(exelog)
     async with running(scheduler, executor):
         # free work on the only node, then allocated work that preempts it (requeued)
         # and ends on its own after 200 ms; the free work runs again and is cancelled
-        await jlog.publish_input(submit("u1", owner="vision", gpus=8, min_runtime_ms=0))
+        await oplog.publish_input(submit("u1", owner="vision", gpus=8, min_runtime_ms=0))
         await eventually(lambda: "u1" in executor.runs, what="u1 running")
-        await jlog.publish_input(submit("a1", owner="llm/a", gpus=8, duration_ms=200))
+        await oplog.publish_input(submit("a1", owner="llm/a", gpus=8, duration_ms=200))
         await eventually(lambda: executor.finished == 1, what="a1 reported")
         await eventually(lambda: executor.runs.get("u1") == 2, what="u1 running again")
-        await jlog.publish_input(
+        await oplog.publish_input(
             WorkloadCancelled(id="cancel-u1", at_ms=0, workload="u1", actor="ops")
         )
         await eventually(lambda: not executor.runs, what="u1 cancelled")
@@ -276,5 +306,5 @@ async def test_executor_metrics_count_runs_by_outcome(jlog: JetStreamLog, tmp_pa
     assert value(idle, "apportion_executor_runs_started_total") == 0  # not started yet
     assert value(combined, "apportion_executor_runs_started_total") == 3
     # each emulator has a registry of its own
-    fresh = parse((await Executor(jlog).metrics_text()).decode())
+    fresh = parse((await Executor(exelog).metrics_text()).decode())
     assert value(fresh, "apportion_executor_runs_started_total") == 0

@@ -76,17 +76,22 @@ def full_fold(inputs: list[InputItem], batches: list[BatchItem]) -> State:
 
 
 async def test_submit_placed_finished_end_to_end(
-    jlog: JetStreamLog, tmp_path: Path, creds: Credentials
+    jlog: JetStreamLog,
+    tmp_path: Path,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
+    exelog: JetStreamLog,
 ) -> None:
-    await jlog.publish_inputs(small_cluster())
+    await oplog.publish_inputs(small_cluster())
     scheduler = Scheduler(jlog)
-    executor = Executor(jlog)
-    gateway = Gateway(jlog, auth=creds.authenticator)
+    executor = Executor(exelog)
+    gateway = Gateway(gwlog, auth=creds.authenticator)
     async with running(scheduler, executor, gateway):
         await eventually(
             lambda: gateway.state.input_seq >= len(small_cluster()), what="gateway caught up"
         )
-        await jlog.publish_input(submit("w1", gpus=4, duration_ms=300))
+        await oplog.publish_input(submit("w1", gpus=4, duration_ms=300))
         await eventually(lambda: gateway.history.placed.get("w1") is not None, what="w1 placed")
         await eventually(lambda: gateway.state.status_of("w1") == "succeeded", what="w1 finished")
     placed = gateway.history.placed["w1"]
@@ -95,13 +100,21 @@ async def test_submit_placed_finished_end_to_end(
 
 
 async def test_projector_tables_equal_the_simulator_side_projection(
-    jlog: JetStreamLog, tmp_path: Path
+    jlog: JetStreamLog,
+    tmp_path: Path,
+    oplog: JetStreamLog,
+    projlog: JetStreamLog,
+    exelog: JetStreamLog,
 ) -> None:
-    await jlog.publish_inputs(small_cluster(nodes=2))
+    await oplog.publish_inputs(small_cluster(nodes=2))
     projection = Projection(duckdb.connect(str(tmp_path / "live.duckdb")))
-    scheduler, executor, projector = Scheduler(jlog), Executor(jlog), Projector(jlog, projection)
+    scheduler, executor, projector = (
+        Scheduler(jlog),
+        Executor(exelog),
+        Projector(projlog, projection),
+    )
     async with running(scheduler, executor, projector):
-        await jlog.publish_inputs(
+        await oplog.publish_inputs(
             [
                 submit("a1", owner="llm/a", gpus=8, duration_ms=200),
                 submit("b1", owner="llm/b", gpus=8, duration_ms=5000),
@@ -110,12 +123,12 @@ async def test_projector_tables_equal_the_simulator_side_projection(
                 submit("bad", owner="nope", gpus=4),
             ]
         )
-        await jlog.publish_raw_input(b"not an event", "junk-1")
+        await oplog.publish_raw_input(b"not an event", "junk-1", kind="WorkloadSubmitted")
         await eventually(
             lambda: scheduler.state is not None and len(scheduler.state.ended) >= 3,
             what="three finished",
         )
-        await jlog.publish_input(submit("c1", owner="llm/a", gpus=2, duration_ms=100))
+        await oplog.publish_input(submit("c1", owner="llm/a", gpus=2, duration_ms=100))
         last = await jlog.last_input_seq()
         await eventually(
             lambda: projector.position[0] >= last and scheduler.last_basis >= last,
@@ -144,8 +157,8 @@ async def test_projector_tables_equal_the_simulator_side_projection(
     before = live.execute("SELECT count(*), max(pos) FROM events").fetchone()
     live.close()
     again = Projection(duckdb.connect(str(tmp_path / "live.duckdb")))
-    await jlog.publish_input(submit("d1", owner="llm/a", gpus=1))
-    scheduler2, projector2 = Scheduler(jlog), Projector(jlog, again)
+    await oplog.publish_input(submit("d1", owner="llm/a", gpus=1))
+    scheduler2, projector2 = Scheduler(jlog), Projector(projlog, again)
     async with running(scheduler2, projector2):
         last = await jlog.last_input_seq()
         await eventually(lambda: projector2.position[0] >= last, what="projector resumed")
@@ -154,19 +167,21 @@ async def test_projector_tables_equal_the_simulator_side_projection(
     assert again.con.execute("SELECT count(DISTINCT pos) FROM events").fetchone() == (count,)
 
 
-async def test_restart_from_snapshot_reaches_the_full_fold_digest(jlog: JetStreamLog) -> None:
+async def test_restart_from_snapshot_reaches_the_full_fold_digest(
+    jlog: JetStreamLog, oplog: JetStreamLog
+) -> None:
     snapshots = await jlog.snapshots()
-    await jlog.publish_inputs(small_cluster(nodes=4))
+    await oplog.publish_inputs(small_cluster(nodes=4))
     first = Scheduler(jlog, snapshots, snapshot_every=4, max_inputs_per_cycle=3)
     async with running(first):
         for i in range(12):
-            await jlog.publish_input(
+            await oplog.publish_input(
                 submit(f"w{i}", owner=("llm/a", "llm/b", "vision")[i % 3], gpus=4)
             )
         last = await jlog.last_input_seq()
         await eventually(lambda: first.last_basis >= last, what="first scheduler caught up")
     # More inputs arrive while no scheduler runs; the restarted one folds only the tail.
-    await jlog.publish_inputs([submit(f"x{i}", owner="vision", gpus=2) for i in range(3)])
+    await oplog.publish_inputs([submit(f"x{i}", owner="vision", gpus=2) for i in range(3)])
     raw = await snapshots.load("scheduler")
     snap, _ = load_snapshot(raw)
     assert snap.input_seq > 0
@@ -178,13 +193,13 @@ async def test_restart_from_snapshot_reaches_the_full_fold_digest(jlog: JetStrea
     await second._tail.close()
 
 
-async def test_a_second_scheduler_is_fenced(jlog: JetStreamLog) -> None:
+async def test_a_second_scheduler_is_fenced(jlog: JetStreamLog, oplog: JetStreamLog) -> None:
     a = Scheduler(jlog, lease=MemoryLease(), name="a")
     b = Scheduler(jlog, lease=MemoryLease(), name="b")
     await a.recover()
     await b.recover()
     events = small_cluster() + [submit("w1")]
-    await jlog.publish_inputs(events)
+    await oplog.publish_inputs(events)
     for s in (a, b):
         while s.state.input_seq < len(events):
             for item in await s._tail.take(100, 10.0):
@@ -201,17 +216,19 @@ async def test_a_second_scheduler_is_fenced(jlog: JetStreamLog) -> None:
         await s._tail.close()
 
 
-async def test_standby_takes_over_when_the_leader_stops(jlog: JetStreamLog) -> None:
+async def test_standby_takes_over_when_the_leader_stops(
+    jlog: JetStreamLog, oplog: JetStreamLog
+) -> None:
     lease_a = await jlog.lease("a", ttl_s=2.0)
     lease_b = await jlog.lease("b", ttl_s=2.0)
     a = Scheduler(jlog, lease=lease_a, name="a")
     b = Scheduler(jlog, lease=lease_b, name="b")
-    await jlog.publish_inputs(small_cluster())
+    await oplog.publish_inputs(small_cluster())
     stop_a = asyncio.Event()
     task_a = asyncio.create_task(a.run(stop_a))
     await eventually(lambda: a.leading.is_set(), what="a leads")
     async with running(b):
-        await jlog.publish_input(submit("w1"))
+        await oplog.publish_input(submit("w1"))
         await eventually(
             lambda: a.state is not None and "w1" in a.state.running, what="a placed w1"
         )
@@ -219,7 +236,7 @@ async def test_standby_takes_over_when_the_leader_stops(jlog: JetStreamLog) -> N
         stop_a.set()
         await task_a
         await eventually(lambda: b.leading.is_set(), what="b takes over")
-        await jlog.publish_input(submit("w2"))
+        await oplog.publish_input(submit("w2"))
         await eventually(
             lambda: b.state is not None and "w2" in b.state.running, what="b placed w2"
         )
@@ -233,20 +250,24 @@ async def test_standby_takes_over_when_the_leader_stops(jlog: JetStreamLog) -> N
     full_fold(inputs, batches)  # folds without CorruptHistory: no conflicting decision
 
 
-async def test_bad_input_yields_input_rejected_and_changes_nothing(jlog: JetStreamLog) -> None:
-    await jlog.publish_inputs(small_cluster())
+async def test_bad_input_yields_input_rejected_and_changes_nothing(
+    jlog: JetStreamLog, oplog: JetStreamLog
+) -> None:
+    await oplog.publish_inputs(small_cluster())
     scheduler = Scheduler(jlog)
     async with running(scheduler):
         last = await jlog.last_input_seq()
         await eventually(lambda: scheduler.last_basis >= last, what="caught up")
         before = scheduler.state.snapshot()
-        await jlog.publish_raw_input(b"\x00\x01 garbage", "garbage-1")
-        await jlog.publish_raw_input(
-            b'{"kind": "WorkloadSubmitted", "id": "v9", "at_ms": 1, "v": 9}', "future-1"
+        await oplog.publish_raw_input(b"\x00\x01 garbage", "garbage-1", kind="WorkloadSubmitted")
+        await oplog.publish_raw_input(
+            b'{"kind": "WorkloadSubmitted", "id": "v9", "at_ms": 1, "v": 9}',
+            "future-1",
+            kind="WorkloadSubmitted",
         )
-        await jlog.publish_input(submit("x", owner="no/such/team"))
-        await jlog.publish_input(submit("y", min_runtime_ms=9 * 3_600_000))
-        await jlog.publish_input(submit("z", gpus=12))
+        await oplog.publish_input(submit("x", owner="no/such/team"))
+        await oplog.publish_input(submit("y", min_runtime_ms=9 * 3_600_000))
+        await oplog.publish_input(submit("z", gpus=12))
         last = await jlog.last_input_seq()
         await eventually(lambda: scheduler.last_basis >= last, what="bad inputs decided")
         after = scheduler.state.snapshot()
@@ -265,10 +286,13 @@ async def test_bad_input_yields_input_rejected_and_changes_nothing(jlog: JetStre
 
 
 async def test_gateway_answers_4xx_with_a_json_reason(
-    jlog: JetStreamLog, creds: Credentials
+    jlog: JetStreamLog,
+    creds: Credentials,
+    oplog: JetStreamLog,
+    gwlog: JetStreamLog,
 ) -> None:
-    await jlog.publish_inputs(small_cluster())
-    scheduler, gateway = Scheduler(jlog), Gateway(jlog, auth=creds.authenticator)
+    await oplog.publish_inputs(small_cluster())
+    scheduler, gateway = Scheduler(jlog), Gateway(gwlog, auth=creds.authenticator)
     async with running(scheduler, gateway), aiohttp.ClientSession() as http:
         await gateway.ready.wait()
         await eventually(
@@ -350,15 +374,17 @@ async def test_gateway_answers_4xx_with_a_json_reason(
         assert status == 200 and ex["status"] == "running"
 
 
-async def test_clock_ticks_at_the_protection_expiry(jlog: JetStreamLog, creds: Credentials) -> None:
+async def test_clock_ticks_at_the_protection_expiry(
+    jlog: JetStreamLog, creds: Credentials, oplog: JetStreamLog, gwlog: JetStreamLog
+) -> None:
     """Nothing arrives after the second submit; only the scheduler's ClockTicked lets
     v1 preempt a1 once a1's minimum runtime has passed."""
-    await jlog.publish_inputs(small_cluster(nodes=1))
-    scheduler, gateway = Scheduler(jlog), Gateway(jlog, auth=creds.authenticator)
+    await oplog.publish_inputs(small_cluster(nodes=1))
+    scheduler, gateway = Scheduler(jlog), Gateway(gwlog, auth=creds.authenticator)
     async with running(scheduler, gateway):
-        await jlog.publish_input(submit("a1", owner="llm/a", gpus=8, min_runtime_ms=400))
+        await oplog.publish_input(submit("a1", owner="llm/a", gpus=8, min_runtime_ms=400))
         await eventually(lambda: "a1" in gateway.state.running, what="a1 running")
-        await jlog.publish_input(submit("v1", owner="vision", gpus=8, min_runtime_ms=60_000))
+        await oplog.publish_input(submit("v1", owner="vision", gpus=8, min_runtime_ms=60_000))
         await eventually(
             lambda: "v1" in gateway.state.running, what="v1 placed after a1's protection"
         )

@@ -31,16 +31,16 @@ def submit(workload: str, **kw):
     return msgspec.structs.replace(_submit_as_nobody(workload, **kw), submitted_by="ops")
 
 
-async def _history_with_a_snapshot(jlog: JetStreamLog, snapshots) -> bytes:
+async def _history_with_a_snapshot(jlog: JetStreamLog, oplog: JetStreamLog, snapshots) -> bytes:
     """30 submissions decided by a scheduler that saved a snapshot, then a tail of 5 more."""
-    await jlog.publish_inputs(small_cluster(nodes=4))
+    await oplog.publish_inputs(small_cluster(nodes=4))
     first = Scheduler(jlog, snapshots, snapshot_every=5)
     async with running(first):
         for i in range(30):
-            await jlog.publish_input(submit(f"w{i}", owner=("llm/a", "vision")[i % 2], gpus=2))
+            await oplog.publish_input(submit(f"w{i}", owner=("llm/a", "vision")[i % 2], gpus=2))
         last = await jlog.last_input_seq()
         await eventually(lambda: first.last_basis >= last, what="first scheduler caught up")
-    await jlog.publish_inputs([submit(f"x{i}", owner="llm/b", gpus=1) for i in range(5)])
+    await oplog.publish_inputs([submit(f"x{i}", owner="llm/b", gpus=1) for i in range(5)])
     raw = await snapshots.load(SNAPSHOT_NAME)
     assert raw is not None
     return raw
@@ -85,10 +85,12 @@ def _ahead(raw: bytes, history: list) -> bytes:
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "tampered", "ahead"])
 async def test_a_bad_snapshot_means_a_full_fold_to_the_same_state(
-    jlog: JetStreamLog, damage: str
+    jlog: JetStreamLog,
+    damage: str,
+    oplog: JetStreamLog,
 ) -> None:
     snapshots = await jlog.snapshots()
-    raw = await _history_with_a_snapshot(jlog, snapshots)
+    raw = await _history_with_a_snapshot(jlog, oplog, snapshots)
     clean = await _recovered(jlog, snapshots)
     assert clean.recovered_from == "snapshot" and clean.snapshots_rejected == 0
     assert clean.state is not None
@@ -116,7 +118,7 @@ async def test_a_bad_snapshot_means_a_full_fold_to_the_same_state(
     # a scheduler started on the damaged snapshot leads, schedules, and saves a good one
     live = Scheduler(jlog, snapshots)
     async with running(live):
-        ack = await jlog.publish_input(submit("after", owner="llm/a", gpus=1))
+        ack = await oplog.publish_input(submit("after", owner="llm/a", gpus=1))
         await eventually(lambda: live.last_basis >= ack.seq, what="a cycle after the new input")
     assert live.snapshots_rejected == 1
     snap, state = load_snapshot(await snapshots.load(SNAPSHOT_NAME) or b"")

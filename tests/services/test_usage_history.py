@@ -19,14 +19,13 @@ from apportion.schemas.events import (
     WorkloadFinished,
 )
 from apportion.schemas.history import BatchItem, HistoryItem, input_item
-from apportion.services.bus import JetStreamLog
 from apportion.services.usage_history import (
     UsageHistory,
     hours_in,
     owed_delivered,
     usage_over_time,
 )
-from services_helpers import small_cluster, submit
+from services_helpers import Roles, small_cluster, submit
 
 if TYPE_CHECKING:
     from conftest import Credentials
@@ -326,12 +325,15 @@ def test_follows_the_fold_through_a_simulation() -> None:
 
 
 @pytest.mark.nats
-async def test_the_api_and_the_usage_page(jlog: JetStreamLog, creds: Credentials) -> None:
+async def test_the_api_and_the_usage_page(roles: Roles, creds: Credentials) -> None:
     import aiohttp
     from services_helpers import eventually, gateway_on
 
-    async with gateway_on(jlog, creds.authenticator) as gw, aiohttp.ClientSession() as http:
-        await jlog.publish_inputs(
+    async with (
+        gateway_on(roles, creds.authenticator) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        await roles.op.publish_inputs(
             [
                 submit("A", owner="llm/a", gpus=8, min_runtime_ms=H),
                 submit("B", owner="llm/b", gpus=4, min_runtime_ms=0),  # free: not counted
@@ -369,7 +371,7 @@ async def test_the_api_and_the_usage_page(jlog: JetStreamLog, creds: Credentials
             assert "/v1/usage/history" in (await r.json())["paths"]
     # the page: one chart per team on the usage page
     async with (
-        gateway_on(jlog, None) as gw,
+        gateway_on(roles, None) as gw,
         aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as s,
     ):
         async with s.post(f"{gw.url}/ui/login", data={"token": "ops"}) as r:

@@ -15,10 +15,9 @@ import pytest
 from apportion.core import State
 from apportion.replay.eventlog import Header, write_log
 from apportion.replay.run import load_inputs, run_policy
-from apportion.services.bus import JetStreamLog
 from apportion.services.canonical import read_history
 from apportion.services.metrics import GatewayMetrics, rejection_class
-from services_helpers import APPORTION_CMD, eventually, gateway_on, submit
+from services_helpers import APPORTION_CMD, Roles, eventually, gateway_on, submit
 
 if TYPE_CHECKING:
     from conftest import Credentials
@@ -46,14 +45,12 @@ def sample(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-async def test_estimates_through_the_api(
-    jlog: JetStreamLog, creds: Credentials, tmp_path: Path
-) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw:
-        await jlog.publish_input(submit("p", owner="llm/a", gpus=16, min_runtime_ms=HOUR))
+async def test_estimates_through_the_api(roles: Roles, creds: Credentials, tmp_path: Path) -> None:
+    async with gateway_on(roles, creds.authenticator) as gw:
+        await roles.op.publish_input(submit("p", owner="llm/a", gpus=16, min_runtime_ms=HOUR))
         await eventually(lambda: gw.history.placed.get("p") is not None, what="p placed")
-        await jlog.publish_input(submit("q", owner="vision", gpus=8, min_runtime_ms=60_000))
-        await jlog.publish_input(submit("u", owner="llm/b", gpus=1, min_runtime_ms=0))
+        await roles.op.publish_input(submit("q", owner="vision", gpus=8, min_runtime_ms=60_000))
+        await roles.op.publish_input(submit("u", owner="llm/b", gpus=1, min_runtime_ms=0))
         await eventually(
             lambda: set(gw.state.pending) == {"q", "u"} and gw.history.basis == gw.state.input_seq,
             what="q and u pending after a cycle",
@@ -83,7 +80,7 @@ async def test_estimates_through_the_api(
         assert not any("e+" in r for r in ex["reasons"])
         # offline: the same answer from the history as a log file (explain --log FILE --at NOW)
         log_file = tmp_path / "history.jsonl"
-        write_log(log_file, Header(source="test"), await read_history(jlog, 10.0))
+        write_log(log_file, Header(source="test"), await read_history(roles.sched, 10.0))
         args = ["explain", "q", "--log", str(log_file), "--at", str(ex["now_ms"]), "--json"]
         out = await asyncio.to_thread(
             subprocess.run, [*APPORTION_CMD, *args], capture_output=True, text=True, timeout=60
@@ -92,13 +89,13 @@ async def test_estimates_through_the_api(
         assert json.loads(out.stdout) == ex
 
 
-async def test_metrics_endpoint(jlog: JetStreamLog, creds: Credentials) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw:
-        await jlog.publish_input(submit("p", owner="llm/a", gpus=16, min_runtime_ms=HOUR))
-        await jlog.publish_input(submit("q", owner="vision", gpus=8, min_runtime_ms=60_000))
-        await jlog.publish_input(submit("x", owner="no/such", gpus=1))  # rejected: invalid
-        await jlog.publish_raw_input(b"not an event", "junk-1")  # rejected: malformed
-        last = await jlog.last_input_seq()
+async def test_metrics_endpoint(roles: Roles, creds: Credentials) -> None:
+    async with gateway_on(roles, creds.authenticator) as gw:
+        await roles.op.publish_input(submit("p", owner="llm/a", gpus=16, min_runtime_ms=HOUR))
+        await roles.op.publish_input(submit("q", owner="vision", gpus=8, min_runtime_ms=60_000))
+        await roles.op.publish_input(submit("x", owner="no/such", gpus=1))  # rejected: invalid
+        await roles.op.publish_raw_input(b"not an event", "junk-1", kind="WorkloadSubmitted")
+        last = await roles.sched.last_input_seq()
         await eventually(
             lambda: gw.state.input_seq >= last and gw.history.basis == last, what="caught up"
         )

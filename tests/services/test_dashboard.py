@@ -503,9 +503,9 @@ async def test_without_auth_the_login_names_the_actor(roles: Roles) -> None:
 
 @pytest.mark.nats
 async def test_node_actions_and_hold_release_through_the_forms(
-    jlog: JetStreamLog, creds: Credentials
+    roles: Roles, creds: Credentials
 ) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw, session() as ops, session() as a:
+    async with gateway_on(roles, creds.authenticator) as gw, session() as ops, session() as a:
         url = gw.url
         assert (await login(ops, url, creds.tokens["ops"])).status == 303
         assert (await login(a, url, creds.tokens["a"])).status == 303

@@ -148,11 +148,11 @@ async def test_queue_filters_over_http_and_the_cli(roles: Roles, creds: Credenti
 
 
 @pytest.mark.nats
-async def test_gpu_type_filter_on_queue_and_jobs(jlog: JetStreamLog, creds: Credentials) -> None:
+async def test_gpu_type_filter_on_queue_and_jobs(roles: Roles, creds: Credentials) -> None:
     """`--gpu-type` / `?gpu_type=` keeps the work that asked for that type (`any`: the
     work that takes any type); a type the cluster does not have is a 400 listing the
     ones it has, and one line with exit status 2 on the command line."""
-    async with gateway_on(jlog, creds.authenticator) as gw, aiohttp.ClientSession() as s:
+    async with gateway_on(roles, creds.authenticator) as gw, aiohttp.ClientSession() as s:
         url, ops = gw.url, creds.headers("ops")
         for wid, kind in (("typed", "h100"), ("anyone", "any")):
             spec = {"id": wid, "owner": "llm/a", "gpus": 8, "min_runtime_ms": HOUR_MS}

@@ -14,9 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 from apportion.schemas.times import DURATIONS, TIME_POINTS, iso_key, iso_utc
-from apportion.services.bus import JetStreamLog
 from conftest import Credentials
-from services_helpers import APPORTION_CMD, cli_env, eventually, gateway_on
+from services_helpers import APPORTION_CMD, Roles, cli_env, eventually, gateway_on
 
 HOUR_MS = 3_600_000
 
@@ -57,8 +56,8 @@ def times_without_iso(data: Any, where: str = "") -> list[str]:
 
 
 @pytest.mark.nats
-async def test_report_over_http_and_the_cli(jlog: JetStreamLog, creds: Credentials) -> None:
-    async with gateway_on(jlog, creds.authenticator) as gw, aiohttp.ClientSession() as s:
+async def test_report_over_http_and_the_cli(roles: Roles, creds: Credentials) -> None:
+    async with gateway_on(roles, creds.authenticator) as gw, aiohttp.ClientSession() as s:
         url, ops = gw.url, creds.headers("ops")
         for wid, owner, minimum in (("a1", "llm/a", HOUR_MS), ("v1", "vision", 0)):
             spec = {"id": wid, "owner": owner, "gpus": 8, "min_runtime_ms": minimum}

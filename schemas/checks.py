@@ -71,8 +71,8 @@ PLAIN_TEMPLATES: dict[str, str] = {
     NAME_PATTERN: "(({v}.isalnum() and {v}.isascii()) or not {v}.strip(NAME_SET))",
     # "" or non-empty names joined by "/"
     PATH_PATTERN: (
-        "(({v}.isalnum() and {v}.isascii()) or not {v} or (not {v}.strip(PATH_SET)"
-        ' and {v}[0] != "/" and {v}[-1] != "/" and "//" not in {v}))'
+        "(not {v} or ((({v}.isascii() and {v}.replace('/', '').isalnum())"
+        ' or not {v}.strip(PATH_SET)) and {v}[0] != "/" and {v}[-1] != "/" and "//" not in {v}))'
     ),
     # one or more of the set and "/"
     EVENT_ID_PATTERN: '(({v}.isalnum() and {v}.isascii()) or ({v} != "" and not {v}.strip(PATH_SET)))',
@@ -179,8 +179,8 @@ def _compile(tp: Any, v: str, depth: int = 0) -> _Compiled:
         x = f"x{depth}"
         item = _compile(args[0], x, depth + 1)
         return _Compiled(
-            f"(type({v}) is tuple and all({item.full} for {x} in {v}))",
-            None if item.patterns is None else f"all({item.patterns} for {x} in {v})",
+            f"(type({v}) is tuple and (not {v} or all({item.full} for {x} in {v})))",
+            None if item.patterns is None else f"(not {v} or all({item.patterns} for {x} in {v}))",
             tuple[item.fast, ...],  # type: ignore[name-defined]
         )
     if origin is dict:
@@ -190,9 +190,10 @@ def _compile(tp: Any, v: str, depth: int = 0) -> _Compiled:
         pattern = None
         if key.patterns is not None or value.patterns is not None:
             both = [p for p in (key.patterns, value.patterns) if p is not None]
-            pattern = f"all({_and(both)} for {k}, {x} in {v}.items())"
+            pattern = f"(not {v} or all({_and(both)} for {k}, {x} in {v}.items()))"
         return _Compiled(
-            f"(type({v}) is dict and all({key.full} and {value.full} for {k}, {x} in {v}.items()))",
+            f"(type({v}) is dict and (not {v} or all({key.full} and {value.full}"
+            f" for {k}, {x} in {v}.items())))",
             pattern,
             dict[key.fast, value.fast],  # type: ignore[name-defined]
         )

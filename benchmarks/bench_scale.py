@@ -27,7 +27,8 @@ the command that produced it; the same rows go to ``build/bench-scale.json``
    JSON decode + fold (``schemas.codec.decode_event`` per event), the same
    history written as an event log file and read back by ``replay``'s reader
    and folded item by item (*read log+fold*: what ``apportion replay`` and
-   ``audit`` do with a file; the decisions after each input become its batch),
+   ``audit`` do with a file; the decisions after each input become its batch;
+   *read log*: the reader alone),
    and fold with the pending index kept from the first event on, as a
    scheduler keeps it (*index kept*; a fold that no cycle reads never builds it:
    :mod:`apportion.core.pendingindex`).
@@ -399,7 +400,7 @@ def _wire_safe(event: Any) -> Any:
 
 def child_fold(quick: bool) -> list[dict]:
     from apportion.core import State, fold
-    from apportion.replay.eventlog import Header, write_log
+    from apportion.replay.eventlog import Header, read_file, write_log
     from apportion.schemas.codec import decode_event, encode
 
     def fold_keeping_the_index() -> State:
@@ -409,7 +410,6 @@ def child_fold(quick: bool) -> list[dict]:
 
     def read_and_fold(path: Path) -> State:
         from apportion.core.history import fold_item
-        from apportion.replay.eventlog import read_file
 
         state = State()
         for item in read_file(path):
@@ -421,9 +421,10 @@ def child_fold(quick: bool) -> list[dict]:
     blobs = [encode(e) for e in events]
     log_dir = tempfile.TemporaryDirectory()
     log_path = Path(log_dir.name) / "deep-queue.jsonl"
-    write_log(log_path, Header(source="bench"), history_items(events))
+    items = write_log(log_path, Header(source="bench"), history_items(events))
+    n_items = items.inputs + items.batches
     rows = []
-    for mode in ("fold", "decode+fold", "read log+fold", "fold, index kept"):
+    for mode in ("fold", "decode+fold", "read log", "read log+fold", "fold, index kept"):
         rates, cpu_s = [], []
         for _ in range(1 if quick else 3):
             c0, w0 = time.process_time(), time.perf_counter()
@@ -431,6 +432,9 @@ def child_fold(quick: bool) -> list[dict]:
                 state = fold(events)
             elif mode == "decode+fold":
                 state = fold(decode_event(b) for b in blobs)
+            elif mode == "read log":
+                read = sum(1 for _ in read_file(log_path))
+                assert read == n_items, read
             elif mode == "read log+fold":
                 state = read_and_fold(log_path)
             else:

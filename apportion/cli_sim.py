@@ -248,6 +248,7 @@ def simulate(
                 out=_policy_path(out, p, compare, ".duckdb"),
                 log=_policy_path(log, p, compare, ".jsonl"),
                 estimate_every=estimate_every,
+                history=plot is not None,  # the charts read the history's views
             )
         if p == policies[0]:
             refused = rejection_messages(inp, result)

@@ -24,9 +24,13 @@ the command that produced it; the same rows go to ``build/bench-scale.json``
 2. **Fold** on a deep-queue history: ``bench_fold.mixed_history`` with a
    backlog submitted first (tens of thousands pending all along; the cluster
    starts full and the oldest pending are placed as GPUs free), fold alone,
-   JSON decode + fold (``schemas.codec.decode_event`` per event), and fold with
-   the pending index kept from the first event on, as a scheduler keeps it
-   (*index kept*; a fold that no cycle reads never builds it:
+   JSON decode + fold (``schemas.codec.decode_event`` per event), the same
+   history written as an event log file and read back by ``replay``'s reader
+   and folded item by item (*read log+fold*: what ``apportion replay`` and
+   ``audit`` do with a file; the decisions after each input become its batch;
+   *read log*: the reader alone),
+   and fold with the pending index kept from the first event on, as a
+   scheduler keeps it (*index kept*; a fold that no cycle reads never builds it:
    :mod:`apportion.core.pendingindex`).
 3. **Simulation**: the ``family`` scenario at 1x, 4x and 16x size (1,024 /
    4,096 / 16,384 GPUs; demand scales with the cluster, the tree with it: see
@@ -60,7 +64,9 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -394,6 +400,7 @@ def _wire_safe(event: Any) -> Any:
 
 def child_fold(quick: bool) -> list[dict]:
     from apportion.core import State, fold
+    from apportion.replay.eventlog import Header, read_file, write_log
     from apportion.schemas.codec import decode_event, encode
 
     def fold_keeping_the_index() -> State:
@@ -401,11 +408,23 @@ def child_fold(quick: bool) -> list[dict]:
         state.pending_index.keep()  # built now (empty), kept by every event
         return fold(events, state)
 
+    def read_and_fold(path: Path) -> State:
+        from apportion.core.history import fold_item
+
+        state = State()
+        for item in read_file(path):
+            fold_item(state, item)
+        return state
+
     n_events, backlog = (200_000, 20_000) if quick else (1_000_000, 40_000)
     events = [_wire_safe(e) for e in mixed_history(n_events, backlog=backlog)]
     blobs = [encode(e) for e in events]
+    log_dir = tempfile.TemporaryDirectory()
+    log_path = Path(log_dir.name) / "deep-queue.jsonl"
+    items = write_log(log_path, Header(source="bench"), history_items(events))
+    n_items = items.inputs + items.batches
     rows = []
-    for mode in ("fold", "decode+fold", "fold, index kept"):
+    for mode in ("fold", "decode+fold", "read log", "read log+fold", "fold, index kept"):
         rates, cpu_s = [], []
         for _ in range(1 if quick else 3):
             c0, w0 = time.process_time(), time.perf_counter()
@@ -413,6 +432,11 @@ def child_fold(quick: bool) -> list[dict]:
                 state = fold(events)
             elif mode == "decode+fold":
                 state = fold(decode_event(b) for b in blobs)
+            elif mode == "read log":
+                read = sum(1 for _ in read_file(log_path))
+                assert read == n_items, read
+            elif mode == "read log+fold":
+                state = read_and_fold(log_path)
             else:
                 state = fold_keeping_the_index()
             wall = time.perf_counter() - w0
@@ -436,6 +460,26 @@ def child_fold(quick: bool) -> list[dict]:
             }
         )
     return rows
+
+
+def history_items(events: list[Any]) -> Iterator[Any]:
+    """``events`` as history items: each input numbered, the decisions that follow
+    it as one batch based on it."""
+    from apportion.schemas.events import INPUT_TYPES, DecisionBatch
+    from apportion.schemas.history import BatchItem, InputItem
+
+    seq, batches, decisions = 0, 0, []
+    for event in [*events, None]:
+        if event is not None and not isinstance(event, INPUT_TYPES):
+            decisions.append(event)
+            continue
+        if decisions:
+            batches += 1
+            yield BatchItem(seq=batches, batch=DecisionBatch(basis=seq, decisions=tuple(decisions)))
+            decisions = []
+        if event is not None:
+            seq += 1
+            yield InputItem(seq=seq, at_ms=event.at_ms, ref=event.id, event=event)
 
 
 # ----------------------------------------------------------------------

@@ -46,7 +46,7 @@ from apportion.schemas.events import (
     NodeRegistered,
     PolicySet,
 )
-from apportion.schemas.history import BatchItem, HistoryItem, InputItem, input_item
+from apportion.schemas.history import BatchItem, HistoryItem, InputItem, decoded_item
 
 LOG_VERSION = 1
 """The log format version this code writes and reads."""
@@ -275,7 +275,7 @@ def _file_items(path: Path, log: CanonicalLog) -> Iterator[HistoryItem]:
             try:
                 line = _line_decoder.decode(raw)
                 if line.input and line.seq is not None:
-                    item = input_item(line.seq, decode_input(line.input))
+                    item = decoded_item(line.seq, decode_input(line.input))
                     if line.subject is not None and item.event is not None:
                         item = msgspec.structs.replace(item, subject=line.subject)
                     if line.sent_ms is not None and item.event is not None:
@@ -427,7 +427,7 @@ def _duckdb_items(path: Path, log: CanonicalLog, end: End, last_pos: int) -> Ite
                     raise LogError(f"{path}: events row {row[0]}: {_short(exc)}") from None
                 if isinstance(event, InputsLost) and event.first == seq < event.through:
                     seq = event.through  # a loss accepted at its gap: the inputs it names
-                item = input_item(seq, event)
+                item = decoded_item(seq, event)
                 if row[2] is not None and item.event is not None:
                     item = msgspec.structs.replace(item, subject=row[2])
                 if row[3] is not None and item.event is not None:

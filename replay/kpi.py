@@ -460,9 +460,16 @@ def _r(x: Any, nd: int = 4) -> Any:
 
 
 def compute_kpis(
-    con: duckdb.DuckDBPyConnection, start_ms: int, end_ms: int, wall_s: float = 0.0
+    con: duckdb.DuckDBPyConnection,
+    start_ms: int,
+    end_ms: int,
+    wall_s: float = 0.0,
+    events: int | None = None,
 ) -> dict[str, Any]:
-    """All KPIs for the horizon ``[start_ms, end_ms)``, keyed as the KPI JSON of docs/formats.md."""
+    """All KPIs for the horizon ``[start_ms, end_ms)``, keyed as the KPI JSON of docs/formats.md.
+
+    ``events``: the number of events, when the projection counted them instead of
+    keeping the ``events`` table (``Projection(history=False)``)."""
     con.execute(_VIEWS.replace("$start", str(int(start_ms))).replace("$end", str(int(end_ms))))
     occ = _q(con, KPI_SQL["occupancy"], start_ms, end_ms)[0][0]
     hourly = [
@@ -489,7 +496,7 @@ def compute_kpis(
     )
     n_workloads = _count(con, "SELECT COUNT(*) FROM workloads")
     n_rejected = _count(con, "SELECT COUNT(*) FROM workloads WHERE status = 'rejected'")
-    n_events = _count(con, "SELECT COUNT(*) FROM events")
+    n_events = _count(con, "SELECT COUNT(*) FROM events") if events is None else events
     return {
         "occupancy": _r(occ),
         "delivery_ratio": delivery["delivery_ratio"],

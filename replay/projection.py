@@ -419,6 +419,15 @@ class Projection:
     is older than :data:`SNAPSHOT_EVERY_S`). By default on for a file
     written without ``commit_every`` (the live projector), off in memory.
 
+    ``history``: keep the canonical history (``events``, ``batches``,
+    ``malformed_inputs``) and the state snapshot with each commit. ``False``
+    keeps only the tables the KPIs read (``workloads``, ``runs``, ``waits``,
+    ``nodes``, ``health``, ``budget``, ``estimates``) and counts the events
+    (:attr:`events`) instead of storing them: a plain ``apportion simulate``
+    that writes no file (the history's rows were most of its memory). Such a
+    projection cannot be resumed or replayed, and the views that read
+    ``events`` (``preemptions``, ``team_usage_*``) are empty.
+
     ``on_error``: what happens when the rows of an event cannot be derived (the
     projection's open rows disagree with the history, i.e. a bug). ``None``
     (the default: simulator, replay, audit, tests): the exception propagates.
@@ -433,9 +442,11 @@ class Projection:
         commit_every: int | None = None,
         snapshot: bool | None = None,
         on_error: Callable[[ProjectionFault], None] | None = None,
+        history: bool = True,
     ) -> None:
         self.con = con
         self.commit_every = commit_every
+        self.history = history
         self.on_error = on_error
         con.execute(SCHEMA)
         con.execute(MIGRATE)
@@ -502,6 +513,8 @@ class Projection:
         self.write_snapshot()
 
     def _reset_buffers(self) -> None:
+        self._unsaved = 0
+        """Events observed since the last commit (``events`` rows buffered, with the history)."""
         self._events: list[tuple[Any, ...]] = []
         self._batch_rows: list[tuple[Any, ...]] = []
         self._malformed: list[tuple[Any, ...]] = []
@@ -518,6 +531,12 @@ class Projection:
 
     # -- position --------------------------------------------------------
     @property
+    def events(self) -> int:
+        """Events observed (inputs that decoded and decisions): the ``events`` rows
+        a projection with the history holds (resumed ones included)."""
+        return self._pos
+
+    @property
     def position(self) -> tuple[int, int]:
         """(last input seq, last decision batch seq) as committed."""
         return self._committed
@@ -530,7 +549,8 @@ class Projection:
     def __call__(self, item: HistoryItem, state: State, rejected: str | None) -> None:
         if isinstance(item, InputItem):
             if item.event is None:
-                self._malformed.append((item.seq, item.at_ms, item.ref, rejected))
+                if self.history:
+                    self._malformed.append((item.seq, item.at_ms, item.ref, rejected))
             else:
                 event, now = item.event, state.now_ms
                 self._event_row(
@@ -552,7 +572,7 @@ class Projection:
             self._now = state.now_ms
         else:
             self._batch(item, state)
-            if self.commit_every is not None and len(self._events) >= self.commit_every:
+            if self.commit_every is not None and self._unsaved >= self.commit_every:
                 self.commit(state)
 
     def _failed(self, exc: Exception, event: Event, state: State, batch: int | None) -> None:
@@ -605,6 +625,9 @@ class Projection:
         sent_ms: int | None = None,
     ) -> None:
         self._pos += 1
+        self._unsaved += 1
+        if not self.history:
+            return
         self._events.append(
             (
                 self._pos,
@@ -701,17 +724,18 @@ class Projection:
     def _batch(self, item: BatchItem, state: State) -> None:
         batch = item.batch
         self._batches = item.seq
-        self._batch_rows.append(
-            (
-                item.seq,
-                batch.basis,
-                self._pos,
-                len(batch.decisions),
-                batch.next_wakeup_ms,
-                batch.v,
-                None if batch.logic is msgspec.UNSET else batch.logic,
+        if self.history:
+            self._batch_rows.append(
+                (
+                    item.seq,
+                    batch.basis,
+                    self._pos,
+                    len(batch.decisions),
+                    batch.next_wakeup_ms,
+                    batch.v,
+                    None if batch.logic is msgspec.UNSET else batch.logic,
+                )
             )
-        )
         now = state.now_ms  # decisions happen at the time of the input they are based on
         for d in batch.decisions:
             self._event_row(d, now, getattr(d, "workload", None), getattr(d, "node", None))
@@ -819,14 +843,15 @@ class Projection:
                         for p in tree.depth_first()
                     ],
                 )
-            saved = state.to_bytes()
+            saved = state.to_bytes() if self.history else None
             con.execute("DELETE FROM projection_position")
             con.execute(
                 "INSERT INTO projection_position VALUES (?, ?, ?)",
                 [state.input_seq, self._batches, self._pos],
             )
-            con.execute("DELETE FROM projection_state")
-            con.execute("INSERT INTO projection_state VALUES (?, ?)", [state.input_seq, saved])
+            if saved is not None:  # without the history there is nothing to resume
+                con.execute("DELETE FROM projection_state")
+                con.execute("INSERT INTO projection_state VALUES (?, ?)", [state.input_seq, saved])
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")

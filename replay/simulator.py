@@ -102,6 +102,8 @@ class SimResult:
         self.rejected: list[tuple[str, str]] = kw["rejected"]
         """``(input id, reason)`` of every input the fold rejected (trace rows: ``sub/<id>``)."""
         self.state: State = kw["state"]
+        self.events: int | None = kw.get("events")
+        """Events the projection observed (set by :func:`simulate`)."""
 
 
 def sample_estimate(
@@ -200,14 +202,17 @@ def simulate(
     sink: Observer | None = None,
     commit_every: int = 200_000,
     estimate_every: int = DEFAULT_ESTIMATE_EVERY,
+    history: bool = True,
     **kw: Any,
 ) -> SimResult:
     """:func:`run_simulation` observed by a DuckDB projection on ``con`` (a new
     in-memory database by default) and by ``sink`` (for example an event-log
     writer); the result's ``con`` holds the projection, committed. The sampled
-    start-time estimates (``estimate_every``) go to its ``estimates`` table."""
+    start-time estimates (``estimate_every``) go to its ``estimates`` table.
+    ``history=False``: the projection keeps only the tables the KPIs read and
+    counts the events (``result.events``; :class:`Projection`)."""
     con = con if con is not None else duckdb.connect()
-    proj = Projection(con, commit_every=commit_every)
+    proj = Projection(con, commit_every=commit_every, history=history)
     if proj.position != (0, 0):
         raise ValueError("the simulator needs an empty projection database")
     proj.set_meta("policy", policy)
@@ -224,6 +229,7 @@ def simulate(
     )
     proj.commit(result.state)
     result.con = con
+    result.events = proj.events
     return result
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal, cast
 import msgspec
 
 from .bounds import plain_bound
+from .checks import FAST_INPUT_DECODERS, from_fast, valid_input
 from .events import (
     SCHEMA_VERSION,
     SUPPORTED_VERSIONS,
@@ -78,12 +79,23 @@ def bounds_error(event: Input) -> str | None:
     """Why ``event``, made in Python rather than decoded, is not a valid input (a
     field out of its bounds, an unsupported ``v``), or ``None``.
 
-    The same check as decoding: the event goes through the msgpack codec."""
+    The same verdict as decoding: an event within its bounds is told so by
+    :func:`~apportion.schemas.checks.valid_input` (no encoding); any other goes
+    through the msgpack codec, whose error is the message."""
+    if valid_input(event):
+        return None
+    return codec_bounds_error(event)
+
+
+def codec_bounds_error(event: Input) -> str | None:
+    """:func:`bounds_error` by the codec alone: ``event`` encoded as msgpack and
+    decoded with every bound (the reference the plain checks agree with, and the
+    source of every message)."""
     try:
-        decode_input(_msgpack_encoder.encode(event), "msgpack")
+        decode_input_with_patterns(_msgpack_encoder.encode(event), "msgpack")
     except OverflowError:
         try:  # an integer beyond 64 bits: JSON holds it, so the decoder can name the field
-            decode_input(_json_encoder.encode(event))
+            decode_input_with_patterns(_json_encoder.encode(event))
         except EventDecodeError as exc:
             return str(exc)
         return "invalid input event: an integer is out of range"
@@ -95,7 +107,23 @@ def bounds_error(event: Input) -> str | None:
 
 
 def decode_input(data: bytes | str, fmt: Format = "json") -> Input:
-    """Decode one input event; raise :class:`EventDecodeError` if it is not one."""
+    """Decode one input event; raise :class:`EventDecodeError` if it is not one.
+
+    Decoded first without the string patterns, which are then checked by plain
+    tests (:mod:`apportion.schemas.checks`); anything that fails there is decoded
+    again with every bound, whose error is the message."""
+    try:
+        fast = from_fast(FAST_INPUT_DECODERS[fmt].decode(data))
+    except msgspec.DecodeError:  # ValidationError included
+        fast = None
+    if fast is not None:
+        return cast(Input, fast)
+    return decode_input_with_patterns(data, fmt)
+
+
+def decode_input_with_patterns(data: bytes | str, fmt: Format = "json") -> Input:
+    """:func:`decode_input` by the decoder that holds every bound, the patterns as
+    regular expressions: the reference, and the source of every message."""
     event = cast(Input, _decode(data, _INPUT_DECODERS, fmt, "input event"))
     if event.v not in SUPPORTED_VERSIONS:
         raise _unsupported_version(event.v, f"input {event.id!r}")

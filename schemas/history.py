@@ -83,6 +83,13 @@ def input_item(seq: int, event: Input) -> InputItem:
     return InputItem(seq=seq, at_ms=event.at_ms, ref=event.id, event=event)
 
 
+def decoded_item(seq: int, event: Input) -> InputItem:
+    """Input ``seq`` carrying an event a decoder of :mod:`apportion.schemas.codec`
+    produced (``decode_input``): its bounds were checked as it decoded, so they are
+    not checked again (:func:`input_item` is for events made in Python)."""
+    return InputItem(seq=seq, at_ms=event.at_ms, ref=event.id, event=event)
+
+
 def malformed_item(seq: int, at_ms: int, ref: str, error: str) -> InputItem:
     """Input ``seq`` whose bytes did not decode because of ``error``.
 

@@ -1,0 +1,410 @@
+"""``apportion slurm`` against a real Slurm 22.05 (slurmctld + 3 slurmd with fake GPUs on
+this machine: tests/services/slurm_cluster.py), a real nats-server and a real scheduler.
+
+Skips with the reason where Slurm cannot run (not root, not installed: ``make test``
+installs it when root). No timed assertions: every wait is for a condition, with a
+bounded deadline that fails the test with what it waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from apportion.schemas.events import (
+    BudgetSet,
+    PolicySet,
+    WorkloadCancelled,
+    WorkloadFinished,
+    WorkloadPlaced,
+    WorkloadSubmitted,
+)
+from apportion.schemas.history import BatchItem, InputItem
+from apportion.services.bus import JetStreamLog
+from apportion.services.canonical import Follower
+from apportion.services.runner import supervise_scheduler
+from apportion.services.scheduler import Scheduler
+from apportion.services.slurm import SlurmBridge
+from apportion.services.slurm_jobs import SlurmCli
+from services_helpers import APPORTION_CMD
+from slurm_cluster import SlurmCluster, skip_reason
+
+pytestmark = pytest.mark.nats
+
+
+@pytest.fixture(scope="session")
+def slurm_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, gpus=4)
+    try:
+        cluster.start()
+    except Exception:
+        cluster.stop()
+        raise
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def slurm(slurm_session: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The session's Slurm, with no job left from another test."""
+    slurm_session.clean()
+    yield slurm_session
+    slurm_session.clean()
+
+
+def tree(grace_ms: int = 0) -> list[Any]:
+    """root (ops) -> lab (owned by root, the Slurm user here) -> lab/a, lab/b."""
+    return [
+        BudgetSet(id="b-root", at_ms=0, path="", weight=1, owner="ops", actor="ops"),
+        BudgetSet(id="b-lab", at_ms=0, path="lab", weight=1, owner="root", actor="ops"),
+        BudgetSet(id="b-lab-a", at_ms=0, path="lab/a", weight=1, owner="root", actor="root"),
+        BudgetSet(id="b-lab-b", at_ms=0, path="lab/b", weight=1, owner="root", actor="root"),
+        PolicySet(id="policy", at_ms=0, actor="ops", preemption_margin_ppm=0, grace_ms=grace_ms),
+    ]
+
+
+class Harness:
+    """A scheduler (in this process), the bridge (in this process or as ``apportion
+    slurm``), and a follower of the history."""
+
+    def __init__(self, log: JetStreamLog, slurm: SlurmCluster, url: str, work: Path) -> None:
+        self.log = log
+        self.slurm = slurm
+        self.url = url
+        self.work = work
+        self.follower = Follower(log)
+        self.inputs: list[Any] = []
+        self.decisions: list[Any] = []
+        self.bridge: SlurmBridge | None = None
+        self.bridge_task: asyncio.Task[None] | None = None
+        self.bridge_stop = asyncio.Event()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def state(self) -> Any:
+        return self.follower.state
+
+    def wid(self, job: int) -> str:
+        return f"slurm-{self.slurm.name}-{job}"
+
+    # -- the bridge --------------------------------------------------------
+    async def start_bridge(self) -> None:
+        self.bridge_stop = asyncio.Event()
+        self.bridge = SlurmBridge(
+            self.log, partitions=["gpu"], cli=SlurmCli(self.slurm.env), interval_s=0.1
+        )
+        self.bridge_task = asyncio.create_task(self.bridge.run(self.bridge_stop))
+        await asyncio.wait_for(self.bridge.ready.wait(), 30)
+
+    async def stop_bridge(self) -> None:
+        self.bridge_stop.set()
+        if self.bridge_task is not None:
+            await self.bridge_task
+            self.bridge_task = None
+
+    def start_process(self) -> None:
+        """``apportion slurm`` as a process (``kill_process`` kills it)."""
+        err = open(self.work / "slurm-bridge.log", "ab")  # noqa: SIM115 - kept by the process
+        self.proc = subprocess.Popen(
+            [
+                *APPORTION_CMD,
+                "slurm",
+                "--cluster-name",
+                self.log.subjects.cluster,
+                "--nats",
+                self.url,
+                "--partition",
+                "gpu",
+                "--interval",
+                "0.1",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=self.slurm.env,
+        )
+        err.close()
+
+    def kill_process(self, sig: int = signal.SIGKILL) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        self.proc.wait(30)
+        self.proc = None
+
+    # -- the history ---------------------------------------------------------
+    async def sync(self) -> None:
+        for item in await self.follower.poll(0.05):
+            if isinstance(item, InputItem) and item.event is not None:
+                self.inputs.append(item.event)
+            elif isinstance(item, BatchItem):
+                self.decisions.extend(item.batch.decisions)
+
+    async def until(self, check: Callable[[], bool], what: str, timeout: float = 45.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            await self.sync()
+            if check():
+                return
+            if self.bridge_task is not None and self.bridge_task.done():
+                self.bridge_task.result()  # raises what stopped it
+                raise AssertionError("the bridge stopped")
+            if self.proc is not None and self.proc.poll() is not None:
+                log = (self.work / "slurm-bridge.log").read_text()[-3000:]
+                raise AssertionError(f"apportion slurm exited ({self.proc.returncode}):\n{log}")
+            if loop.time() > deadline:
+                raise AssertionError(f"timed out waiting for {what}\n{self.slurm.run('squeue')}")
+            await asyncio.sleep(0.05)
+
+    async def until_job(
+        self, job: int, check: Callable[[dict[str, Any]], bool], what: str, timeout: float = 45.0
+    ) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+
+        def ok() -> bool:
+            seen.update(self.slurm.job(job))
+            return check(seen)
+
+        await self.until(ok, f"job {job}: {what}", timeout)
+        return seen
+
+    def finishes(self, wid: str) -> list[WorkloadFinished]:
+        return [e for e in self.inputs if isinstance(e, WorkloadFinished) and e.workload == wid]
+
+    def placements(self, wid: str) -> list[WorkloadPlaced]:
+        return [d for d in self.decisions if isinstance(d, WorkloadPlaced) and d.workload == wid]
+
+    def submissions(self, wid: str) -> list[WorkloadSubmitted]:
+        return [e for e in self.inputs if isinstance(e, WorkloadSubmitted) and e.workload == wid]
+
+
+@contextlib.asynccontextmanager
+async def harness(
+    nats_server: Any, js: Any, name: str, slurm: SlurmCluster, work: Path, grace_ms: int = 0
+) -> AsyncIterator[Harness]:
+    log = JetStreamLog(js, name)
+    await log.setup()
+    await log.publish_inputs(tree(grace_ms))
+    stop = asyncio.Event()
+    task = asyncio.create_task(supervise_scheduler(Scheduler(log), stop))
+    h = Harness(log, slurm, nats_server.url, work)
+    try:
+        yield h
+    finally:
+        if h.proc is not None:
+            h.kill_process(signal.SIGTERM)
+        await h.stop_bridge()
+        stop.set()
+        await task
+        await h.follower.close()
+
+
+async def nodes_registered(h: Harness) -> None:
+    await h.until(
+        lambda: (
+            sorted(h.state.nodes) == h.slurm.nodes
+            and all(n.gpus == 4 and n.gpu_type == "fake" for n in h.state.nodes.values())
+        ),
+        "Slurm's nodes registered with their 4 fake GPUs",
+    )
+
+
+ENV_SCRIPT = (
+    'echo "node=$SLURMD_NODENAME cuda=$CUDA_VISIBLE_DEVICES list=$SLURM_JOB_NODELIST '
+    'restart=${SLURM_RESTART_COUNT:-0}"\n'
+)
+
+
+async def test_held_job_runs_on_the_decided_node_and_reports_its_exit(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
+        await h.start_bridge()
+        await nodes_registered(h)
+        # a 1-GPU job first: the scheduler's best fit then sends a 4-GPU job elsewhere
+        small = slurm.sbatch(
+            "--gres=gpu:1", "--account=lab.b", "--time=30", script=ENV_SCRIPT + "sleep 20\n"
+        )
+        await h.until(lambda: h.state.status_of(h.wid(small)) == "running", "small placed")
+        big = slurm.sbatch(
+            "--gres=gpu:fake:4",
+            "--account=lab.a",
+            "--time=30",
+            "--time-min=5",
+            "--nice=0",
+            script=ENV_SCRIPT + "sleep 1\nexit 3\n",
+        )
+        wid = h.wid(big)
+        await h.until(lambda: bool(h.finishes(wid)), f"{wid} finished")
+        [sub] = h.submissions(wid)
+        assert (sub.owner, sub.gpus, sub.gpu_type, sub.min_runtime_ms, sub.submitted_by) == (
+            "lab/a",
+            4,
+            "fake",
+            5 * 60_000,
+            "root",
+        )
+        [placed] = h.placements(wid)
+        [node] = [s.node for s in placed.placement]
+        assert node != h.placements(h.wid(small))[0].placement[0].node
+        job = slurm.job(big)
+        assert job["nodes"] == node
+        assert job["time_limit"] == 30  # --time-min did not cut it (backfill's trap)
+        assert f"node={node} cuda=0,1,2,3 list={node}" in slurm.output(big)
+        [fin] = h.finishes(wid)
+        assert (fin.outcome, fin.exit_code, fin.attempt) == ("failed", 3, 1)
+        assert h.state.status_of(wid) == "failed"
+        assert job["comment"].startswith(f"apportion: {wid} attempt 1 run 0 on {node}")
+
+
+async def test_two_node_gang_runs_on_both_decided_nodes(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
+        await h.start_bridge()
+        await nodes_registered(h)
+        job = slurm.sbatch(
+            "--nodes=2",
+            "--gres=gpu:4",
+            "--account=lab.a",
+            "--time-min=1",
+            script=ENV_SCRIPT + "srun hostname >/dev/null\nsleep 1\n",
+        )
+        wid = h.wid(job)
+        await h.until(lambda: bool(h.finishes(wid)), f"{wid} finished")
+        [placed] = h.placements(wid)
+        nodes = [s.node for s in placed.placement]
+        assert [s.gpus for s in placed.placement] == [4, 4]
+        info = slurm.job(job)
+        assert info["job_state"] == "COMPLETED"
+        assert sorted(slurm.run("scontrol", "show", "hostnames", info["nodes"]).split()) == sorted(
+            nodes
+        )
+        assert "cuda=0,1,2,3" in slurm.output(job)
+        [fin] = h.finishes(wid)
+        assert (fin.outcome, fin.exit_code) == ("succeeded", 0)
+        assert fin.actor == f"agent:{nodes[0]}"
+
+
+async def test_unmappable_jobs_stay_held_with_a_reason_then_enter_once_mapped(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
+        await h.start_bridge()
+        await nodes_registered(h)
+        unknown = slurm.sbatch("--gres=gpu:1", "--account=vision")
+        gang = slurm.sbatch("--nodes=2", "--gres=gpu:1", "--account=lab.a")
+        nogpu = slurm.sbatch("--account=lab.a")
+        over = slurm.sbatch("--gres=gpu:1", "--account=lab.a", "--time-min=600")
+        expect = {
+            unknown: "unknown owner 'vision'",
+            gang: "not a valid gang: 2 nodes x 1 GPUs",
+            nogpu: "no GPUs asked",
+            over: "min_runtime must be between 0 and 8 h",
+        }
+        for job, text in expect.items():
+            got = await h.until_job(job, lambda j, t=text: t in j["comment"], f"comment {text!r}")
+            assert got["job_state"] == "PENDING" and got["priority"] == 0  # still held
+            assert got["comment"].startswith("apportion: held: ")
+        await h.sync()
+        assert not any(h.submissions(h.wid(j)) for j in expect)
+        # nothing lost: once the budget has the leaf, the held job enters
+        await h.log.publish_input(
+            BudgetSet(id="b-vision", at_ms=0, path="vision", weight=1, owner="root", actor="ops")
+        )
+        wid = h.wid(unknown)
+        await h.until(lambda: bool(h.finishes(wid)), f"{wid} entered, ran and finished")
+        assert [s.owner for s in h.submissions(wid)] == ["vision"]
+
+
+async def test_scancel_of_a_running_and_of_a_pending_job(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
+        await h.start_bridge()
+        await nodes_registered(h)
+        full = slurm.sbatch("--nodes=3", "--gres=gpu:4", "--account=lab.a", "--time-min=10",
+                            script="sleep 300\n")  # fmt: skip
+        await h.until_job(full, lambda j: j["job_state"] == "RUNNING", "running")
+        waiting = slurm.sbatch("--gres=gpu:1", "--account=lab.b", "--time-min=1")
+        wait_id = h.wid(waiting)
+        await h.until(lambda: h.state.status_of(wait_id) == "pending", f"{wait_id} pending")
+        slurm.run("scancel", str(waiting))
+        await h.until(lambda: h.state.status_of(wait_id) == "cancelled", f"{wait_id} cancelled")
+        [cancel] = [e for e in h.inputs if isinstance(e, WorkloadCancelled)]
+        assert (cancel.workload, cancel.actor) == (wait_id, "root")
+        slurm.run("scancel", str(full))
+        wid = h.wid(full)
+        await h.until(lambda: bool(h.finishes(wid)), f"{wid} finished")
+        # the report is not repeated however many rounds see the CANCELLED job
+        for _ in range(10):
+            assert h.bridge is not None
+            await h.bridge.round()
+        await h.until(lambda: h.state.input_seq >= 0, "sync")
+        last = await h.log.last_input_seq()
+        await h.until(lambda: h.state.input_seq >= last, "all inputs folded")
+        [fin] = h.finishes(wid)
+        assert (fin.outcome, fin.exit_code) == ("failed", -15)
+        assert h.state.status_of(wid) == "failed"
+
+
+async def test_cancel_through_apportion_cancels_the_slurm_job(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
+        await h.start_bridge()
+        await nodes_registered(h)
+        job = slurm.sbatch("--gres=gpu:2", "--account=lab.a", script="sleep 300\n")
+        wid = h.wid(job)
+        await h.until_job(job, lambda j: j["job_state"] == "RUNNING", "running")
+        await h.log.publish_input(WorkloadCancelled(id="c1", at_ms=0, workload=wid, actor="root"))
+        await h.until_job(job, lambda j: j["job_state"] == "CANCELLED", "cancelled in Slurm")
+        await h.sync()
+        assert h.state.status_of(wid) == "cancelled"
+        assert not h.finishes(wid)  # the run ended by the cancel: nothing to report
+
+
+@pytest.mark.slow
+async def test_bridge_killed_mid_flight_starts_nothing_twice(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
+        h.start_process()
+        await nodes_registered(h)
+        first = slurm.sbatch(
+            "--gres=gpu:4", "--account=lab.a", script='echo "start $SLURM_JOB_ID"\nsleep 6\n'
+        )
+        await h.until_job(first, lambda j: j["job_state"] == "RUNNING", "running")
+        h.kill_process()
+        # while the bridge is away: a second job arrives, the first one ends
+        second = slurm.sbatch(
+            "--gres=gpu:4", "--account=lab.b", script='echo "start $SLURM_JOB_ID"\nsleep 1\n'
+        )
+        await h.until_job(first, lambda j: j["job_state"] == "COMPLETED", "completed")
+        await h.sync()
+        assert h.state.status_of(h.wid(first)) == "running"  # nobody reported it yet
+        h.start_process()
+        for job in (first, second):
+            await h.until(lambda j=job: bool(h.finishes(h.wid(j))), f"{job} finished")
+        # and a second restart changes nothing
+        h.kill_process()
+        h.start_process()
+        third = slurm.sbatch("--gres=gpu:1", "--account=lab.a", script="sleep 1\n")
+        await h.until(lambda: bool(h.finishes(h.wid(third))), "the third job finished")
+        for job in (first, second):
+            wid = h.wid(job)
+            assert len(h.finishes(wid)) == 1
+            assert len(h.placements(wid)) == 1
+            assert slurm.job(job)["restart_cnt"] == 0
+            assert slurm.output(job).count("start") == 1

@@ -77,6 +77,13 @@ the executor emulator ``WorkloadStarted`` and ``WorkloadFinished`` on every host
 
 EXECUTOR_KINDS = ("WorkloadStarted", "WorkloadFinished")
 
+SLURM = "slurm"
+SLURM_KINDS = ("WorkloadSubmitted", "WorkloadCancelled")
+"""The Slurm bridge (``apportion slurm``, opt-in: ``accounts_conf(..., slurm=True)``)
+publishes these on ``apportion.<c>.inputs.<Kind>`` (a Slurm user's job and its
+cancel: the actor is the Slurm user, authenticated by Slurm) and, as the agent of
+every node it runs, :data:`AGENT_KINDS` on every host's subjects (docs/slurm.md)."""
+
 SCHEDULER = "scheduler"
 ROLES = ("scheduler", "gateway", "operator", "projector", "auditor", "executor")
 """Every user but the agents (one per host: :func:`agent_user`)."""
@@ -95,8 +102,8 @@ def inbox_prefix(user: str | None) -> str:
     return f"_INBOX_{user}" if user else "_INBOX"
 
 
-def users_of(hosts: Iterable[str]) -> list[str]:
-    return [*ROLES, *(agent_user(h) for h in hosts)]
+def users_of(hosts: Iterable[str], *, slurm: bool = False) -> list[str]:
+    return [*ROLES, *([SLURM] if slurm else []), *(agent_user(h) for h in hosts)]
 
 
 def _account_of(user: str) -> str:
@@ -122,12 +129,15 @@ def accounts_conf(
     *,
     server: str = "",
     executor: bool = True,
+    slurm: bool = False,
 ) -> str:
     """The ``accounts`` block for cluster ``cluster`` with an agent for each of
     ``hosts``; ``passwords`` maps every user (:func:`users_of`) to its password.
     ``server`` is put first (``listen``, ``jetstream { ... }``, ...).
     ``executor``: with the executor emulator's user, which may report runs on
-    every host (a demo device: leave it out where real agents run)."""
+    every host (a demo device: leave it out where real agents run). ``slurm``:
+    with the Slurm bridge's user (:data:`SLURM_KINDS`, and the agent kinds on
+    every host's subjects)."""
     hosts = list(hosts)
     c = cluster
     inputs = f"apportion.{c}.inputs"
@@ -158,6 +168,11 @@ def accounts_conf(
     }
     if not executor:
         del publishes["executor"]
+    if slurm:
+        publishes[SLURM] = [
+            *(f"{inputs}.{k}" for k in SLURM_KINDS),
+            *(f"{inputs}.{k}.>" for k in AGENT_KINDS),
+        ]
     hears: dict[str, list[str]] = {}
     for h in hosts:
         user = agent_user(h)

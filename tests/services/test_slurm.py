@@ -408,3 +408,63 @@ async def test_bridge_killed_mid_flight_starts_nothing_twice(
             assert len(h.placements(wid)) == 1
             assert slurm.job(job)["restart_cnt"] == 0
             assert slurm.output(job).count("start") == 1
+
+
+async def test_bridge_under_the_accounts_of_production(slurm, tmp_path) -> None:
+    """The bridge's own NATS user (``apportion nats-config --slurm``): it submits,
+    registers, reports ends on the nodes' subjects; it cannot set the policy, edit
+    the budget or write decisions."""
+    import nats.errors
+    from apportion.services import stack
+    from apportion.services.bus import connect
+    from apportion.services.natsconf import accounts_conf, users_of
+    from conftest import start_configured_server
+
+    name = "slurmsec"
+    passwords = {u: f"{u}-secret" for u in users_of([], slurm=True)}
+    server = f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
+    proc, port = start_configured_server(
+        accounts_conf(name, [], passwords, server=server, slurm=True), tmp_path
+    )
+    conns = []
+
+    async def log_as(user: str) -> JetStreamLog:
+        nc = await connect(f"nats://{user}:{user}-secret@127.0.0.1:{port}", name=user)
+        conns.append(nc)
+        return JetStreamLog(nc.jetstream(), name)
+
+    try:
+        sched_log = await log_as("scheduler")
+        await sched_log.setup()
+        await (await log_as("operator")).publish_inputs(tree())
+        stop = asyncio.Event()
+        task = asyncio.create_task(supervise_scheduler(Scheduler(sched_log), stop))
+        bridge_log = await log_as("slurm")
+        h = Harness(bridge_log, slurm, "", tmp_path)
+        try:
+            await h.start_bridge()
+            await nodes_registered(h)
+            job = slurm.sbatch("--gres=gpu:2", "--account=lab.a", script="sleep 1\n")
+            wid = h.wid(job)
+            await h.until(lambda: bool(h.finishes(wid)), f"{wid} finished")
+            [fin] = h.finishes(wid)
+            assert fin.outcome == "succeeded"
+            for bad in (
+                PolicySet(id="p-bad", at_ms=0, actor="ops", grace_ms=1),
+                BudgetSet(id="b-bad", at_ms=0, path="x", weight=1, owner="root", actor="ops"),
+            ):
+                with pytest.raises((TimeoutError, nats.errors.Error)):  # no ack: dropped
+                    await asyncio.wait_for(bridge_log.publish_input(bad), 3)
+            nc = conns[-1]
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                await nc.request(f"apportion.{name}.decisions", b"{}", timeout=0.5)
+        finally:
+            await h.stop_bridge()
+            stop.set()
+            await task
+            await h.follower.close()
+    finally:
+        for nc in conns:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        stack.stop_process(proc)

@@ -23,6 +23,7 @@ from apportion.schemas.events import (
     WorkloadCancelled,
     WorkloadFinished,
     WorkloadPlaced,
+    WorkloadPreempted,
     WorkloadSubmitted,
 )
 from apportion.schemas.history import BatchItem, InputItem
@@ -468,3 +469,63 @@ async def test_bridge_under_the_accounts_of_production(slurm, tmp_path) -> None:
             with contextlib.suppress(Exception):
                 await nc.close()
         stack.stop_process(proc)
+
+
+CHECKPOINTING = """\
+ck={out}/ckpt-$SLURM_JOB_ID
+step=$(cat $ck 2>/dev/null || echo 0)
+echo "start restart=${{SLURM_RESTART_COUNT:-0}} step=$step"
+trap 'echo $step > $ck; echo "term at $step"; exit 143' TERM
+while [ $step -lt {steps} ]; do sleep 0.5 & wait $!; step=$((step+1)); echo "step $step"; done
+echo "done $step"
+"""
+
+
+@pytest.mark.slow
+async def test_free_job_preempted_with_notice_requeued_held_and_resumed(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    async with harness(nats_server, js, cluster, slurm, tmp_path, grace_ms=5000) as h:
+        await h.start_bridge()
+        await nodes_registered(h)
+        script = CHECKPOINTING.format(out=slurm.out, steps=16)
+        free = slurm.sbatch(
+            "--nodes=3", "--gres=gpu:4", "--account=lab.b", "--open-mode=append", script=script
+        )
+        await h.until(lambda: "step 3" in slurm.output(free), "the free job made progress")
+        urgent = slurm.sbatch("--gres=gpu:4", "--account=lab.a", "--time-min=1", script="sleep 2\n")
+        free_id, urgent_id = h.wid(free), h.wid(urgent)
+        await h.until(lambda: bool(h.finishes(urgent_id)), "the urgent job ran")
+        await h.until(lambda: h.state.status_of(free_id) == "succeeded", "the free job resumed")
+        out = slurm.output(free)
+        starts = [x for x in out.splitlines() if x.startswith("start ")]
+        assert len(starts) == 2 and "term at" in out and "done 16" in out
+        assert "restart=1" in starts[1] and "step=0" not in starts[1]  # resumed from its checkpoint
+        preempted = [
+            d for d in h.decisions if isinstance(d, WorkloadPreempted) and d.workload == free_id
+        ]
+        assert [(p.requeued, p.for_workload, p.grace_ms) for p in preempted] == [
+            (True, urgent_id, 5000)
+        ]
+        assert [(f.attempt, f.outcome, f.exit_code) for f in h.finishes(free_id)] == [
+            (1, "failed", 143),
+            (2, "succeeded", 0),
+        ]
+        assert len(h.placements(free_id)) == 2
+
+
+@pytest.mark.slow
+async def test_non_resumable_job_preempted_is_cancelled(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    async with harness(nats_server, js, cluster, slurm, tmp_path, grace_ms=0) as h:
+        await h.start_bridge()
+        await nodes_registered(h)
+        free = slurm.sbatch(
+            "--nodes=3", "--gres=gpu:4", "--account=lab.b", "--no-requeue", script="sleep 300\n"
+        )
+        await h.until_job(free, lambda j: j["job_state"] == "RUNNING", "running")
+        urgent = slurm.sbatch("--gres=gpu:4", "--account=lab.a", "--time-min=1")
+        await h.until(lambda: bool(h.finishes(h.wid(urgent))), "the urgent job ran")
+        assert h.state.status_of(h.wid(free)) == "preempted"
+        assert slurm.job(free)["job_state"] == "CANCELLED"

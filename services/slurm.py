@@ -82,6 +82,8 @@ from .slurm_jobs import (
 )
 
 PUBLISH_TIMEOUT_S = 10.0
+APPORTION_REASON = "apportion: "
+"""How a Slurm node drained by apportion's own decision reads (its ``Reason``)."""
 NODES_EVERY = 10
 """Rounds between two reads of Slurm's nodes (after the first)."""
 
@@ -219,6 +221,8 @@ class SlurmBridge:
         self.ledger = Ledger()
         self.runtime = SlurmRuntime(self.cli, self.state, self.ledger, self.logger, clock)
         self.nodes: list[SlurmNode] = []
+        self.nodes_dirty = False
+        """Read the nodes again next round (the bridge changed one)."""
         self.ready = asyncio.Event()
         self._rounds = 0
         self._sent: dict[str, str] = {}
@@ -261,8 +265,9 @@ class SlurmBridge:
         """One round: read Slurm, nodes, intake, the reconcile, reports (module doc)."""
         # 1. read Slurm
         jobs = await self.cli.jobs(self.partitions)
-        if self._rounds % NODES_EVERY == 0:
+        if self._rounds % NODES_EVERY == 0 or self.nodes_dirty:
             self.nodes = await self.cli.nodes(self.partitions)
+            self.nodes_dirty = False
         self._rounds += 1
         by_workload = {workload_id(j): j for j in jobs}
         self.runtime.jobs = by_workload
@@ -321,6 +326,16 @@ class SlurmBridge:
                     ),
                     "register",
                 )
+                continue
+            by = self.ledger.health_by.get(n.name, "")
+            if known.health != "healthy" and by not in ("", actor) and n.health == "healthy":
+                # apportion's own drain (an operator, the scheduler): shown in Slurm
+                await self.cli.drain(n.name, f"{APPORTION_REASON}{known.health} (set by {by})")
+                self.nodes_dirty = True
+                continue
+            if known.health == "healthy" and n.reason.startswith(APPORTION_REASON):
+                await self.cli.resume(n.name)  # apportion undid its drain
+                self.nodes_dirty = True
                 continue
             want = health_change(state, self.ledger, n.name, actor, n.health)
             if want is None or want == known.health:

@@ -109,12 +109,18 @@ class SlurmNode(msgspec.Struct, frozen=True, kw_only=True):
     state: str
     """Slurm's state flags, e.g. ``IDLE``, ``MIXED+DRAIN``, ``DOWN*+NOT_RESPONDING``."""
     partitions: tuple[str, ...]
+    reason: str = ""
+    """Why it is drained or down (``Reason=``, without Slurm's ``[user@time]``)."""
 
     @property
     def health(self) -> HealthState:
-        """apportion's health for it: ``down``, ``draining`` or ``healthy``."""
+        """apportion's health for it: ``down``, ``draining`` or ``healthy``.
+
+        ``NOT_RESPONDING`` alone is not ``down``: a node shows it for about a second
+        after ``State=RESUME``, and Slurm sets ``DOWN`` itself once ``SlurmdTimeout``
+        passes without an answer."""
         flags = set(re.split(r"[+*]", self.state.upper()))
-        if flags & {"DOWN", "NOT_RESPONDING", "FAIL", "FAILING", "POWERED_DOWN", "UNKNOWN"}:
+        if flags & {"DOWN", "FAIL", "POWERED_DOWN", "POWER_DOWN"}:
             return "down"
         if flags & {"DRAIN", "DRAINING", "DRAINED"}:
             return "draining"
@@ -125,6 +131,7 @@ def parse_nodes(text: str) -> list[SlurmNode]:
     """``scontrol show node -o`` (one node a line, ``Key=value`` words)."""
     out = []
     for line in text.splitlines():
+        line, _, reason = line.partition(" Reason=")
         fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
         name = fields.get("NodeName")
         if not name:
@@ -137,6 +144,7 @@ def parse_nodes(text: str) -> list[SlurmNode]:
                 gpu_type=gpu_type or ANY_GPU_TYPE,
                 state=fields.get("State", ""),
                 partitions=tuple(p for p in fields.get("Partitions", "").split(",") if p),
+                reason=re.sub(r"\s*\[[^\]]*\]\s*$", "", reason.strip()),
             )
         )
     return out
@@ -335,3 +343,6 @@ class SlurmCli:
 
     async def drain(self, node: str, reason: str) -> None:
         await self.run("scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
+
+    async def resume(self, node: str) -> None:
+        await self.run("scontrol", "update", f"NodeName={node}", "State=RESUME")

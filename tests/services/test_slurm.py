@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from apportion.schemas.events import (
     BudgetSet,
+    NodeHealthChanged,
     PolicySet,
     WorkloadCancelled,
     WorkloadFinished,
@@ -374,6 +375,43 @@ async def test_cancel_through_apportion_cancels_the_slurm_job(
         await h.sync()
         assert h.state.status_of(wid) == "cancelled"
         assert not h.finishes(wid)  # the run ended by the cancel: nothing to report
+
+
+async def test_drain_in_slurm_and_drain_by_apportion(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
+        await h.start_bridge()
+        await nodes_registered(h)
+        health = lambda n: h.state.nodes[n].health  # noqa: E731
+        # an admin drains a node in Slurm: apportion places nothing there
+        slurm.run("scontrol", "update", "NodeName=sn2", "State=DRAIN", "Reason=bad fan")
+        await h.until(lambda: health("sn2") == "draining", "sn2 draining in apportion")
+        changes = [e for e in h.inputs if isinstance(e, NodeHealthChanged)]
+        assert [(c.node, c.state, c.actor) for c in changes] == [("sn2", "draining", "agent:sn2")]
+        slurm.run("scontrol", "update", "NodeName=sn2", "State=RESUME")
+        await h.until(lambda: health("sn2") == "healthy", "sn2 healthy again")
+        # an operator drains a node in apportion: Slurm shows it, with the reason
+        await h.log.publish_input(
+            NodeHealthChanged(id="d1", at_ms=0, node="sn1", state="draining", actor="ops")
+        )
+
+        def slurm_node(name: str) -> str:
+            return slurm.run("scontrol", "show", "node", "-o", name)
+
+        await h.until(
+            lambda: (
+                "DRAIN" in slurm_node("sn1")
+                and "Reason=apportion: draining (set by ops)" in slurm_node("sn1")
+            ),
+            "sn1 drained in Slurm by apportion",
+        )
+        await h.log.publish_input(
+            NodeHealthChanged(id="d2", at_ms=0, node="sn1", state="healthy", actor="ops")
+        )
+        await h.until(lambda: "DRAIN" not in slurm_node("sn1"), "sn1 resumed in Slurm")
+        await h.sync()
+        assert health("sn1") == "healthy"
 
 
 @pytest.mark.slow

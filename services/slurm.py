@@ -276,7 +276,10 @@ class SlurmBridge:
             await self._nodes()
         # 3. intake
         for job in jobs:
-            await self._intake(job)
+            try:
+                await self._intake(job)
+            except SlurmError as exc:  # one job's trouble does not hold up the others
+                self.logger.warning("intake failed; retrying", job=job.job_id, error=str(exc))
         # 4. the reconcile
         await reconcile_once(self.runtime, self.state, self.ledger, self.clock())
         # 5. reports
@@ -360,9 +363,18 @@ class SlurmBridge:
         ended = state.ended.get(wid)
         claim = parse_claim(job.comment)
         released = claim is not None and claim.run == job.restart_cnt
-        if job.job_state == "PENDING" and not job.held and not released:
-            await cli.hold(job.job_id)  # the backstop: nothing starts unless placed
-            self.logger.info("held", job=job.job_id)
+        if job.job_state == "PENDING" and not released and job.state_reason != "JobHeldAdmin":
+            # held by the submit rule or --hold (a user hold: its user could release
+            # it), or not held at all (the backstop): an admin hold, which only
+            # apportion (the bridge) releases
+            await cli.hold(job.job_id)
+            self.logger.info("held", job=job.job_id, was=job.state_reason)
+            return
+        if job.job_state in ("RUNNING", "CONFIGURING") and not released:
+            # started past apportion (released by hand before the bridge saw it)
+            await cli.requeue_held(job.job_id)
+            await self._comment(job, "started outside apportion: requeued held")
+            self.logger.warning("requeued a job started outside apportion", job=job.job_id)
             return
         if w is None and ended is None:
             if job.held and wid not in self.ledger.submissions:

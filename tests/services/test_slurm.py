@@ -414,6 +414,30 @@ async def test_drain_in_slurm_and_drain_by_apportion(
         assert health("sn1") == "healthy"
 
 
+async def test_a_job_released_by_hand_is_requeued_held_then_placed(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
+        await h.start_bridge()
+        await nodes_registered(h)
+        job = slurm.sbatch("--gres=gpu:1", "--account=lab.a", "--open-mode=append",
+                           script=ENV_SCRIPT + "sleep 2\n")  # fmt: skip
+        wid = h.wid(job)
+        held = await h.until_job(job, lambda j: j["state_reason"] == "JobHeldAdmin", "admin hold")
+        assert held["job_state"] == "PENDING"
+        await h.stop_bridge()
+        # the bridge is away: its job is released by hand (an admin) and starts
+        slurm.run("scontrol", "release", str(job))
+        await h.until_job(job, lambda j: j["job_state"] == "RUNNING", "running outside")
+        await h.start_bridge()
+        await h.until(lambda: bool(h.finishes(wid)), f"{wid} placed by apportion and finished")
+        info = slurm.job(job)
+        assert info["restart_cnt"] == 1  # requeued held once, then released by the bridge
+        [placed] = h.placements(wid)
+        assert info["nodes"] == placed.placement[0].node
+        assert [f.outcome for f in h.finishes(wid)] == ["succeeded"]
+
+
 @pytest.mark.slow
 async def test_bridge_killed_mid_flight_starts_nothing_twice(
     nats_server, js, cluster, slurm, tmp_path

@@ -378,16 +378,16 @@ def load_nats_users(folder: Path) -> dict[str, str]:
 
 
 def ensure_nats_credentials(
-    folder: Path, cluster: str, hosts: Iterable[str], server: str
+    folder: Path, cluster: str, hosts: Iterable[str], server: str, *, slurm: bool = False
 ) -> dict[str, str]:
     """The NATS users of ``apportion up``: a password per user (kept from an
     earlier run, made for a new one) in ``<folder>/nats-users.toml`` and the
     server's configuration in ``<folder>/nats.conf``, both mode 0600 in a folder
-    of mode 0700. Returns user -> password."""
+    of mode 0700 (``slurm``: with the Slurm bridge's user). Returns user -> password."""
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
     users = load_nats_users(folder)
-    wanted = users_of(hosts)
+    wanted = users_of(hosts, slurm=slurm)
     changed = False
     for user in wanted:
         if user not in users:
@@ -401,7 +401,9 @@ def ensure_nats_credentials(
             *(f"{_q(u)} = {_q(p)}" for u, p in users.items()),
         ]
         _write_private(folder / NATS_USERS_FILE, "\n".join(lines) + "\n")
-    _write_private(folder / NATS_CONF_FILE, accounts_conf(cluster, hosts, users, server=server))
+    _write_private(
+        folder / NATS_CONF_FILE, accounts_conf(cluster, hosts, users, server=server, slurm=slurm)
+    )
     return users
 
 

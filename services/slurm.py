@@ -42,6 +42,7 @@ import time
 from collections.abc import Container, Iterable
 from typing import Any
 
+import msgspec
 from apportion.core.reconcile import (
     DesiredRun,
     Ledger,
@@ -192,6 +193,40 @@ class SlurmRuntime:
 
     def gone(self, key: RunKey) -> None:
         self.deadlines.pop(key, None)
+
+
+class SlurmOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How ``apportion up --slurm`` runs the bridge."""
+
+    partitions: tuple[str, ...]
+    accounts: dict[str, str] = {}
+    interval_s: float = 0.5
+
+    def bridge(self) -> dict[str, Any]:
+        return {
+            "partitions": self.partitions,
+            "accounts": AccountMap(self.accounts),
+            "interval_s": self.interval_s,
+        }
+
+
+async def mark_absent_down(log: EventLog, spec: Any, options: SlurmOptions, actor: str) -> None:
+    """Mark ``down`` every node of the cluster file that the governed partitions do
+    not hold (nothing runs there; the bridge registers Slurm's own nodes)."""
+    slurm_nodes = {n.name for n in await SlurmCli().nodes(frozenset(options.partitions))}
+    absent = [
+        e.node for e in spec.events if isinstance(e, NodeRegistered) and e.node not in slurm_nodes
+    ]
+    if absent:
+        now = wall_ms()
+        await log.publish_inputs(
+            [
+                NodeHealthChanged(
+                    id=f"slurm-absent-{n}-{now}", at_ms=now, node=n, state="down", actor=actor
+                )
+                for n in absent
+            ]
+        )
 
 
 class SlurmBridge:

@@ -73,9 +73,10 @@ class SlurmCluster:
         prefix: str = "sn",
         name: str = "lab",
         hold_rule: bool = True,
+        names: list[str] | None = None,
     ) -> None:
         self.root = root
-        self.nodes = [f"{prefix}{i}" for i in range(nodes)]
+        self.nodes = names or [f"{prefix}{i}" for i in range(nodes)]
         self.gpus = gpus
         self.gpu_type = gpu_type
         self.partition = partition

@@ -591,3 +591,80 @@ async def test_non_resumable_job_preempted_is_cancelled(
         await h.until(lambda: bool(h.finishes(h.wid(urgent))), "the urgent job ran")
         assert h.state.status_of(h.wid(free)) == "preempted"
         assert slurm.job(free)["job_state"] == "CANCELLED"
+
+
+UP_CLUSTER = """\
+[cluster]
+name = "uplab"
+
+[[cluster.pool]]
+prefix = "x"
+count = 2
+gpus_per_node = 4
+gpu_type = "fake"
+
+[budget]
+owner = "ops"
+[budget.lab]
+weight = 1
+owner = "root"
+[budget.lab.a]
+weight = 1
+owner = "root"
+"""
+
+
+@pytest.mark.slow
+async def test_up_with_slurm(slurm, tmp_path) -> None:
+    """``apportion up --slurm gpu``: nats-server with the bridge's own user, the
+    bridge instead of the emulator; the cluster file's nodes that Slurm does not
+    have are marked down, Slurm's are registered, a held job runs."""
+    import json
+    import re
+    import time
+
+    (tmp_path / "c.toml").write_text(UP_CLUSTER)
+    env = {k: v for k, v in slurm.env.items() if not k.startswith(("NATS_", "APPORTION_"))}
+    err_path = tmp_path / "up.err"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(
+            [*APPORTION_CMD, "up", "--cluster", "c.toml", "--slurm", "gpu", "--port", "0"],
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"gateway: (http://\S+)", err_path.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            await asyncio.sleep(0.1)
+        env = {**env, "APPORTION_URL": m.group(1)}
+        env["APPORTION_TOKEN_FILE"] = str(tmp_path / ".apportion/credentials/ops.token")
+        users = (tmp_path / ".apportion/credentials/nats-users.toml").read_text()
+        assert '"slurm" = ' in users
+
+        def nodes() -> dict[str, str]:
+            out = subprocess.run(
+                [*APPORTION_CMD, "nodes", "--json"], env=env, capture_output=True, text=True
+            ).stdout
+            try:
+                return {n["node"]: n["state"] for n in json.loads(out)["nodes"]}
+            except (ValueError, KeyError):
+                return {}
+
+        deadline = time.monotonic() + 60
+        want = {"x000": "down", "x001": "down", **dict.fromkeys(slurm.nodes, "healthy")}
+        while nodes() != want:
+            assert time.monotonic() < deadline, (nodes(), err_path.read_text()[-2000:])
+            await asyncio.sleep(0.3)
+        job = slurm.sbatch("--gres=gpu:2", "--account=lab.a", script="sleep 1\n")
+        deadline = time.monotonic() + 60
+        while slurm.job(job)["job_state"] != "COMPLETED":
+            assert time.monotonic() < deadline, slurm.job(job)
+            await asyncio.sleep(0.2)
+        assert slurm.job(job)["comment"].startswith(f"apportion: slurm-lab-{job} attempt 1")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)

@@ -151,6 +151,9 @@ class SlurmCluster:
             "MinJobAge=600",
             "KillWait=5",
             "MpiDefault=none",
+            # apportion releases each job when it places it: Slurm's deferral of batch
+            # scheduling (3 s by default) would only add latency (docs/slurm.md)
+            "SchedulerParameters=batch_sched_delay=0",
             f"StateSaveLocation={r}/state",
             f"SlurmdSpoolDir={r}/spool/%n",
             f"SlurmctldPidFile={r}/slurmctld.pid",

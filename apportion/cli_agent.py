@@ -176,24 +176,31 @@ def agent(
 async def _agent(url: str, cluster: str, **options: Any) -> None:
     from apportion.services.agent import Agent
     from apportion.services.bus import JetStreamLog, connect
-    from apportion.services.runner import STOP_GRACE_S, exit_watchdog
 
     nc = await connect(url, name=f"apportion-agent-{options['node']}")
-    log = JetStreamLog(nc.jetstream(), cluster)
+    agent = Agent(JetStreamLog(nc.jetstream(), cluster), **options)
+    await run_until_signalled(nc, agent)
+
+
+async def run_until_signalled(nc: Any, service: Any) -> None:
+    """``service.run(stop)`` until SIGINT or SIGTERM sets ``stop`` (a stop that hangs
+    ends the process after three stop graces), then close ``nc``. For the
+    one-service commands (``agent``, ``slurm``)."""
+    from apportion.services.runner import STOP_GRACE_S, exit_watchdog
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     watchdog: list[threading.Timer] = []
-    agent = Agent(log, **options)
 
     def on_signal() -> None:
         stop.set()
         if not watchdog:
-            watchdog.append(exit_watchdog(3 * STOP_GRACE_S, agent.logger))
+            watchdog.append(exit_watchdog(3 * STOP_GRACE_S, service.logger))
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
-        await agent.run(stop)
+        await service.run(stop)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

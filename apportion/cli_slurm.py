@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
-import signal
-import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from apportion.cli import UserError, main
+
+if TYPE_CHECKING:
+    from apportion.services.slurm_jobs import AccountMap
 
 
 @main.command()
@@ -81,39 +82,21 @@ async def _slurm(
     url: str,
     cluster: str,
     partitions: tuple[str, ...],
-    accounts: object,
+    accounts: AccountMap,
     interval: float,
     register: bool,
 ) -> None:
     from apportion.services.bus import JetStreamLog, connect
-    from apportion.services.runner import STOP_GRACE_S, exit_watchdog
     from apportion.services.slurm import SlurmBridge
-    from apportion.services.slurm_jobs import AccountMap
 
-    assert isinstance(accounts, AccountMap)
+    from .cli_agent import run_until_signalled
+
     nc = await connect(url, name="apportion-slurm")
-    log = JetStreamLog(nc.jetstream(), cluster)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    watchdog: list[threading.Timer] = []
     bridge = SlurmBridge(
-        log, partitions=partitions, accounts=accounts, interval_s=interval, register=register
+        JetStreamLog(nc.jetstream(), cluster),
+        partitions=partitions,
+        accounts=accounts,
+        interval_s=interval,
+        register=register,
     )
-
-    def on_signal() -> None:
-        stop.set()
-        if not watchdog:
-            watchdog.append(exit_watchdog(3 * STOP_GRACE_S, bridge.logger))
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-    try:
-        await bridge.run(stop)
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.close(), 5)
-        for timer in watchdog:
-            timer.cancel()
-            timer.join()
+    await run_until_signalled(nc, bridge)

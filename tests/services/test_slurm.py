@@ -193,8 +193,16 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def harness(
-    nats_server: Any, js: Any, name: str, slurm: SlurmCluster, work: Path, grace_ms: int = 0
+    nats_server: Any,
+    js: Any,
+    name: str,
+    slurm: SlurmCluster,
+    work: Path,
+    grace_ms: int = 0,
+    bridge: bool = True,
 ) -> AsyncIterator[Harness]:
+    """A harness whose bridge runs in this process and has registered Slurm's nodes
+    (``bridge=False``: no bridge yet)."""
     log = JetStreamLog(js, name)
     await log.setup()
     await log.publish_inputs(tree(grace_ms))
@@ -202,6 +210,9 @@ async def harness(
     task = asyncio.create_task(supervise_scheduler(Scheduler(log), stop))
     h = Harness(log, slurm, nats_server.url, work)
     try:
+        if bridge:
+            await h.start_bridge()
+            await nodes_registered(h)
         yield h
     finally:
         if h.proc is not None:
@@ -232,8 +243,6 @@ async def test_held_job_runs_on_the_decided_node_and_reports_its_exit(
     nats_server, js, cluster, slurm, tmp_path
 ) -> None:
     async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
-        await h.start_bridge()
-        await nodes_registered(h)
         # a 1-GPU job first: the scheduler's best fit then sends a 4-GPU job elsewhere
         small = slurm.sbatch(
             "--gres=gpu:1", "--account=lab.b", "--time=30", script=ENV_SCRIPT + "sleep 20\n"
@@ -274,8 +283,6 @@ async def test_two_node_gang_runs_on_both_decided_nodes(
     nats_server, js, cluster, slurm, tmp_path
 ) -> None:
     async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
-        await h.start_bridge()
-        await nodes_registered(h)
         job = slurm.sbatch(
             "--nodes=2",
             "--gres=gpu:4",
@@ -303,8 +310,6 @@ async def test_unmappable_jobs_stay_held_with_a_reason_then_enter_once_mapped(
     nats_server, js, cluster, slurm, tmp_path
 ) -> None:
     async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
-        await h.start_bridge()
-        await nodes_registered(h)
         unknown = slurm.sbatch("--gres=gpu:1", "--account=vision")
         gang = slurm.sbatch("--nodes=2", "--gres=gpu:1", "--account=lab.a")
         nogpu = slurm.sbatch("--account=lab.a")
@@ -334,8 +339,6 @@ async def test_scancel_of_a_running_and_of_a_pending_job(
     nats_server, js, cluster, slurm, tmp_path
 ) -> None:
     async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
-        await h.start_bridge()
-        await nodes_registered(h)
         full = slurm.sbatch("--nodes=3", "--gres=gpu:4", "--account=lab.a", "--time-min=10",
                             script="sleep 300\n")  # fmt: skip
         await h.until_job(full, lambda j: j["job_state"] == "RUNNING", "running")
@@ -365,8 +368,6 @@ async def test_cancel_through_apportion_cancels_the_slurm_job(
     nats_server, js, cluster, slurm, tmp_path
 ) -> None:
     async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
-        await h.start_bridge()
-        await nodes_registered(h)
         job = slurm.sbatch("--gres=gpu:2", "--account=lab.a", script="sleep 300\n")
         wid = h.wid(job)
         await h.until_job(job, lambda j: j["job_state"] == "RUNNING", "running")
@@ -381,8 +382,6 @@ async def test_drain_in_slurm_and_drain_by_apportion(
     nats_server, js, cluster, slurm, tmp_path
 ) -> None:
     async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
-        await h.start_bridge()
-        await nodes_registered(h)
         health = lambda n: h.state.nodes[n].health  # noqa: E731
         # an admin drains a node in Slurm: apportion places nothing there
         slurm.run("scontrol", "update", "NodeName=sn2", "State=DRAIN", "Reason=bad fan")
@@ -418,8 +417,6 @@ async def test_a_job_released_by_hand_is_requeued_held_then_placed(
     nats_server, js, cluster, slurm, tmp_path
 ) -> None:
     async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
-        await h.start_bridge()
-        await nodes_registered(h)
         job = slurm.sbatch("--gres=gpu:1", "--account=lab.a", "--open-mode=append",
                            script=ENV_SCRIPT + "sleep 2\n")  # fmt: skip
         wid = h.wid(job)
@@ -442,7 +439,7 @@ async def test_a_job_released_by_hand_is_requeued_held_then_placed(
 async def test_bridge_killed_mid_flight_starts_nothing_twice(
     nats_server, js, cluster, slurm, tmp_path
 ) -> None:
-    async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
+    async with harness(nats_server, js, cluster, slurm, tmp_path, bridge=False) as h:
         h.start_process()
         await nodes_registered(h)
         first = slurm.sbatch(
@@ -548,8 +545,6 @@ async def test_free_job_preempted_with_notice_requeued_held_and_resumed(
     nats_server, js, cluster, slurm, tmp_path
 ) -> None:
     async with harness(nats_server, js, cluster, slurm, tmp_path, grace_ms=5000) as h:
-        await h.start_bridge()
-        await nodes_registered(h)
         script = CHECKPOINTING.format(out=slurm.out, steps=16)
         free = slurm.sbatch(
             "--nodes=3", "--gres=gpu:4", "--account=lab.b", "--open-mode=append", script=script
@@ -581,8 +576,6 @@ async def test_non_resumable_job_preempted_is_cancelled(
     nats_server, js, cluster, slurm, tmp_path
 ) -> None:
     async with harness(nats_server, js, cluster, slurm, tmp_path, grace_ms=0) as h:
-        await h.start_bridge()
-        await nodes_registered(h)
         free = slurm.sbatch(
             "--nodes=3", "--gres=gpu:4", "--account=lab.b", "--no-requeue", script="sleep 300\n"
         )

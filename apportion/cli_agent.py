@@ -18,6 +18,17 @@ from apportion.cli import UserError, main
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:@+\-]{1,128}$")
 
+CLUSTER_NAME = click.option(
+    "--cluster-name", default="demo", show_default=True, help="which cluster's streams"
+)
+NATS_URL = click.option(
+    "--nats",
+    "nats_url",
+    default=None,
+    help="NATS URL (default: $NATS_URL, else nats://127.0.0.1:4222)",
+)
+"""Options of the commands that follow one cluster's history on the bus (``agent``, ``slurm``)."""
+
 
 @main.command()
 @click.option(
@@ -25,13 +36,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.:@+\-]{1,128}$")
     default=None,
     help="this host's node name (default: the host name, up to the first dot)",
 )
-@click.option("--cluster-name", default="demo", show_default=True, help="which cluster's streams")
-@click.option(
-    "--nats",
-    "nats_url",
-    default=None,
-    help="NATS URL (default: $NATS_URL, else nats://127.0.0.1:4222)",
-)
+@CLUSTER_NAME
+@NATS_URL
 @click.option(
     "--gpus",
     type=click.IntRange(1, 65536),

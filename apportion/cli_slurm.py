@@ -11,19 +11,15 @@ from typing import TYPE_CHECKING
 import click
 
 from apportion.cli import UserError, main
+from apportion.cli_agent import CLUSTER_NAME, NATS_URL
 
 if TYPE_CHECKING:
     from apportion.services.slurm_jobs import AccountMap
 
 
 @main.command()
-@click.option("--cluster-name", default="demo", show_default=True, help="which cluster's streams")
-@click.option(
-    "--nats",
-    "nats_url",
-    default=None,
-    help="NATS URL (default: $NATS_URL, else nats://127.0.0.1:4222)",
-)
+@CLUSTER_NAME
+@NATS_URL
 @click.option(
     "--partition",
     "partitions",
@@ -86,10 +82,9 @@ async def _slurm(
     interval: float,
     register: bool,
 ) -> None:
+    from apportion.cli_agent import run_until_signalled
     from apportion.services.bus import JetStreamLog, connect
     from apportion.services.slurm import SlurmBridge
-
-    from .cli_agent import run_until_signalled
 
     nc = await connect(url, name="apportion-slurm")
     bridge = SlurmBridge(

@@ -50,6 +50,8 @@ from apportion.core.reconcile import (
     Stop,
     end_report,
     health_change,
+    start_report_due,
+    started_id,
 )
 from apportion.core.refusals import submission_refusal
 from apportion.core.rules.authority import agent_of
@@ -59,6 +61,7 @@ from apportion.schemas.events import (
     NodeHealthChanged,
     NodeRegistered,
     WorkloadCancelled,
+    WorkloadStarted,
 )
 
 from . import logs
@@ -69,6 +72,7 @@ from .runner import is_transient
 from .slurm_jobs import (
     COMMENT_PREFIX,
     LOST_STATES,
+    REQUEUE_SETTLE_S,
     AccountMap,
     Claim,
     SlurmCli,
@@ -151,6 +155,8 @@ class SlurmRuntime:
         job = self.jobs.get(run.workload)
         if job is None or job.job_state != "PENDING":
             return False  # not in Slurm (yet), or an earlier run still ends
+        if job.restart_cnt > 0 and self.clock() < (job.submit_time + REQUEUE_SETTLE_S) * 1000:
+            return False  # requeued just now: slurmd would refuse the launch (REQUEUE_SETTLE_S)
         w = self.state.running.get(run.workload)
         if w is None:
             return False
@@ -266,6 +272,8 @@ class SlurmBridge:
         """Job id -> the comment written last (written again only when it changes)."""
         self.reported = 0
         self.submitted = 0
+        self.slurm_cluster: str | None = None
+        """Slurm's ``ClusterName`` (the middle of every workload id it makes)."""
 
     # -- the service ---------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -320,8 +328,13 @@ class SlurmBridge:
         # 5. reports
         for job in jobs:
             run = self.runtime.run_of(job)
-            if run is not None and run[1]:
+            if run is None:
+                continue
+            if run[1]:
                 await self._report_end(job, run[0])
+            elif job.job_state == "RUNNING":
+                await self._report_start(run[0])
+        await self._vanished(by_workload)
         if self._rounds % 500 == 0:
             self.ledger.prune(self.state, keep=list(by_workload))
 
@@ -457,6 +470,52 @@ class SlurmBridge:
             await self._comment(job, f"{wid} pending in apportion (apportion explain {wid})")
 
     # -- reports -----------------------------------------------------------
+    async def _report_start(self, key: RunKey) -> None:
+        """``WorkloadStarted`` from each node of the run (informational), once."""
+        w = self.state.running.get(key[0])
+        if w is None:
+            return
+        for slot in w.placement:
+            if start_report_due(self.state, self.ledger, key, slot.node):
+                await self._publish(
+                    WorkloadStarted(
+                        id=started_id(key, slot.node),
+                        at_ms=self.clock(),
+                        workload=key[0],
+                        attempt=key[1],
+                        node=slot.node,
+                        actor=agent_of(slot.node),
+                    ),
+                    "start",
+                )
+
+    async def _vanished(self, by_workload: dict[str, SlurmJob]) -> None:
+        """Workloads of Slurm jobs that ``squeue`` no longer shows (purged after
+        ``MinJobAge`` while the bridge was away, or moved out of the governed
+        partitions): a pending one is cancelled (by its submitter), the run of a
+        running one is reported lost. Nothing is left waiting for a job that is gone."""
+        if self.slurm_cluster is None:
+            self.slurm_cluster = await self.cli.cluster_name()
+        prefix = f"slurm-{self.slurm_cluster}-"
+        now = self.clock()
+        for wid, w in list(self.state.workloads.items()):
+            if not wid.startswith(prefix) or wid in by_workload:
+                continue
+            if w.status == "pending":
+                await self._publish(
+                    WorkloadCancelled(
+                        id=f"slurm-cancel-{wid}", at_ms=now, workload=wid, actor=w.submitted_by
+                    ),
+                    "cancel",
+                )
+                self.logger.warning("job gone from squeue; cancelled", workload=wid)
+            elif w.placement:
+                key = (wid, w.attempt)
+                if not end_report(self.state, self.ledger, key, 0, None, True):
+                    event = finished(key, w.placement[0].node, now, None, lost=True)
+                    if await self._publish(event, "finish"):
+                        self.logger.warning("job gone from squeue; run lost", workload=wid)
+
     async def _report_end(self, job: SlurmJob, key: RunKey) -> None:
         """The end of run ``key`` of ``job``: its exit code once it ended; lost if
         Slurm requeued it (a node failure; after a preemption the history has

@@ -43,6 +43,11 @@ END_STATES = frozenset(
     }
 )
 """Job states that end a run (a job stays visible in ``squeue`` for ``MinJobAge``)."""
+REQUEUE_SETTLE_S = 2
+"""A requeued job is released no sooner than this many seconds after its requeue:
+slurmd refuses to launch a job in the same second as it killed it ("Job N already
+killed, do not launch batch job": its credential's time is compared in seconds
+with the revocation), and the run would fail at once with exit 1."""
 LOST_STATES = frozenset({"NODE_FAIL", "BOOT_FAIL"})
 """Ends for which the run is reported lost (``failed`` whatever the exit code)."""
 
@@ -74,6 +79,8 @@ class SlurmJob(msgspec.Struct, kw_only=True):
     restart_cnt: int = 0
     exit_code: int = 0
     batch_flag: bool = True
+    submit_time: int = 0
+    """Epoch seconds of the submission, or of the last requeue."""
 
     @property
     def held(self) -> bool:
@@ -307,6 +314,14 @@ class SlurmCli:
     async def nodes(self, partitions: frozenset[str]) -> list[SlurmNode]:
         nodes = parse_nodes(await self.run("scontrol", "show", "node", "-o"))
         return [n for n in nodes if partitions.intersection(n.partitions)]
+
+    async def cluster_name(self) -> str:
+        """Slurm's ``ClusterName`` (``scontrol show config``)."""
+        for line in (await self.run("scontrol", "show", "config")).splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "ClusterName":
+                return value.strip()
+        raise SlurmError("scontrol show config: no ClusterName")
 
     async def comment(self, job_id: int, text: str) -> None:
         await self.run("scontrol", "update", f"JobId={job_id}", f"Comment={text}")

@@ -25,6 +25,7 @@ from apportion.schemas.events import (
     WorkloadFinished,
     WorkloadPlaced,
     WorkloadPreempted,
+    WorkloadStarted,
     WorkloadSubmitted,
 )
 from apportion.schemas.history import BatchItem, InputItem
@@ -275,6 +276,8 @@ async def test_held_job_runs_on_the_decided_node_and_reports_its_exit(
         assert f"node={node} cuda=0,1,2,3 list={node}" in slurm.output(big)
         [fin] = h.finishes(wid)
         assert (fin.outcome, fin.exit_code, fin.attempt) == ("failed", 3, 1)
+        started = [e for e in h.inputs if isinstance(e, WorkloadStarted) and e.workload == wid]
+        assert [(e.node, e.attempt, e.actor) for e in started] == [(node, 1, f"agent:{node}")]
         assert h.state.status_of(wid) == "failed"
         assert job["comment"].startswith(f"apportion: {wid} attempt 1 run 0 on {node}")
 
@@ -376,6 +379,29 @@ async def test_cancel_through_apportion_cancels_the_slurm_job(
         await h.sync()
         assert h.state.status_of(wid) == "cancelled"
         assert not h.finishes(wid)  # the run ended by the cancel: nothing to report
+
+
+async def test_a_workload_whose_job_is_gone_from_slurm_is_cancelled(
+    nats_server, js, cluster, slurm, tmp_path
+) -> None:
+    """A job purged from ``squeue`` (``MinJobAge``) while the bridge was away: its
+    workload does not wait (nor hold GPUs) for it forever: cancelled while pending,
+    its run reported lost once placed (whichever the bridge sees first)."""
+    async with harness(nats_server, js, cluster, slurm, tmp_path) as h:
+        wid = h.wid(999_999)
+        await h.log.publish_input(
+            WorkloadSubmitted(
+                id="gone", at_ms=0, workload=wid, owner="lab/a", gpus=1, min_runtime_ms=0,
+                submitted_by="root",
+            )
+        )  # fmt: skip
+        await h.until(lambda: h.state.status_of(wid) in ("cancelled", "failed"), f"{wid} ended")
+        cancels = [e for e in h.inputs if isinstance(e, WorkloadCancelled)]
+        if h.state.status_of(wid) == "cancelled":
+            assert [(c.workload, c.actor) for c in cancels] == [(wid, "root")]
+        else:
+            [fin] = h.finishes(wid)
+            assert (fin.outcome, fin.exit_code, cancels) == ("failed", None, [])
 
 
 async def test_drain_in_slurm_and_drain_by_apportion(

@@ -411,7 +411,8 @@ class SlurmBridge:
         ended = state.ended.get(wid)
         claim = parse_claim(job.comment)
         released = claim is not None and claim.run == job.restart_cnt
-        if job.job_state == "PENDING" and not released and job.state_reason != "JobHeldAdmin":
+        user_held = job.held and job.state_reason == "JobHeldUser"
+        if job.job_state == "PENDING" and not released and (user_held or not job.held):
             # held by the submit rule or --hold (a user hold: its user could release
             # it), or not held at all (the backstop): an admin hold, which only
             # apportion (the bridge) releases

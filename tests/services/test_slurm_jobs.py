@@ -148,3 +148,23 @@ def test_claim_round_trip() -> None:
     assert parse_claim(text) == c
     assert parse_claim("apportion: held: unknown owner") is None
     assert parse_claim("my own comment") is None
+
+
+def test_the_slurm_nats_user_is_opt_in_and_publishes_only_its_kinds() -> None:
+    from apportion.services.natsconf import accounts_conf, users_of
+
+    assert "slurm" not in users_of(["h"]) and "slurm" in users_of(["h"], slurm=True)
+    passwords = {u: "pw" for u in users_of(["h"], slurm=True)}
+    assert '"SLURM"' not in accounts_conf("c", ["h"], passwords)
+    conf = accounts_conf("c", ["h"], passwords, slurm=True)
+    block = conf[conf.index('"SLURM" {') :]
+    block = block[: block.index("subscribe")]
+    published = sorted(line.strip().strip('"') for line in block.splitlines() if "inputs" in line)
+    assert published == [
+        "apportion.c.inputs.NodeHealthChanged.>",
+        "apportion.c.inputs.NodeRegistered.>",
+        "apportion.c.inputs.WorkloadCancelled",
+        "apportion.c.inputs.WorkloadFinished.>",
+        "apportion.c.inputs.WorkloadStarted.>",
+        "apportion.c.inputs.WorkloadSubmitted",
+    ]

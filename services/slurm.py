@@ -122,7 +122,6 @@ class SlurmRuntime:
         """Runs being stopped -> when their notice ends (epoch ms)."""
         self.finals: set[RunKey] = set()
         """Runs whose stop was carried out (requeued held, or cancelled)."""
-        self.released_at: dict[RunKey, int] = {}
 
     def run_of(self, job: SlurmJob) -> tuple[RunKey, bool] | None:
         """``(run, ended)`` of a job that ran a claimed attempt, or ``None``."""
@@ -162,43 +161,56 @@ class SlurmRuntime:
             return False
         nodes = [s.node for s in w.placement]
         claim = Claim(run.workload, run.attempt, job.restart_cnt)
-        await self.cli.pin_and_release(job.job_id, nodes, claim_text(claim, nodes))
+        try:
+            await self.cli.pin_and_release(job.job_id, nodes, claim_text(claim, nodes))
+        except SlurmError as exc:  # asked again next round
+            self.logger.warning("release failed; retrying", job=job.job_id, error=str(exc))
+            return False
         self.released.add(run.key)
-        self.released_at[run.key] = self.clock()
         self.logger.info(
             "released", workload=run.workload, attempt=run.attempt, job=job.job_id, nodes=nodes
         )
         return True
 
     async def stop(self, stop: Stop) -> None:
+        """The notice (SIGTERM to the script and steps), then, when it ends, requeue
+        held (a preemption that requeues) or cancel. A command that fails is tried
+        again next round."""
         key = stop.key
         job = self.jobs.get(key[0])
         if job is None or not job.live or key in self.finals:
             return
         now = self.clock()
-        deadline = self.deadlines.get(key)
-        if deadline is None:
-            deadline = self.deadlines[key] = now + stop.grace_ms
-            if stop.grace_ms > 0:
-                await self.cli.signal(job.job_id, "TERM")
-                self.logger.info(
-                    "notice", workload=key[0], attempt=key[1], job=job.job_id, why=stop.reason
-                )
-        else:
+        try:
+            deadline = self.deadlines.get(key)
+            if deadline is None:
+                if stop.grace_ms > 0:
+                    await self.cli.signal(job.job_id, "TERM")
+                    self.logger.info(
+                        "notice", workload=key[0], attempt=key[1], job=job.job_id, why=stop.reason
+                    )
+                deadline = now + stop.grace_ms
             deadline = self.deadlines[key] = min(deadline, now + stop.grace_ms)
-        if now < deadline:
+            if now < deadline:
+                return
+            p = self.ledger.preempted.get(key)
+            if p is not None and p.requeued:
+                await self.cli.requeue_held(job.job_id)
+                what = "requeued held"
+            else:
+                await self.cli.cancel(job.job_id)
+                what = "cancelled"
+        except SlurmError as exc:
+            self.logger.warning("stop failed; retrying", job=job.job_id, error=str(exc))
             return
-        p = self.ledger.preempted.get(key)
         self.finals.add(key)
-        if p is not None and p.requeued:
-            await self.cli.requeue_held(job.job_id)
-            self.logger.info("requeued held", workload=key[0], attempt=key[1], job=job.job_id)
-        else:
-            await self.cli.cancel(job.job_id)
-            self.logger.info("cancelled", workload=key[0], attempt=key[1], job=job.job_id)
+        self.logger.info(what, workload=key[0], attempt=key[1], job=job.job_id)
 
     def gone(self, key: RunKey) -> None:
+        """Forget ``key`` (no longer current: never desired again)."""
         self.deadlines.pop(key, None)
+        self.finals.discard(key)
+        self.released.discard(key)
 
 
 class SlurmOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -82,6 +82,7 @@ from .slurm_jobs import (
     claim_text,
     exit_code_of,
     parse_claim,
+    partition_types,
     submission,
     workload_id,
 )
@@ -468,7 +469,8 @@ class SlurmBridge:
 
     async def _submit(self, job: SlurmJob) -> None:
         gpn = {t: g for (t, g) in self.state.pools}
-        event = submission(job, self.accounts, gpn, self.clock())
+        typed = partition_types(self.nodes).get(job.partition)
+        event = submission(job, self.accounts, gpn, self.clock(), typed)
         wid = workload_id(job)
         if isinstance(event, str):
             await self._comment(job, f"held: {event}")

@@ -52,6 +52,11 @@ LOST_STATES = frozenset({"NODE_FAIL", "BOOT_FAIL"})
 """Ends for which the run is reported lost (``failed`` whatever the exit code)."""
 
 
+UNTYPED_GPU = "gpu"
+"""The GPU type a node whose gres names none is registered with (apportion's nodes
+always have a type; a job that names none runs on any)."""
+
+
 class SlurmError(Exception):
     """A Slurm command failed or timed out."""
 
@@ -134,6 +139,16 @@ class SlurmNode(msgspec.Struct, frozen=True, kw_only=True):
         return "healthy"
 
 
+def partition_types(nodes: list[SlurmNode]) -> dict[str, str]:
+    """Partition -> the GPU type all its nodes have (partitions of mixed types are
+    left out)."""
+    types: dict[str, set[str]] = {}
+    for n in nodes:
+        for p in n.partitions:
+            types.setdefault(p, set()).add(n.gpu_type)
+    return {p: next(iter(ts)) for p, ts in types.items() if len(ts) == 1 and ANY_GPU_TYPE not in ts}
+
+
 def parse_nodes(text: str) -> list[SlurmNode]:
     """``scontrol show node -o`` (one node a line, ``Key=value`` words)."""
     out = []
@@ -148,7 +163,7 @@ def parse_nodes(text: str) -> list[SlurmNode]:
             SlurmNode(
                 name=name,
                 gpus=gpus,
-                gpu_type=gpu_type or ANY_GPU_TYPE,
+                gpu_type=gpu_type or UNTYPED_GPU,
                 state=fields.get("State", ""),
                 partitions=tuple(p for p in fields.get("Partitions", "").split(",") if p),
                 reason=re.sub(r"\s*\[[^\]]*\]\s*$", "", reason.strip()),
@@ -211,12 +226,19 @@ class AccountMap:
 
 
 def submission(
-    job: SlurmJob, accounts: AccountMap, gpus_per_node: Mapping[str, int], at_ms: int
+    job: SlurmJob,
+    accounts: AccountMap,
+    gpus_per_node: Mapping[str, int],
+    at_ms: int,
+    partition_type: str | None = None,
 ) -> WorkloadSubmitted | str:
     """The ``WorkloadSubmitted`` of held job ``job``, or why it cannot be one (a
     reason for its ``Comment``). ``gpus_per_node``: GPU type -> GPUs per node of
-    the governed nodes. The fold checks the rest (owner, authority, the cap, the
-    gang) with the same rules as for every other submission."""
+    the governed nodes; ``partition_type``: the GPU type of every node of the
+    job's partition, if they have one (a job whose gres names no type gets it, so
+    that it is placed on its own partition's nodes only). The fold checks the
+    rest (owner, authority, the cap, the gang) with the same rules as for every
+    other submission."""
     if not job.account:
         return "no --account: name your budget leaf with --account (see docs/slurm.md)"
     if not job.batch_flag:
@@ -232,7 +254,7 @@ def submission(
             return "GPUs per job over several nodes: ask per node with --gres=gpu:N --nodes=K"
     if gpus <= 0:
         return "no GPUs asked: use --gres=gpu:N (N GPUs on one node)"
-    gpu_type = gres_type or ANY_GPU_TYPE
+    gpu_type = gres_type or partition_type or ANY_GPU_TYPE
     if nodes > 1:
         sizes = {n for t, n in gpus_per_node.items() if gpu_type in (ANY_GPU_TYPE, t)}
         if per_node not in sizes:

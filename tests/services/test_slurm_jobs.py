@@ -18,6 +18,7 @@ from apportion.services.slurm_jobs import (
     gres_gpus,
     parse_claim,
     parse_nodes,
+    partition_types,
     submission,
 )
 
@@ -84,6 +85,25 @@ def test_a_job_that_cannot_be_mapped_says_why(fields, reason) -> None:
     assert isinstance(got, str) and reason in got
 
 
+def test_an_untyped_job_takes_its_partitions_gpu_type() -> None:
+    text = "\n".join(
+        [
+            "NodeName=a Gres=gpu:h100:8 State=IDLE Partitions=h100,all",
+            "NodeName=b Gres=gpu:a100:8 State=IDLE Partitions=a100,all",
+        ]
+    )
+    types = partition_types(parse_nodes(text))
+    assert types == {"h100": "h100", "a100": "a100"}  # "all" is mixed: no type
+    gpn = {"h100": 8, "a100": 8}
+    e = submission(job(partition="a100"), AccountMap(), gpn, 0, types.get("a100"))
+    assert isinstance(e, WorkloadSubmitted) and e.gpu_type == "a100"
+    e = submission(job(partition="all"), AccountMap(), gpn, 0, types.get("all"))
+    assert isinstance(e, WorkloadSubmitted) and e.gpu_type == "any"
+    typed = job(partition="a100", tres_per_node="gres:gpu:h100:1")  # the job's own type wins
+    e = submission(typed, AccountMap(), gpn, 0, "a100")
+    assert isinstance(e, WorkloadSubmitted) and e.gpu_type == "h100"
+
+
 def test_account_table_wins_over_the_rule(tmp_path: Path) -> None:
     f = tmp_path / "accounts.toml"
     f.write_text('[accounts]\n"nlp_team" = "llm/nlp"\n')
@@ -134,8 +154,8 @@ def test_node_states_and_reasons() -> None:
     assert [(n.health, n.gpus, n.gpu_type) for n in nodes.values()] == [
         ("healthy", 4, "fake"),
         ("draining", 4, "fake"),
-        ("down", 4, "any"),
-        ("healthy", 0, "any"),  # NOT_RESPONDING alone: Slurm sets DOWN itself if it lasts
+        ("down", 4, "gpu"),  # untyped gres: the generic type "gpu"
+        ("healthy", 0, "gpu"),  # NOT_RESPONDING alone: Slurm sets DOWN itself if it lasts
     ]
     assert nodes["b"].reason == "apportion: draining (set by ops)"
     assert nodes["c"].partitions == ("gpu", "debug")

@@ -5,8 +5,8 @@ never a traceback; so does a NATS server that is away or refuses (exit status 2)
 Sub-command groups live beside this file:
 ``cli_sim`` (simulate, trace, replay, audit, whatif), ``cli_live`` (up,
 submit, cancel, queue, share, explain, budget), ``cli_auth`` (auth issue,
-list, revoke) and ``cli_history`` (history gaps, accept-loss); they register
-themselves here.
+list, revoke), ``cli_history`` (history gaps, accept-loss) and ``cli_report``
+(report); they register themselves here.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -27,6 +28,16 @@ class UserError(click.ClickException):
 
     def show(self, file=None) -> None:
         click.echo(f"apportion: {self.format_message()}", err=True)
+
+
+def echo_json(data: Any, indent: int | None = 2, sort_keys: bool = True) -> None:
+    """Every ``--json`` output: ``data`` with an ISO-8601 UTC ``*_at`` beside each
+    point-in-time ``*_ms`` (:func:`apportion.schemas.times.with_iso`)."""
+    import json
+
+    from apportion.schemas.times import with_iso
+
+    click.echo(json.dumps(with_iso(data), indent=indent, sort_keys=sort_keys))
 
 
 class _Main(click.Group):
@@ -125,6 +136,7 @@ for _module in (
     "apportion.cli_agent",
     "apportion.cli_slurm",
     "apportion.cli_history",
+    "apportion.cli_report",
 ):
     _register(_module)
 _register("apportion.cli_sql")

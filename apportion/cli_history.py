@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from apportion.cli import UserError, main
+from apportion.cli import UserError, echo_json, main
 
 
 @main.group()
@@ -98,8 +98,10 @@ def gaps_cmd(nats_url: str | None, cluster_name: str, as_json: bool) -> None:
 
     found = _run(nats_url, cluster_name, lambda log: log.input_gaps())
     if as_json:
-        click.echo(
-            msgspec.json.encode([{**msgspec.to_builtins(g), "count": g.count} for g in found])
+        echo_json(
+            [{**msgspec.to_builtins(g), "count": g.count} for g in found],
+            indent=None,
+            sort_keys=False,
         )
     elif not found:
         click.echo(f"cluster {cluster_name}: INPUTS is whole (no sequence missing)")

@@ -15,7 +15,6 @@ acts from the token; a 401 ends the command with one line and status 2.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 
 import click
 
-from apportion.cli import UserError, main
+from apportion.cli import UserError, echo_json, main
 from apportion.services.auth import CREDENTIALS_ENV
 
 URL_HELP = "gateway URL (default: $APPORTION_URL, else http://127.0.0.1:8642)"
@@ -54,6 +53,13 @@ _offline_log_option = click.option(
     help="answer from this event log (or DuckDB projection) instead of the live gateway",
 )
 
+_gpu_type_option = click.option(
+    "--gpu-type",
+    default=None,
+    metavar="TYPE",
+    help="only work that asked for this GPU type: one of the cluster's, or any",
+)
+
 
 def _duration_ms(text: str | None, what: str) -> int | None:
     if text is None:
@@ -77,6 +83,22 @@ def _client(url: str | None, timeout: float | None = None, token_file: Path | No
         raise UserError(str(exc)) from None
 
 
+def offline_or_live(
+    log_path: Path | None,
+    offline: Any,
+    route: str,
+    query: dict[str, str],
+    url: str | None,
+    timeout: float | None,
+    token_file: Path | None,
+) -> Any:
+    """The answer of a command with ``--log``: ``offline(log_path, query)`` from the
+    log, else the gateway's (``GatewayClient.<route>(**query)``)."""
+    if log_path is not None:
+        return offline(log_path, query)
+    return _call(getattr(_client(url, timeout, token_file), route), **query)
+
+
 def _deprecated_as(client: Any, value: str | None) -> None:
     """A note on stderr when ``--as`` is given to a client that sends a token."""
     if value is not None and client.token:
@@ -93,7 +115,7 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True))
+    echo_json(data)
 
 
 # --------------------------------------------------------------------------
@@ -713,6 +735,7 @@ def _print_queue(data: dict[str, Any]) -> None:
 @click.option("--user", default=None, help="only work submitted by this principal")
 @click.option("--team", default=None, help="only work owned at or below this budget path")
 @click.option("--state", default=None, metavar="STATE", help="only pending or only running work")
+@_gpu_type_option
 def queue(
     url: str | None,
     timeout: float | None,
@@ -722,11 +745,12 @@ def queue(
     user: str | None,
     team: str | None,
     state: str | None,
+    gpu_type: str | None,
 ) -> None:
     """Pending workloads in scheduling order (how much of its share each level of the
     sort key has used, the estimated start), then running ones; like squeue,
     --user, --team and --state keep some of them (POS stays the place in the whole
-    queue).
+    queue); --gpu-type keeps the work that asked for that GPU type.
 
     WAIT is measured to now; START is when the workload is estimated to start if
     nothing new arrives (no new submission, cancel or health change; running work
@@ -737,10 +761,9 @@ def queue(
     client = _client(url, timeout, token_file)
     try:
         while True:
-            data = _call(client.queue, user=user, team=team, state=state)
+            data = _call(client.queue, user=user, team=team, state=state, gpu_type=gpu_type)
             if as_json:
-                indent = None if watch else 2  # --watch: one JSON document a line
-                click.echo(json.dumps(data, indent=indent, sort_keys=True))
+                echo_json(data, indent=None if watch else 2)  # --watch: one document a line
             else:
                 if watch:
                     from apportion.services.views import iso
@@ -884,7 +907,7 @@ def jobs_offline(log_path: Path, query: dict[str, str]) -> dict[str, Any]:
     """``jobs`` from an event log (or a DuckDB projection), as the gateway answers it."""
     from apportion.replay.eventlog import LogError, open_log
     from apportion.services.job_history import JobQuery, QueryError, list_jobs
-    from apportion.services.views import replay_history
+    from apportion.services.views import gpu_types_of, replay_history
 
     try:
         log = open_log(log_path)
@@ -893,7 +916,7 @@ def jobs_offline(log_path: Path, query: dict[str, str]) -> dict[str, Any]:
         raise UserError(str(exc)) from None
     now = state.now_ms  # times and --since measured to the log's last event
     try:
-        parsed = JobQuery.parse(query, now)
+        parsed = JobQuery.parse(query, now, gpu_types_of(state))
     except QueryError as exc:
         raise UserError(str(exc)) from None
     return list_jobs(history.jobs, parsed, now)
@@ -912,8 +935,9 @@ def _print_jobs(data: dict[str, Any]) -> None:
         code = "-" if r["exit_code"] is None else str(r["exit_code"])
         where = ",".join(r["nodes"])
         why = "  ".join(x for x in (where, r["note"]) if x) or "-"
+        status = "held" if r.get("held_ms") is not None else r["status"]
         click.echo(
-            f"{r['workload']:<24} {r['status']:<10} {r['owner']:<22} "
+            f"{r['workload']:<24} {status:<10} {r['owner']:<22} "
             f"{(r['submitted_by'] or '-'):<12} {r['gpus']:>5} {r['attempts']:>5} "
             f"{ended:<20} {code:>5}  {why}"
         )
@@ -933,8 +957,8 @@ def _print_jobs(data: dict[str, Any]) -> None:
     "states",
     multiple=True,
     metavar="STATE",
-    help="succeeded, failed, cancelled, preempted, rejected, pending, running; or ended "
-    "(the default), live, all; repeat or comma-separate for several",
+    help="succeeded, failed, cancelled, preempted, rejected, pending, running, held "
+    "(pending and held); or ended (the default), live, all; repeat or comma-separate for several",
 )
 @click.option("--all", "all_states", is_flag=True, help="every state (the same as --state all)")
 @click.option("--user", default=None, help="submitted by this principal")
@@ -950,6 +974,7 @@ def _print_jobs(data: dict[str, Any]) -> None:
 @click.option(
     "--limit", type=int, default=None, help="at most this many, newest first (1-1000, default 50)"
 )
+@_gpu_type_option
 @click.option("--json", "as_json", is_flag=True)
 @_offline_log_option
 @click.option("--url", default=None, help=URL_HELP)
@@ -963,6 +988,7 @@ def jobs(
     wid: str | None,
     since: str | None,
     limit: int | None,
+    gpu_type: str | None,
     as_json: bool,
     log_path: Path | None,
     url: str | None,
@@ -977,15 +1003,18 @@ def jobs(
     query: dict[str, str] = {}
     if all_states or states:
         query["state"] = "all" if all_states else ",".join(states)
-    for key, value in (("user", user), ("team", team), ("id", wid), ("since", since)):
+    for key, value in (
+        ("user", user),
+        ("team", team),
+        ("id", wid),
+        ("since", since),
+        ("gpu_type", gpu_type),
+    ):
         if value is not None:
             query[key] = value
     if limit is not None:
         query["limit"] = str(limit)
-    if log_path is not None:
-        data = jobs_offline(log_path, query)
-    else:
-        data = _call(_client(url, timeout, token_file).jobs, **query)
+    data = offline_or_live(log_path, jobs_offline, "jobs", query, url, timeout, token_file)
     if as_json:
         _echo_json(data)
         return

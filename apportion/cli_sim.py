@@ -8,7 +8,6 @@ A file that cannot be used at all exits non-zero with one such line.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,7 +16,7 @@ from typing import Any
 
 import click
 
-from apportion.cli import UserError, main
+from apportion.cli import UserError, echo_json, main
 from apportion.replay.run import DEFAULT_DAYS, DEFAULT_SCENARIO
 
 DEFAULT_SEED = 1
@@ -271,8 +270,8 @@ def simulate(
         for p in paths:
             click.echo(f"wrote {p}", err=True)
     if as_json:
-        click.echo(
-            json.dumps(results[policies[0]] if len(policies) == 1 else results, sort_keys=False)
+        echo_json(
+            results[policies[0]] if len(policies) == 1 else results, indent=None, sort_keys=False
         )
         return
     click.echo(f"apportion simulate: {inp.label}")
@@ -583,7 +582,7 @@ def whatif_cmd(
             [f"{ref}: {reason}" for ref, reason in res.new_rejections], "what-if rejection"
         )
     if as_json:
-        click.echo(json.dumps({"original": res.original, "whatif": res.whatif}))
+        echo_json({"original": res.original, "whatif": res.whatif}, indent=None, sort_keys=False)
         return
     desc = [f"policy {res.whatif_policy}"]
     if change.preemption_margin_ppm is not None:
@@ -645,7 +644,9 @@ def diagnose_cmd(log, nats_url, cluster_name, team, from_day, to_day, as_json, p
         click.echo(f"wrote {plot}", err=True)
     share = controlled_share(rows)
     if as_json:
-        click.echo(json.dumps({"teams": rows, "scheduler_controlled_share": share}))
+        echo_json(
+            {"teams": rows, "scheduler_controlled_share": share}, indent=None, sort_keys=False
+        )
         return
     click.echo(f"apportion diagnose: {source.name}")
     click.echo(table(rows))
@@ -684,7 +685,7 @@ def outcomes_cmd(quick, big, days, workers, as_json, knobs) -> None:
         cells = tuple(dataclasses.replace(c, days=days) for c in cells)
     results = run_grid(cells, workers, tuple(knobs))
     if as_json:
-        click.echo(json.dumps(results))
+        echo_json(results, indent=None, sort_keys=False)
         return
     click.echo(table(results))
     click.echo(

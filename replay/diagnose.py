@@ -75,9 +75,13 @@ run ``contracts`` or ``admission`` by its placement (below). Inside level 5 an
 admission run is cheaper to clear than a contract (undoing a choice of the
 scheduler comes before a fairly placed contract): a node's runs are taken
 admission first, and among nodes of one level those whose clearing takes fewer
-GPUs of ``contracts`` come first (then by name). So a workload that one node
-would hold, had the scheduler not admitted the work on it, is ``admission``;
-a gang whose nodes hold both is split by their GPUs.
+GPUs of ``contracts`` come first (then by name). The part is ``admission`` only
+when the admitted runs alone keep ``w`` from running now (its cheapest nodes
+need no contract cleared): had the scheduler admitted nothing, it would be
+running. While a fairly placed contract is still among the nodes it needs, it
+would wait anyway, so the whole part is ``contracts`` (the holders are still
+every run at that level). Over time this charges a gang's wait to the
+contracts until the last of them ends, and to admission from then on.
 
 - at each decision batch, before folding it, every allocated ``WorkloadPlaced``
   is recorded with the teams with pending allocated work whose standing was
@@ -597,6 +601,11 @@ class _Moment:
                     else:
                         cause = _LEVEL_CAUSE.get(level, "other")
                     out.append((wid, team_of(running[wid].owner), float(gpus), cause))
+        if level == _PROTECTED and any(run[3] == "contracts" for run in out):
+            # Fairly placed contracts among the nodes it needs: it would still wait had
+            # the scheduler admitted nothing, so the whole part is the contracts' price
+            # now. It becomes ``admission`` once the admitted runs alone keep it off.
+            out = [(wid, vteam, gpus, "contracts") for wid, vteam, gpus, _ in out]
         return out
 
     def _admitted(self, v: Workload, w: Workload, team: str) -> bool:

@@ -20,8 +20,10 @@ columns are additions):
   decisions, simulations, and rows written before it was kept).
 - ``workloads(workload, owner, gpus, min_runtime_ms, resumable, priority,
   submitted_ms, first_placed_ms, ended_ms, status, preemptions, gpu_type,
-  duration_ms, legacy_priority, legacy_preemptible)``; a rejected submission
-  has status ``rejected`` (unless its id belongs to another workload).
+  duration_ms, legacy_priority, legacy_preemptible, team, held_ms, held_by)``;
+  a rejected submission has status ``rejected`` (unless its id belongs to
+  another workload); a held workload (``WorkloadHeld``) is ``pending`` with
+  ``held_ms`` (when) and ``held_by`` (who) set until it is released or ends.
 - ``runs(workload, node, gpus, start_ms, end_ms, allocated, end_reason,
   attempt)``: one row per placement per node; ``end_reason`` finished,
   preempted (fair share, unallocated, drain), cancelled, node_down, NULL while running.
@@ -107,12 +109,15 @@ from apportion.schemas.events import (
     NodeRegistered,
     WorkloadCancelled,
     WorkloadFinished,
+    WorkloadHeld,
     WorkloadPlaced,
     WorkloadPreempted,
+    WorkloadReleased,
     WorkloadSubmitted,
     kind_of,
 )
 from apportion.schemas.history import BatchItem, HistoryItem, InputItem
+from apportion.schemas.times import ISO_UTC_SQL
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events(pos BIGINT, at_ms BIGINT, kind VARCHAR, workload VARCHAR, node VARCHAR, body VARCHAR,
@@ -144,6 +149,8 @@ ALTER TABLE workloads ADD COLUMN IF NOT EXISTS team VARCHAR;
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS team VARCHAR;
 ALTER TABLE batches ADD COLUMN IF NOT EXISTS logic VARCHAR;
 ALTER TABLE events ADD COLUMN IF NOT EXISTS subject VARCHAR;
+ALTER TABLE workloads ADD COLUMN IF NOT EXISTS held_ms BIGINT;
+ALTER TABLE workloads ADD COLUMN IF NOT EXISTS held_by VARCHAR;
 UPDATE workloads SET team = {team_sql("owner")} WHERE team IS NULL AND owner IS NOT NULL;
 UPDATE runs SET team = (SELECT w.team FROM workloads w WHERE w.workload = runs.workload)
  WHERE team IS NULL;
@@ -180,12 +187,14 @@ def _move_saved_state(con: duckdb.DuckDBPyConnection) -> None:
 
 VIEWS = f"""
 CREATE OR REPLACE MACRO team_of(path) AS {team_sql("path")};
+CREATE OR REPLACE MACRO iso_utc(ms) AS {ISO_UTC_SQL};
 
 CREATE OR REPLACE VIEW attempts AS
 SELECT workload, attempt, any_value(team) AS team, min(start_ms) AS start_ms, max(end_ms) AS end_ms,
        sum(gpus)::INTEGER AS gpus, count(*)::INTEGER AS nodes,
        string_agg(node, ',' ORDER BY node) AS node_list, bool_or(allocated) AS allocated,
-       any_value(end_reason) AS end_reason
+       any_value(end_reason) AS end_reason,
+       iso_utc(min(start_ms)) AS start_at, iso_utc(max(end_ms)) AS end_at
 FROM runs GROUP BY workload, attempt;
 
 CREATE OR REPLACE VIEW preemptions AS
@@ -203,7 +212,9 @@ pl AS (
 SELECT p.pos, p.at_ms, p.decision, p.workload, v.team, v.owner, v.gpus AS gpus_freed,
        p.reason, p.requeued, p.for_workload, b.team AS for_team, b.owner AS for_owner,
        pl.attempt, pl.allocated, pl.at_ms AS placed_ms, pl.protected_until_ms,
-       p.at_ms >= pl.protected_until_ms AS past_protection, p.at_ms - pl.at_ms AS ran_ms
+       p.at_ms >= pl.protected_until_ms AS past_protection, p.at_ms - pl.at_ms AS ran_ms,
+       iso_utc(p.at_ms) AS "at", iso_utc(pl.at_ms) AS placed_at,
+       iso_utc(pl.protected_until_ms) AS protected_until_at
 FROM p ASOF LEFT JOIN pl ON p.workload = pl.workload AND p.pos > pl.pos
 LEFT JOIN workloads v ON v.workload = p.workload
 LEFT JOIN workloads b ON b.workload = p.for_workload;
@@ -256,7 +267,7 @@ SELECT team, hour, hour * {HOUR_MS} AS hour_start_ms, allocated AS gpu_hours_all
        global_share * healthy AS gpu_hours_share,
        LEAST(global_share * healthy, demand) AS gpu_hours_owed,
        LEAST(allocated, global_share * healthy, demand) AS gpu_hours_delivered,
-       healthy AS cluster_gpu_hours_healthy
+       healthy AS cluster_gpu_hours_healthy, iso_utc(hour * {HOUR_MS}) AS hour_start_at
 FROM grid;
 
 CREATE OR REPLACE VIEW team_usage_daily AS
@@ -268,7 +279,8 @@ SELECT team, hour // 24 AS day,
        sum(gpu_hours_demand) AS gpu_hours_demand, sum(gpu_hours_share) AS gpu_hours_share,
        sum(gpu_hours_owed) AS gpu_hours_owed, sum(gpu_hours_delivered) AS gpu_hours_delivered,
        sum(gpu_hours_delivered) / NULLIF(sum(gpu_hours_owed), 0) AS delivery_ratio,
-       sum(cluster_gpu_hours_healthy) AS cluster_gpu_hours_healthy
+       sum(cluster_gpu_hours_healthy) AS cluster_gpu_hours_healthy,
+       iso_utc((hour // 24) * {24 * HOUR_MS}) AS day_start_at
 FROM team_usage_hourly GROUP BY team, hour // 24;
 """
 
@@ -303,6 +315,8 @@ _TYPES = {
         "VARCHAR",
         "BOOLEAN",
         "VARCHAR",
+        "BIGINT",
+        "VARCHAR",
     ),
     "runs": (
         "VARCHAR",
@@ -325,7 +339,7 @@ _TYPES = {
     "projection_errors": ("BIGINT", "BIGINT", "BIGINT", "VARCHAR", "VARCHAR", "VARCHAR"),
 }
 # workloads row indexes
-W_STATUS, W_FIRST, W_ENDED, W_PRE, W_TEAM = 9, 7, 8, 10, 15
+W_STATUS, W_FIRST, W_ENDED, W_PRE, W_TEAM, W_HELD_MS, W_HELD_BY = 9, 7, 8, 10, 15, 16, 17
 
 _json = msgspec.json.Encoder()
 
@@ -363,6 +377,8 @@ def _workload_row(e: WorkloadSubmitted, now: int, status: str) -> list[Any]:
         e.legacy_priority,
         e.legacy_preemptible,
         team_of(e.owner),
+        None,
+        None,
     ]
 
 
@@ -630,6 +646,12 @@ class Projection:
         elif isinstance(event, WorkloadCancelled):
             self.stopping.pop(event.workload, None)
             self._end(event.workload, "cancelled", "cancelled", now)
+        elif isinstance(event, WorkloadHeld | WorkloadReleased):
+            row = self.live[event.workload]
+            held = isinstance(event, WorkloadHeld)
+            row[W_HELD_MS] = now if held else None
+            row[W_HELD_BY] = event.actor if held else None
+            self._dirty_workloads[event.workload] = row
         elif isinstance(event, NodeHealthChanged):
             self._health.append((event.node, now, event.state))
         elif isinstance(event, NodeRegistered):
@@ -668,6 +690,7 @@ class Projection:
                 self._dirty_waits[wid] = True
         row[W_STATUS] = status
         row[W_ENDED] = now
+        row[W_HELD_MS] = row[W_HELD_BY] = None  # a held workload cancelled is held no more
         self._dirty_workloads[wid] = row
 
     def _batch(self, item: BatchItem, state: State) -> None:

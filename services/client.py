@@ -197,12 +197,16 @@ class GatewayClient:
     def workload(self, workload: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/workloads/{urllib.parse.quote(workload, safe='')}")
 
-    def queue(self, **query: str | None) -> dict[str, Any]:
-        """``GET /v1/queue`` with the filters given (``user``, ``team``, ``state``;
-        ``None``: left out)."""
-        params = {k: v for k, v in query.items() if v is not None}
+    def _query(self, path: str, query: dict[str, str | int | None]) -> Any:
+        """``GET path`` with the query parameters given (``None``: left out)."""
+        params = {k: str(v) for k, v in query.items() if v is not None}
         suffix = "?" + urllib.parse.urlencode(params) if params else ""
-        return self._call("GET", "/v1/queue" + suffix)
+        return self._call("GET", path + suffix)
+
+    def queue(self, **query: str | None) -> dict[str, Any]:
+        """``GET /v1/queue`` with the filters given (``user``, ``team``, ``state``,
+        ``gpu_type``; ``None``: left out)."""
+        return self._query("/v1/queue", dict(query))
 
     def share(self) -> dict[str, Any]:
         return self._call("GET", "/v1/share")
@@ -212,9 +216,11 @@ class GatewayClient:
 
     def jobs(self, **query: str | int | None) -> dict[str, Any]:
         """``GET /v1/jobs`` with the query parameters given (``None``: left out)."""
-        params = {k: str(v) for k, v in query.items() if v is not None}
-        suffix = "?" + urllib.parse.urlencode(params) if params else ""
-        return self._call("GET", "/v1/jobs" + suffix)
+        return self._query("/v1/jobs", query)
+
+    def report(self, **query: str | None) -> dict[str, Any]:
+        """``GET /v1/report`` (``since``, ``until``, ``by``, ``team``; ``None``: left out)."""
+        return self._query("/v1/report", dict(query))
 
     def nodes(self, state: str | None = None) -> dict[str, Any]:
         """``GET /v1/nodes`` (``state``: only hosts in that health state)."""

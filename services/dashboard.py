@@ -4,8 +4,8 @@ Pages (see docs/dashboard.md):
 
 | path | shows |
 |---|---|
-| ``/ui/`` | the cluster now: nodes by health, GPUs in use, a GPU timeline of the last hours (preemptible work hatched, preemptions marked) |
-| ``/ui/queue`` | pending work in queue order with the sort-key ratios per level (and the estimated start where the API gives one), running work, a submit form |
+| ``/ui/`` | the cluster now: nodes by health (state, GPUs used / free, protected-until, the last change's reason; Drain / Undrain / Down for operators), GPUs in use, a GPU timeline of the last hours (preemptible work hatched, preemptions marked) |
+| ``/ui/queue`` | pending work in queue order with its reason code and sentence, the sort-key ratios per level (and the estimated start where the API gives one), Hold / Release where the viewer may; running work; ``GET /v1/queue``'s filters; a submit form |
 | ``/ui/usage`` | each budget node's usage against its allocation over the lookback window; per team, owed vs delivered hour by hour (:mod:`~apportion.services.usage_history`) |
 | ``/ui/workload/{id}`` | why a workload is pending, preempted or placed where it is (the explain view), its attempts and their logs' locations, and the output of its last attempt (``?attempt=N``: another's) as the agents shipped it (the last :data:`LOG_LINES` lines) |
 | ``/ui/jobs`` | ended (or any) workloads, newest first, searched by id, submitter, team, state, end time (``GET /v1/jobs``'s query) |
@@ -19,8 +19,8 @@ own :class:`~apportion.services.auth.Authenticator` and keeps it in a cookie
 (:data:`COOKIE`: ``HttpOnly``, ``SameSite=Strict``, ``Path=/ui``). Every page
 checks the cookie's token with the same authenticator on every request (a
 revoked token stops working at once); without a valid one a page redirects to
-the login form and ``/ui/live`` answers 401. The forms (submit, cancel, budget
-edits) are forwarded to the JSON API (``/v1/...``) with the cookie's token as
+the login form and ``/ui/live`` answers 401. The forms (submit, cancel, hold, release,
+budget edits, node health) are forwarded to the JSON API (``/v1/...``) with the cookie's token as
 the bearer credential, so the API's validation and the fold's authority rules
 apply unchanged. A POST whose ``Origin`` is another site is refused (403).
 
@@ -179,9 +179,7 @@ class Dashboard:
         self._same_origin(request)
         form = await request.post()
         token = str(form.get("token", "")).strip()
-        nxt = str(form.get("next", "/ui/"))
-        if not nxt.startswith("/ui") or nxt.startswith("//"):
-            nxt = "/ui/"
+        nxt = _local(str(form.get("next", "")), "/ui/")
         who = self._check_token(token)
         if who is None:
             q = urllib.parse.urlencode({"next": nxt, "error": "unknown or revoked token"})
@@ -235,20 +233,21 @@ class Dashboard:
             "cluster",
             principal=who,
             live=f"cluster?hours={hours}",
-            **cluster_data(self.gw, hours),
+            **cluster_data(self.gw, hours, who),
         )
 
     async def queue(self, request: web.Request) -> web.Response:
         who = self._require(request)
-        est = await self.estimates()
+        data = queue_data(self.gw, await self.estimates(), who, request.query)
         return self._page(
             request,
             "queue.html",
             "Queue",
             "queue",
             principal=who,
-            live="queue",
-            **queue_data(self.gw, est),
+            live="queue" + (f"?{data['live_query']}" if data["live_query"] else ""),
+            status=400 if data["problem"] else 200,
+            **data,
             **submit_data(self.gw.state),
         )
 
@@ -336,16 +335,6 @@ class Dashboard:
         body["text"] = "".join(lines[-LOG_LINES:])
         return body
 
-    def _may_cancel(self, who: str, wid: str) -> bool:
-        """Whether the viewer's principal may cancel ``wid`` (live), by the fold's own
-        rule (its submitter or an owner of its leaf or above): the Cancel button shows
-        only then; the gateway and the fold still enforce it on the request."""
-        from apportion.core.rules.authority import cancel_authority_error
-
-        state = self.gw.state
-        w = state.workloads.get(wid)
-        return w is not None and cancel_authority_error(state, who, w) is None
-
     async def workload(self, request: web.Request) -> web.Response:
         who = self._require(request)
         wid = request.match_info["id"]
@@ -358,8 +347,7 @@ class Dashboard:
             principal=who,
             live="workload?" + urllib.parse.urlencode(live),
             wid=wid,
-            found=workload_data(self.gw, wid, await self.estimates()),
-            cancellable=self._may_cancel(who, wid),
+            found=workload_data(self.gw, wid, await self.estimates(), who),
             log=await self._log(wid, attempt),
         )
 
@@ -397,9 +385,9 @@ class Dashboard:
             return web.json_response({"error": "not signed in"}, status=401)
         which = request.query.get("page", "")
         if which == "cluster":
-            text = cluster_html(self.gw, self._hours(request))
+            text = cluster_html(self.gw, self._hours(request), who)
         elif which == "queue":
-            text = queue_html(self.gw, await self.estimates())
+            text = queue_html(self.gw, await self.estimates(), who, request.query)
         elif which == "usage":
             text = usage_html(self.gw, *self._usage_query(request))
         elif which == "budget":
@@ -408,7 +396,7 @@ class Dashboard:
             text = jobs_html(self.gw, request.query)
         elif which == "workload":
             wid = request.query.get("id", "")
-            found = workload_data(self.gw, wid, await self.estimates())
+            found = workload_data(self.gw, wid, await self.estimates(), who)
             log = await self._log(wid, request.query.get("attempt"))
             text = render("workload_live.html", wid=wid, found=found, log=log)
         else:
@@ -467,17 +455,50 @@ class Dashboard:
         )
 
     async def cancel(self, request: web.Request) -> web.StreamResponse:
+        return await self._workload_action(request, "cancel")
+
+    async def hold(self, request: web.Request) -> web.StreamResponse:
+        return await self._workload_action(request, "hold")
+
+    async def release(self, request: web.Request) -> web.StreamResponse:
+        return await self._workload_action(request, "release")
+
+    async def _workload_action(self, request: web.Request, what: str) -> web.StreamResponse:
+        """Cancel, hold or release: ``POST /v1/workloads/{id}/{what}`` as the signed-in
+        principal; back to the form's ``next`` page (the queue) or the workload's page,
+        with the API's refusal as the message."""
         self._same_origin(request)
         who = self._require(request)
         wid = request.match_info["id"]
+        form = await request.post()
         body = {"actor": who} if self.gw.auth is None else {}
-        status, answer = await self._api(
-            request, f"/v1/workloads/{urllib.parse.quote(wid, safe='')}/cancel", body
-        )
-        target = "/ui/workload/" + urllib.parse.quote(wid, safe="")
+        quoted = urllib.parse.quote(wid, safe="")
+        status, answer = await self._api(request, f"/v1/workloads/{quoted}/{what}", body)
+        target = _local(str(form.get("next", "")), "/ui/workload/" + quoted)
         if status != 202:
             raise web.HTTPSeeOther(_with(target, error=_reason(status, answer)))
-        raise web.HTTPSeeOther(_with(target, ok=f"cancel of {wid} sent"))
+        raise web.HTTPSeeOther(_with(target, ok=f"{what} of {wid} sent"))
+
+    async def node_health(self, request: web.Request) -> web.StreamResponse:
+        """The node table's Drain / Undrain / Down: ``POST /v1/nodes/{node}/health``
+        with the form's state and reason, as the signed-in principal (the gateway and
+        the fold refuse anyone but an operator: the refusal comes back as a message)."""
+        self._same_origin(request)
+        who = self._require(request)
+        node = request.match_info["node"]
+        form = await request.post()
+        body: dict[str, Any] = {
+            "state": str(form.get("state", "")),
+            "reason": str(form.get("reason", "")).strip(),
+        }
+        if self.gw.auth is None:
+            body["actor"] = who
+        status, answer = await self._api(
+            request, f"/v1/nodes/{urllib.parse.quote(node, safe='')}/health", body
+        )
+        if status != 202:
+            raise web.HTTPSeeOther(_with("/ui/", error=_reason(status, answer)))
+        raise web.HTTPSeeOther(_with("/ui/", ok=f"{node}: {body['state']} sent"))
 
     async def budget_post(self, request: web.Request) -> web.StreamResponse:
         self._same_origin(request)
@@ -541,8 +562,18 @@ def _duration(text: str) -> int:
     return parse_duration_ms(text)
 
 
+def _local(target: str, default: str) -> str:
+    """``target`` if it is a dashboard page (a path under ``/ui``), else ``default``:
+    a form's ``next`` never leads off the dashboard."""
+    return target if target.startswith("/ui") and not target.startswith("//") else default
+
+
 def _with(path: str, **query: str) -> str:
-    return path + "?" + urllib.parse.urlencode(query)
+    """``path`` with ``query`` added (a message: ``ok`` or ``error``), replacing one
+    it had."""
+    base, _, had = path.partition("?")
+    kept = [(k, v) for k, v in urllib.parse.parse_qsl(had) if k not in ("ok", "error")]
+    return base + "?" + urllib.parse.urlencode([*kept, *query.items()])
 
 
 def _reason(status: int, answer: Any) -> str:
@@ -572,7 +603,10 @@ def add_dashboard(app: web.Application, gateway: Gateway) -> Dashboard:
     r.add_get("/ui/workload", d.workload_lookup)
     r.add_get("/ui/workload/{id}", d.workload)
     r.add_post("/ui/workload/{id}/cancel", d.cancel)
+    r.add_post("/ui/workload/{id}/hold", d.hold)
+    r.add_post("/ui/workload/{id}/release", d.release)
     r.add_post("/ui/submit", d.submit)
+    r.add_post("/ui/node/{node}/health", d.node_health)
     r.add_get("/ui/live", d.live)
     r.add_get("/ui/static/{name}", d.static)
     r.add_get("/v1/usage/history", d.usage_history_api)

@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 from apportion.core.budget import ROOT
+from apportion.core.refusals import hold_refusal
+from apportion.core.rules.authority import cancel_authority_error, may_manage_node
 from apportion.core.state import State
+from apportion.schemas.bounds import MAX_REASON_LEN
 from apportion.schemas.events import (
     HOUR_MS,
     NodeHealthChanged,
@@ -33,7 +36,17 @@ from . import dashboard_charts as charts
 from . import views
 from .job_history import STATE_GROUPS, STATES, JobQuery, QueryError, list_jobs
 from .usage_history import UsageHistory, hours_in, usage_over_time
-from .views import History, budget_tree, explain, iso, queue_view, span
+from .views import (
+    QUEUE_STATES,
+    History,
+    QueueFilter,
+    budget_tree,
+    explain,
+    iso,
+    nodes_view,
+    queue_view,
+    span,
+)
 
 if TYPE_CHECKING:
     from .gateway import Gateway
@@ -52,6 +65,8 @@ JOBS_PAGE_LIMIT = 200
 """Rows the jobs page shows (newest first; ``?limit=`` up to the API's bound)."""
 JOBS_SEARCH = ("id", "user", "team", "state", "since", "limit")
 """The jobs page's search fields: the query parameters of ``GET /v1/jobs``."""
+QUEUE_SEARCH = ("user", "team", "state")
+"""The queue page's filters: the query parameters of ``GET /v1/queue``."""
 
 
 # -- what the timeline needs beyond the state ----------------------------------------
@@ -326,7 +341,7 @@ def usage_history_data(
         "team_charts": [charts.usage_history(t, start, count, top) for t in teams],
         "pick": [
             {
-                "href": href(n, None if t is shown else t["path"]),
+                "href": href(asked, None if t is shown else t["path"]),
                 "label": t["path"],
                 "active": t is shown,
             }
@@ -347,7 +362,20 @@ def usage_history_html(gw: Gateway, hours: int | None = None, team: str | None =
 # -- the pages' data -----------------------------------------------------------------
 
 
-def cluster_data(gw: Gateway, hours: int) -> dict[str, Any]:
+NODE_ACTIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "healthy": (("draining", "Drain"), ("down", "Down")),
+    "draining": (("healthy", "Undrain"), ("down", "Down")),
+    "down": (("healthy", "Undrain"),),
+}
+"""The node table's buttons by a node's health: the state each asks for
+(``POST /v1/nodes/{node}/health``) and its label, as ``apportion node drain|undrain|down``."""
+
+
+def cluster_data(gw: Gateway, hours: int, principal: str | None = None) -> dict[str, Any]:
+    """The cluster page: tiles, the GPU timeline and the nodes by health (the rows of
+    ``GET /v1/nodes``), each with the actions ``principal`` may take on it by the
+    fold's rule (:func:`~apportion.core.rules.authority.may_manage_node`: operators
+    and the root's owner); the gateway and the fold still check every request."""
     state = gw.state
     hist = gw.history
     now = max(state.now_ms, wall_ms())
@@ -357,32 +385,36 @@ def cluster_data(gw: Gateway, hours: int) -> dict[str, Any]:
     capacity = sum(n.gpus for n in state.nodes.values() if n.health != "down")
     alloc = sum(w.gpus for w in state.running.values() if w.allocated)
     unalloc = sum(w.gpus for w in state.running.values() if not w.allocated)
-    groups = []
-    for health in ("healthy", "draining", "down"):
-        nodes = sorted(
-            (n for n in state.nodes.values() if n.health == health), key=lambda n: n.node
+    rows_by_health: dict[str, list[dict[str, Any]]] = {}
+    for row in nodes_view(state, hist, now_ms=now)["nodes"]:
+        n = state.nodes[row["node"]]
+        used = row["gpus"] - row["free"]
+        al = sum(
+            g
+            for wid, g in n.workloads.items()
+            if (w := state.running.get(wid)) is not None and w.allocated
         )
-        rows = []
-        for n in nodes:
-            used = n.gpus - n.free
-            al = sum(
-                g
-                for wid, g in n.workloads.items()
-                if (w := state.running.get(wid)) is not None and w.allocated
-            )
-            rows.append(
-                {
-                    "node": n.node,
-                    "drained": n.drained,
-                    "gpu_type": n.gpu_type,
-                    "used": used,
-                    "gpus": n.gpus,
-                    "bar": charts.bar(used, al, n.gpus),
-                    "workloads": sorted(n.workloads.items()),
-                }
-            )
-        if rows:
-            groups.append({"health": health, "nodes": rows})
+        change = row["last_change"]
+        may = principal is not None and may_manage_node(state, principal, row["node"])
+        rows_by_health.setdefault(row["state"], []).append(
+            {
+                **row,
+                "used": used,
+                "bar": charts.bar(used, al, row["gpus"]),
+                "workloads": sorted(n.workloads.items()),
+                "protected": moment(row["protected_until_ms"], now),
+                "change": (
+                    None if change is None else {**change, "when": moment(change["at_ms"], now)}
+                ),
+                "actions": NODE_ACTIONS.get(row["state"], ()) if may else (),
+                "form": "node-" + row["node"],
+            }
+        )
+    groups: list[dict[str, Any]] = [
+        {"health": h, "nodes": rows_by_health[h]}
+        for h in ("healthy", "draining", "down")
+        if h in rows_by_health
+    ]
     return {
         "tiles": [
             ("nodes healthy", by_health["healthy"]),
@@ -402,6 +434,8 @@ def cluster_data(gw: Gateway, hours: int) -> dict[str, Any]:
             charts.timeline(hist, state, now, hours) if isinstance(hist, TimelineHistory) else None
         ),
         "groups": groups,
+        "operator": any(n["actions"] for g in groups for n in g["nodes"]),
+        "reason_len": MAX_REASON_LEN,
         "as_of": moment(state.now_ms, now),
     }
 
@@ -424,10 +458,52 @@ def _share(k: dict[str, Any]) -> str:
     return f"ratio {k['ratio']['value']:.3g}"
 
 
-def queue_data(gw: Gateway, estimates: Any = None) -> dict[str, Any]:
+def may_act(state: State, principal: str | None, workload: str) -> dict[str, bool]:
+    """Whether ``principal`` may hold, release and cancel ``workload`` now, by the
+    fold's own rules (:func:`~apportion.core.refusals.hold_refusal`: pending and not
+    held / held; :func:`~apportion.core.rules.authority.cancel_authority_error`: its
+    submitter or an owner of its leaf or above, while it lives): a button shows only
+    then; the gateway and the fold still check the request."""
+    w = state.workloads.get(workload)
+    if principal is None or w is None:
+        return {"hold": False, "release": False, "cancel": False}
+    return {
+        "hold": hold_refusal(state, workload, principal, release=False) is None,
+        "release": hold_refusal(state, workload, principal, release=True) is None,
+        "cancel": cancel_authority_error(state, principal, w) is None,
+    }
+
+
+def search_form(query: Any, fields: Iterable[str]) -> tuple[dict[str, str], str]:
+    """A search form's values (``fields`` of ``query``, stripped) and the query string
+    of those given (the live part's and the ``next`` of its forms)."""
+    query = query or {}
+    form = {k: str(query.get(k, "")).strip() for k in fields}
+    return form, urllib.parse.urlencode({k: v for k, v in form.items() if v})
+
+
+def queue_data(
+    gw: Gateway, estimates: Any = None, principal: str | None = None, query: Any = None
+) -> dict[str, Any]:
+    """The queue page: pending work in queue order, each with its reason code
+    (:data:`~apportion.services.views.WAIT_REASONS`) and the Hold / Release the
+    viewer may use, then running work; ``query``: ``GET /v1/queue``'s filters
+    (``user``, ``team``, ``state``), or the reason one is out of its bound."""
     state = gw.state
     now = max(state.now_ms, wall_ms())
-    q = queue_view(state, gw.history, now_ms=now, estimates=estimates)
+    form, live_query = search_form(query, QUEUE_SEARCH)
+    out: dict[str, Any] = {
+        "form": form,
+        "live_query": live_query,
+        "back": "/ui/queue" + (f"?{live_query}" if live_query else ""),
+        "state_choices": QUEUE_STATES,
+        "problem": None,
+    }
+    try:
+        only = QueueFilter.parse({k: v for k, v in form.items() if v})
+    except QueryError as exc:
+        return {**out, "problem": str(exc)}
+    q = queue_view(state, gw.history, now_ms=now, estimates=estimates, only=only)
     pending = [
         {
             **r,
@@ -444,6 +520,7 @@ def queue_data(gw: Gateway, estimates: Any = None) -> dict[str, Any]:
                 for k in r["ratios"]
             ],
             "estimate": _estimate(r, now),
+            "may": may_act(state, principal, r["workload"]),
         }
         for r in q["pending"]
     ]
@@ -458,10 +535,14 @@ def queue_data(gw: Gateway, estimates: Any = None) -> dict[str, Any]:
         for r in q["running"]
     ]
     return {
+        **out,
         "pending": pending,
         "has_estimates": has_est,
         "assumption": q.get("estimate_assumption") if has_est else None,
+        "actions": any(r["may"]["hold"] or r["may"]["release"] for r in pending),
         "running": running,
+        "totals": q["totals"],
+        "filtered": only != QueueFilter(),
     }
 
 
@@ -507,6 +588,8 @@ DETAIL_LABELS = {
     "preemptions": "preemptions",
     "duration_ms": "duration hint",
     "submitted_by": "submitted by",
+    "held_by": "held by",
+    "held_ms": "held since",
 }
 """The workload page's Details: the API's field names (``GET /v1/workloads/{id}``)
 as people say them."""
@@ -533,7 +616,11 @@ def detail_row(key: str, value: Any, now: int) -> dict[str, Any]:
     return row
 
 
-def workload_data(gw: Gateway, workload: str, estimates: Any = None) -> dict[str, Any] | None:
+def workload_data(
+    gw: Gateway, workload: str, estimates: Any = None, principal: str | None = None
+) -> dict[str, Any] | None:
+    """The workload page: the explain view, its attempts and details, and what
+    ``principal`` may do to it (:func:`may_act`)."""
     state = gw.state
     now = max(state.now_ms, wall_ms())
     out = explain(state, gw.history, workload, now_ms=now, estimates=estimates)
@@ -541,6 +628,7 @@ def workload_data(gw: Gateway, workload: str, estimates: Any = None) -> dict[str
         return None
     details = [detail_row(k, v, now) for k, v in (out.get("detail") or {}).items()]
     w = state.running.get(workload)
+    live = state.workloads.get(workload)
     job = out.get("job")
     attempts = [
         {
@@ -554,6 +642,10 @@ def workload_data(gw: Gateway, workload: str, estimates: Any = None) -> dict[str
     ]
     return {
         "status": out["status"],
+        "held_by": live.held_by if live is not None and live.held else None,
+        "may": may_act(state, principal, workload),
+        "reason": out.get("reason"),
+        "reason_text": out.get("reason_text"),
         "reasons": out.get("reasons", []),
         "attempts": attempts,
         "details": details,
@@ -567,13 +659,13 @@ def jobs_data(gw: Gateway, query: Any) -> dict[str, Any]:
     ``GET /v1/jobs``), or the reason a field is out of its bound."""
     state = gw.state
     now = max(state.now_ms, wall_ms())
-    form = {k: str(query.get(k, "")).strip() for k in JOBS_SEARCH}
+    form, live_query = search_form(query, JOBS_SEARCH)
     given = {k: v for k, v in form.items() if v}
     given.setdefault("limit", str(JOBS_PAGE_LIMIT))
     out: dict[str, Any] = {
         "form": form,
         "choices": [*STATE_GROUPS, *STATES],
-        "live_query": urllib.parse.urlencode({k: v for k, v in form.items() if v}),
+        "live_query": live_query,
         "rows": [],
         "matched": 0,
         "truncated": False,
@@ -646,20 +738,24 @@ def budget_data(gw: Gateway, principal: str | None) -> dict[str, Any]:
 # -- the live parts of the pages, as HTML ----------------------------------------------
 
 
-def cluster_html(gw: Gateway, hours: int) -> str:
-    return render("cluster_live.html", **cluster_data(gw, hours))
+def cluster_html(gw: Gateway, hours: int, principal: str | None = None) -> str:
+    return render("cluster_live.html", **cluster_data(gw, hours, principal))
 
 
-def queue_html(gw: Gateway, estimates: Any = None) -> str:
-    return render("queue_live.html", **queue_data(gw, estimates))
+def queue_html(
+    gw: Gateway, estimates: Any = None, principal: str | None = None, query: Any = None
+) -> str:
+    return render("queue_live.html", **queue_data(gw, estimates, principal, query))
 
 
 def usage_html(gw: Gateway, hours: int | None = None, team: str | None = None) -> str:
     return render("usage_live.html", **usage_data(gw, hours, team))
 
 
-def workload_html(gw: Gateway, workload: str, estimates: Any = None) -> str | None:
-    data = workload_data(gw, workload, estimates)
+def workload_html(
+    gw: Gateway, workload: str, estimates: Any = None, principal: str | None = None
+) -> str | None:
+    data = workload_data(gw, workload, estimates, principal)
     return (
         None if data is None else render("workload_live.html", wid=workload, found=data, log=None)
     )

@@ -15,11 +15,12 @@ rejected by the scheduler (an ``InputRejected`` decision) when two requests race
 | POST | ``/v1/workloads/{id}/hold`` | -> 202 (pending work is not placed until released) |
 | POST | ``/v1/workloads/{id}/release`` | -> 202 (back at its old place in the queue) |
 | GET | ``/v1/workloads/{id}`` | the workload's status |
-| GET | ``/v1/queue`` | pending in order with position, sort-key ratios and a ``reason`` code; running (``?user=``, ``?team=``, ``?state=pending|running``) |
+| GET | ``/v1/queue`` | pending in order with position, sort-key ratios and a ``reason`` code; running (``?user=``, ``?team=``, ``?state=pending|running``, ``?gpu_type=``) |
 | GET | ``/v1/share`` | budget tree with usage against allocation (``sshare``) |
 | GET | ``/v1/explain/{id}`` | why pending / preempted / ended; an ended one's attempts, exit code, who cancelled, logs |
 | GET | ``/v1/logs/{id}`` | an attempt's output as the agents shipped it (``?attempt=``, ``?node=``, ``?from=`` a byte offset; :mod:`~apportion.services.attempt_logs`) |
-| GET | ``/v1/jobs`` | ended (or any) workloads, newest first (``?state=``, ``?user=``, ``?team=``, ``?id=``, ``?since=``, ``?limit=``; :mod:`~apportion.services.job_history`) |
+| GET | ``/v1/jobs`` | ended (or any) workloads, newest first (``?state=``, ``?user=``, ``?team=``, ``?id=``, ``?since=``, ``?limit=``, ``?gpu_type=``; :mod:`~apportion.services.job_history`) |
+| GET | ``/v1/report`` | accounting: GPU-hours, owed and delivered per team, user or day (``?since=``, ``?until=``, ``?by=``, ``?team=``; :mod:`~apportion.services.report`) |
 | GET | ``/v1/nodes`` | every host: type, GPUs, free, health, drained, running work, last health change (``?state=``) |
 | POST | ``/v1/nodes/{node}/health`` | ``{"state": "healthy"|"draining"|"down", "reason"}`` -> 202 ``{"node","state","seq","duplicate"}`` (operators and the root's owner) |
 | GET | ``/v1/budget`` | the budget tree |
@@ -89,6 +90,7 @@ from apportion.schemas.bounds import (
 )
 from apportion.schemas.events import ANY_GPU_TYPE, HealthState
 from apportion.schemas.reasons import Refusal
+from apportion.schemas.times import with_iso
 from msgspec import Meta
 
 from . import attempt_logs, logs
@@ -99,6 +101,9 @@ from .job_history import DEFAULT_LIMIT as DEFAULT_JOBS_LIMIT
 from .job_history import MAX_LIMIT as MAX_JOBS_LIMIT
 from .job_history import JobQuery, QueryError, list_jobs
 from .metrics import CONTENT_TYPE, GatewayMetrics, route_of
+from .report import MAX_REPORT_MS, REPORT_BY, ReportQuery
+from .report import report as accounting
+from .usage_history import UsageHistory
 from .views import (
     NODE_STATES,
     History,
@@ -107,6 +112,7 @@ from .views import (
     budget_tree,
     estimate_context,
     explain,
+    gpu_types_of,
     nodes_view,
     parse_node_query,
     queue_view,
@@ -277,6 +283,18 @@ def _error(
     return response
 
 
+_ISO_KEY: Any = web.ResponseKey("iso", bool) if hasattr(web, "ResponseKey") else "apportion.iso"
+"""Set on an answer whose times already carry their ISO-8601 strings (:func:`_json`)."""
+
+
+def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON answer with an ISO-8601 UTC ``*_at`` beside every point-in-time ``*_ms``
+    (:func:`~apportion.schemas.times.with_iso`; docs/formats.md, "Times")."""
+    response = web.json_response(with_iso(data), status=status, headers=headers)
+    response[_ISO_KEY] = True
+    return response
+
+
 def _refused(refusal: Refusal) -> web.Response:
     """A request the command layer refused: its code, status and message."""
     return _error(refusal.code, refusal.message)
@@ -367,7 +385,13 @@ class Gateway:
         )
         self.app = web.Application(
             client_max_size=MAX_BODY_BYTES,
-            middlewares=[self._measure, self._errors, self._authenticate, self._caught_up],
+            middlewares=[
+                self._measure,
+                self._errors,
+                self._authenticate,
+                self._caught_up,
+                self._iso_times,
+            ],
         )
         r = self.app.router
         r.add_post("/v1/workloads", self.submit)
@@ -379,6 +403,7 @@ class Gateway:
         r.add_get("/v1/share", self.share)
         r.add_get("/v1/explain/{id}", self.explain)
         r.add_get("/v1/jobs", self.jobs)
+        r.add_get("/v1/report", self.report)
         r.add_get("/v1/nodes", self.nodes)
         r.add_post("/v1/nodes/{node}/health", self.node_health)
         r.add_get("/v1/logs/{id}", self.get_log)
@@ -596,6 +621,26 @@ class Gateway:
                 )
         return await handler(request)
 
+    @web.middleware
+    async def _iso_times(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """A ``/v1/...`` JSON answer made elsewhere than :func:`_json` (the dashboard
+        module's ``/v1/usage/history``) gets its ISO-8601 times here, so every API
+        answer carries them."""
+        response = await handler(request)
+        if (
+            request.path.startswith("/v1/")
+            and isinstance(response, web.Response)
+            and response.content_type == "application/json"
+            and 200 <= response.status < 300
+            and not response.get(_ISO_KEY)
+            and isinstance(response.body, bytes)
+        ):
+            response.body = msgspec.json.encode(with_iso(msgspec.json.decode(response.body)))
+            response[_ISO_KEY] = True
+        return response
+
     async def _final(self, refused: Refusal, again: Callable[[], T | Refusal]) -> T | Refusal:
         """``refused`` if it is final: the view has folded every input stored. Else
         wait (at most :data:`REFUSAL_WAIT_S`) for the view to fold them, asking
@@ -678,9 +723,7 @@ class Gateway:
                 return _refused(checked)
         ack = await _published(self.log.publish_input(event), workload)
         self.logger.info("submitted", workload=workload, seq=ack.seq, duplicate=ack.duplicate)
-        return web.json_response(
-            {"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202
-        )
+        return _json({"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202)
 
     async def cancel(self, request: web.Request) -> web.Response:
         workload = request.match_info["id"]
@@ -695,9 +738,7 @@ class Gateway:
             if isinstance(event, Refusal):
                 return _refused(event)
         ack = await _published(self.log.publish_input(event))
-        return web.json_response(
-            {"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202
-        )
+        return _json({"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202)
 
     async def hold(self, request: web.Request) -> web.Response:
         """``POST /v1/workloads/{id}/hold``: keep a pending workload from being placed
@@ -726,9 +767,7 @@ class Gateway:
                 return _refused(event)
         ack = await _published(self.log.publish_input(event))
         self.logger.info(what, workload=workload, actor=actor, seq=ack.seq)
-        return web.json_response(
-            {"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202
-        )
+        return _json({"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202)
 
     async def get_workload(self, request: web.Request) -> web.Response:
         workload = request.match_info["id"]
@@ -745,26 +784,27 @@ class Gateway:
             else:
                 end = est.ends.get(workload)
                 out["expected_end_ms"] = None if end is None else max(end, now)
-            return web.json_response(out)
+            return _json(out)
         status = self.state.ended.get(workload) or (
             "rejected" if workload in self.history.rejected else None
         )
         if status is None:
             return _error(R.UNKNOWN_WORKLOAD, f"unknown workload {workload!r}")
-        return web.json_response({"workload": workload, "status": status})
+        return _json({"workload": workload, "status": status})
 
     async def queue(self, request: web.Request) -> web.Response:
-        """``GET /v1/queue``, with ``?user=``, ``?team=``, ``?state=pending|running``
-        (a value out of its form or bound: 400 ``bad_query``)."""
+        """``GET /v1/queue``, with ``?user=``, ``?team=``, ``?state=pending|running``,
+        ``?gpu_type=`` (a value out of its form or bound, a GPU type the cluster does
+        not have: 400 ``bad_query``)."""
         try:
-            only = QueueFilter.parse(request.query)
+            only = QueueFilter.parse(request.query, gpu_types_of(self.state))
         except QueryError as exc:
             return _error(R.BAD_QUERY, str(exc))
         est = await self.estimates()
         key = self._estimate_key()
         if self._wait_context is None or self._wait_context[0] != key:
             self._wait_context = (key, WaitContext(self.state))
-        return web.json_response(
+        return _json(
             queue_view(
                 self.state,
                 self.history,
@@ -776,7 +816,7 @@ class Gateway:
         )
 
     async def share(self, request: web.Request) -> web.Response:
-        return web.json_response(budget_tree(self.state, detail=True))
+        return _json(budget_tree(self.state, detail=True))
 
     async def explain(self, request: web.Request) -> web.Response:
         workload = request.match_info["id"]
@@ -784,17 +824,31 @@ class Gateway:
         out = explain(self.state, self.history, workload, now_ms=self.now_ms(), estimates=est)
         if out is None:
             return _error(R.UNKNOWN_WORKLOAD, f"unknown workload {workload!r}")
-        return web.json_response(out)
+        return _json(out)
 
     async def jobs(self, request: web.Request) -> web.Response:
         """``GET /v1/jobs``: ended (or any) workloads with filters (docs/formats.md,
         "Job history"); a parameter out of its bound is a 400 ``bad_query``."""
         now = self.now_ms()
         try:
-            query = JobQuery.parse(request.query, now)
+            query = JobQuery.parse(request.query, now, gpu_types_of(self.state))
         except QueryError as exc:
             return _error(R.BAD_QUERY, str(exc))
-        return web.json_response(list_jobs(self.history.jobs, query, now))
+        return _json(list_jobs(self.history.jobs, query, now))
+
+    async def report(self, request: web.Request) -> web.Response:
+        """``GET /v1/report``: GPU-hours, owed and delivered per team, user or day over
+        the hours the usage history keeps (docs/formats.md, "Report"); a parameter
+        out of its form or bound is a 400 ``bad_query``."""
+        now = self.now_ms()
+        try:
+            query = ReportQuery.parse(request.query, now)
+        except QueryError as exc:
+            return _error(R.BAD_QUERY, str(exc))
+        usage = getattr(self.history, "usage", None)
+        if usage is None:  # a gateway without the dashboard's history keeps no usage
+            usage = UsageHistory()
+        return _json(accounting(usage, self.state.budget, query, now))
 
     async def read_log(
         self, workload: str, attempt: int | None, node: str | None, offset: int
@@ -827,12 +881,10 @@ class Gateway:
             attempt, node, offset = attempt_logs.parse_query(request.query)
         except attempt_logs.LogQueryError as exc:
             return _error(R.BAD_QUERY, str(exc))
-        return web.json_response(
-            await self.read_log(request.match_info["id"], attempt, node, offset)
-        )
+        return _json(await self.read_log(request.match_info["id"], attempt, node, offset))
 
     async def get_budget(self, request: web.Request) -> web.Response:
-        return web.json_response(budget_tree(self.state))
+        return _json(budget_tree(self.state))
 
     async def nodes(self, request: web.Request) -> web.Response:
         """``GET /v1/nodes``: every host like ``sinfo`` (docs/formats.md, "Nodes");
@@ -841,9 +893,7 @@ class Gateway:
             only = parse_node_query(request.query)
         except QueryError as exc:
             return _error(R.BAD_QUERY, str(exc))
-        return web.json_response(
-            nodes_view(self.state, self.history, only=only, now_ms=self.now_ms())
-        )
+        return _json(nodes_view(self.state, self.history, only=only, now_ms=self.now_ms()))
 
     async def node_health(self, request: web.Request) -> web.Response:
         """``POST /v1/nodes/{node}/health``: publish a ``NodeHealthChanged`` by the
@@ -874,7 +924,7 @@ class Gateway:
                 return _refused(event)
         ack = await _published(self.log.publish_input(event))
         self.logger.info("node health", node=node, state=body.state, actor=actor, seq=ack.seq)
-        return web.json_response(
+        return _json(
             {"node": node, "state": body.state, "seq": ack.seq, "duplicate": ack.duplicate},
             status=202,
         )
@@ -903,11 +953,11 @@ class Gateway:
             if isinstance(events, Refusal):
                 return _refused(events)
         acks = await _published(self.log.publish_inputs(list(events)))
-        return web.json_response({"published": len(acks), "last_seq": acks[-1].seq}, status=202)
+        return _json({"published": len(acks), "last_seq": acks[-1].seq}, status=202)
 
     async def status(self, request: web.Request) -> web.Response:
         r = self.follower.reader
-        return web.json_response(
+        return _json(
             {
                 "cluster": self.log.subjects.cluster,
                 "input_seq": self.state.input_seq,
@@ -1002,6 +1052,21 @@ def openapi_document() -> dict[str, Any]:
             "schema": {"type": "string", "maxLength": MAX_PATH_LEN},
         },
     ]
+
+    def query(name: str, description: str, **bounds: Any) -> dict[str, Any]:
+        """A string query parameter (``bounds``: more of its schema, e.g. ``maxLength``)."""
+        return {
+            "name": name,
+            "in": "query",
+            "description": description,
+            "schema": {"type": "string", **bounds},
+        }
+
+    gpu_type = query(  # the filter /v1/queue and /v1/jobs share
+        "gpu_type",
+        "the GPU type the work asked for: one of the cluster's (else 400, listing them) or any",
+        maxLength=MAX_NAME_LEN,
+    )
     unauthenticated = {
         "description": "no credential, or one the gateway does not know",
         "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}},
@@ -1092,6 +1157,7 @@ def openapi_document() -> dict[str, Any]:
                             "description": "only this section (the other is empty)",
                             "schema": {"type": "string", "enum": ["pending", "running"]},
                         },
+                        gpu_type,
                     ],
                     "responses": {"200": ok, "400": err},
                 }
@@ -1113,27 +1179,17 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "summary": "Ended (or any) workloads, newest first, with filters",
                     "parameters": [
-                        {
-                            "name": "state",
-                            "in": "query",
-                            "description": "statuses, comma-separated, or ended (default), "
-                            "live, all",
-                            "schema": {"type": "string"},
-                        },
+                        query(
+                            "state",
+                            "statuses, comma-separated, or held, ended (default), live, all",
+                        ),
                         *user_and_team,
-                        {
-                            "name": "id",
-                            "in": "query",
-                            "description": "part of the workload id",
-                            "schema": {"type": "string", "maxLength": MAX_NAME_LEN},
-                        },
-                        {
-                            "name": "since",
-                            "in": "query",
-                            "description": "ended since: a duration back (2d, 12h; at most a "
-                            "year), an ISO-8601 time or epoch ms",
-                            "schema": {"type": "string"},
-                        },
+                        query("id", "part of the workload id", maxLength=MAX_NAME_LEN),
+                        query(
+                            "since",
+                            "ended since: a duration back (2d, 12h; at most a year), an "
+                            "ISO-8601 time or epoch ms",
+                        ),
                         {
                             "name": "limit",
                             "in": "query",
@@ -1144,6 +1200,38 @@ def openapi_document() -> dict[str, Any]:
                                 "default": DEFAULT_JOBS_LIMIT,
                             },
                         },
+                        gpu_type,
+                    ],
+                    "responses": {"200": ok, "400": err},
+                }
+            },
+            "/v1/report": {
+                "get": {
+                    "summary": "Accounting: GPU-hours used, owed and delivered per team, user "
+                    "or day (like sreport)",
+                    "parameters": [
+                        *(
+                            query(
+                                name,
+                                f"{words}: a duration back (7d, 12h), an ISO-8601 date or time "
+                                "(UTC if no zone), epoch ms or simulated time (day 3 14:05); at "
+                                f"most {MAX_REPORT_MS // 86_400_000} days in all",
+                            )
+                            for name, words in (
+                                ("since", "from (default: the first hour kept)"),
+                                ("until", "to (default: now)"),
+                            )
+                        ),
+                        query(
+                            "by",
+                            f"group rows by one or two of {', '.join(REPORT_BY)}, "
+                            "comma-separated (not team and user; default team)",
+                        ),
+                        query(
+                            "team",
+                            "only teams (and users) at or below this budget path",
+                            maxLength=MAX_PATH_LEN,
+                        ),
                     ],
                     "responses": {"200": ok, "400": err},
                 }

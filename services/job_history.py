@@ -35,20 +35,23 @@ from __future__ import annotations
 import datetime as _dt
 import re
 import shlex
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from apportion.core.state import State
 from apportion.schemas.bounds import MAX_NAME_LEN, MAX_PATH_LEN
 from apportion.schemas.events import (
+    ANY_GPU_TYPE,
     DAY_MS,
     HOUR_MS,
     MINUTE_MS,
     Event,
     WorkloadCancelled,
     WorkloadFinished,
+    WorkloadHeld,
     WorkloadPlaced,
     WorkloadPreempted,
+    WorkloadReleased,
     WorkloadStarted,
     WorkloadSubmitted,
 )
@@ -62,6 +65,8 @@ LIVE_STATES = ("pending", "running")
 STATES = LIVE_STATES + ENDED_STATES
 STATE_GROUPS = {"ended": ENDED_STATES, "live": LIVE_STATES, "all": STATES}
 """Names for several states at once (``--state ended``, the default)."""
+HELD = "held"
+"""``--state held``: pending workloads that are held (``pending`` includes them)."""
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 1000
@@ -138,6 +143,8 @@ class Job:
         "cancelled_by",
         "rejected",
         "attempts",
+        "held_ms",
+        "held_by",
     )
 
     def __init__(self, e: WorkloadSubmitted, now: int) -> None:
@@ -159,6 +166,9 @@ class Job:
         self.cancelled_by: str | None = None
         self.rejected: str | None = None
         self.attempts: list[Attempt] = []
+        self.held_ms: int | None = None
+        """When it was held (``WorkloadHeld``), while it is: pending, not placed."""
+        self.held_by: str | None = None
 
     @property
     def current(self) -> Attempt | None:
@@ -263,6 +273,13 @@ class JobHistory:
             job.cancelled_by = e.actor
             self._end(job, "cancelled", now)
             return e.workload
+        if isinstance(e, WorkloadHeld | WorkloadReleased):
+            job = self.live.get(e.workload)
+            if job is None:
+                return None
+            held = isinstance(e, WorkloadHeld)
+            job.held_ms, job.held_by = (now, e.actor) if held else (None, None)
+            return e.workload
         if isinstance(e, WorkloadStarted):
             job = self.live.get(e.workload)
             run = job.current if job is not None else None
@@ -336,6 +353,7 @@ class JobHistory:
     def _end(self, job: Job, status: str, at_ms: int) -> None:
         self.live.pop(job.workload, None)
         job.status, job.ended_ms = status, at_ms
+        job.held_ms = job.held_by = None
         self._ended(job)
 
     def _ended(self, job: Job) -> None:
@@ -431,6 +449,8 @@ def job_json(job: Job, cluster: str, work_dir: str | None = None) -> dict[str, A
         "cancelled_by": job.cancelled_by,
         "rejected": job.rejected,
         "exit_code": job.exit_code,
+        "held_ms": job.held_ms,
+        "held_by": job.held_by,
         "attempts": [attempt_json(job, a, cluster, work_dir) for a in job.attempts],
     }
 
@@ -452,6 +472,8 @@ def job_row(job: Job) -> dict[str, Any]:
         "last_end": last.end if last is not None else None,
         "exit_code": job.exit_code,
         "cancelled_by": job.cancelled_by,
+        "held_ms": job.held_ms,
+        "held_by": job.held_by,
         "note": _note(job),
     }
 
@@ -462,6 +484,8 @@ def _note(job: Job) -> str:
         return job.rejected
     if job.status == "cancelled":
         return f"cancelled by {job.cancelled_by or '(unknown)'}"
+    if job.held_by is not None:
+        return f"held by {job.held_by or '(unknown)'} (apportion release)"
     last = job.attempts[-1] if job.attempts else None
     if last is None:
         return ""
@@ -584,25 +608,41 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)$")
 _UNIT_MS = {"s": 1000, "m": MINUTE_MS, "min": MINUTE_MS, "h": HOUR_MS, "d": DAY_MS, "w": 7 * DAY_MS}
 
 
+_SIM_TIME = re.compile(r"^day\s+(\d{1,6})(?:\s+(\d{1,2}):(\d{2}))?$", re.IGNORECASE)
+
+
 def parse_since(text: str, now_ms: int) -> int:
-    """``since``: a duration back from now (``90m``, ``12h``, ``2d``, ``1w``; at most
-    a year), an ISO-8601 time (``2026-11-30``, ``2026-11-30T14:05:00Z``; no zone =
-    UTC) or epoch milliseconds; the epoch ms it names."""
+    """``since`` of ``apportion jobs``: see :func:`parse_when`."""
+    return parse_when(text, now_ms, "since")
+
+
+def parse_when(text: str, now_ms: int, name: str) -> int:
+    """A point in time given as a duration back from now (``90m``, ``12h``, ``2d``,
+    ``1w``; at most a year), an ISO-8601 date or time (``2026-11-30``,
+    ``2026-11-30T14:05:00Z``; no zone = UTC), epoch milliseconds, or simulated
+    time (``day 3``, ``day 3 14:05``: day 0 starts at epoch 0); the epoch ms it
+    names. :class:`QueryError` (naming the parameter ``name``) otherwise."""
     t = text.strip()
     m = _DURATION.match(t)
     if m:
         ms = int(float(m.group(1)) * _UNIT_MS[m.group(2)])
         if ms > MAX_SINCE_MS:
-            raise QueryError(f"since: {text!r} is more than a year back (use an ISO time)")
+            raise QueryError(f"{name}: {text!r} is more than a year back (use an ISO time)")
         return now_ms - ms
     if t.isdigit() and len(t) <= 15:
         return int(t)
+    sim = _SIM_TIME.match(t)
+    if sim:
+        hour, minute = int(sim[2] or 0), int(sim[3] or 0)
+        if hour > 23 or minute > 59:
+            raise QueryError(f"{name}: {text!r}: the time of day is HH:MM, 00:00 to 23:59")
+        return (int(sim[1]) * 24 * 60 + hour * 60 + minute) * MINUTE_MS
     try:
         when = _dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
     except ValueError:
         raise QueryError(
-            f"since: {text[:64]!r} is neither a duration (2d, 12h, 90m), an ISO-8601 time "
-            "(2026-11-30T14:05:00Z) nor epoch ms"
+            f"{name}: {text[:64]!r} is neither a duration (2d, 12h, 90m), an ISO-8601 time "
+            "(2026-11-30T14:05:00Z), a simulated time (day 3 14:05) nor epoch ms"
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=_dt.UTC)
@@ -612,7 +652,7 @@ def parse_since(text: str, now_ms: int) -> int:
 class JobQuery:
     """Which jobs to list: every filter given must hold."""
 
-    __slots__ = ("states", "user", "team", "id", "since_ms", "limit")
+    __slots__ = ("states", "user", "team", "id", "since_ms", "limit", "gpu_type")
 
     def __init__(
         self,
@@ -622,6 +662,7 @@ class JobQuery:
         id: str | None = None,
         since_ms: int | None = None,
         limit: int = DEFAULT_LIMIT,
+        gpu_type: str | None = None,
     ) -> None:
         self.states = states
         self.user = user
@@ -629,16 +670,19 @@ class JobQuery:
         self.id = id
         self.since_ms = since_ms
         self.limit = limit
+        self.gpu_type = gpu_type
 
     @classmethod
-    def parse(cls, query: Mapping[str, str], now_ms: int) -> JobQuery:
+    def parse(
+        cls, query: Mapping[str, str], now_ms: int, gpu_types: Iterable[str] = ()
+    ) -> JobQuery:
         """From query parameters (``state``, ``user``, ``team``, ``id``, ``since``,
-        ``limit``); :class:`QueryError` names the first one out of bounds."""
-        unknown = sorted(set(query) - {"state", "user", "team", "id", "since", "limit"})
+        ``limit``, ``gpu_type``: one of ``gpu_types``, the cluster's, or ``any``);
+        :class:`QueryError` names the first one out of bounds."""
+        names = ("state", "user", "team", "id", "since", "limit", "gpu_type")
+        unknown = sorted(set(query) - set(names))
         if unknown:
-            raise QueryError(
-                f"unknown parameter {unknown[0][:64]!r} (known: state, user, team, id, since, limit)"
-            )
+            raise QueryError(f"unknown parameter {unknown[0][:64]!r} (known: {', '.join(names)})")
         states = parse_states(query.get("state", "ended"))
         user = _bounded(query, "user", MAX_NAME_LEN)
         team = _bounded(query, "team", MAX_PATH_LEN)
@@ -652,10 +696,13 @@ class JobQuery:
             if not text.isdigit() or not 1 <= int(text) <= MAX_LIMIT:
                 raise QueryError(f"limit: a whole number from 1 to {MAX_LIMIT}")
             limit = int(text)
-        return cls(states, user, team, wid, since, limit)
+        gpu_type = parse_gpu_type(query.get("gpu_type"), gpu_types)
+        return cls(states, user, team, wid, since, limit, gpu_type)
 
     def matches(self, job: Job) -> bool:
-        if job.status not in self.states:
+        if job.status not in self.states and not (HELD in self.states and job.held_ms is not None):
+            return False
+        if self.gpu_type is not None and (job.gpu_type or ANY_GPU_TYPE) != self.gpu_type:
             return False
         if self.user is not None and job.submitted_by != self.user:
             return False
@@ -669,22 +716,39 @@ class JobQuery:
 
 
 def parse_states(text: str) -> tuple[str, ...]:
-    """``state``: statuses and groups (``ended``, ``live``, ``all``), comma-separated."""
+    """``state``: statuses, ``held``, and groups (``ended``, ``live``, ``all``),
+    comma-separated."""
     out: list[str] = []
     for part in text.split(","):
         name = part.strip().lower()
         if not name:
             continue
-        group = STATE_GROUPS.get(name, (name,) if name in STATES else None)
+        group = STATE_GROUPS.get(name, (name,) if name in (*STATES, HELD) else None)
         if group is None:
             raise QueryError(
-                f"state: {name[:32]!r} is not one of {', '.join(STATES)} "
+                f"state: {name[:32]!r} is not one of {', '.join(STATES)}, {HELD} "
                 f"(or {', '.join(STATE_GROUPS)})"
             )
         out.extend(s for s in group if s not in out)
     if not out:
         raise QueryError(f"state: give one of {', '.join(STATES)} (or {', '.join(STATE_GROUPS)})")
     return tuple(out)
+
+
+def parse_gpu_type(text: str | None, known: Iterable[str]) -> str | None:
+    """The ``gpu_type`` filter of ``/v1/queue`` and ``/v1/jobs``: one of the cluster's
+    types (``known``) or ``any`` (work that takes any type); ``None`` when not given.
+    :class:`QueryError` lists the known ones."""
+    if not text:
+        return None
+    types = list(known)
+    if text not in types and text != ANY_GPU_TYPE:
+        listed = ", ".join(types) or "none registered"
+        raise QueryError(
+            f"gpu_type: {text[:64]!r} is not a GPU type of this cluster "
+            f"(known: {listed}; or {ANY_GPU_TYPE})"
+        )
+    return text
 
 
 def _bounded(query: Mapping[str, str], name: str, most: int) -> str | None:

@@ -9,6 +9,8 @@ applied to the live history the gateway follows instead of a projection:
   (``min_runtime > 0``) workloads between their accepted submission and their
   end, pending or running;
 - **used**: GPU-time of its allocated runs in the hour (placement to end);
+- **free**: GPU-time of its unallocated (``min_runtime == 0``) runs in the hour
+  (charged to nobody; ``apportion report`` shows it beside the used time);
 - **owed** = min(global share x healthy GPU-time of the hour, demand);
 - **delivered** = min(used, owed) (:func:`owed_delivered`).
 
@@ -19,11 +21,13 @@ as the KPIs count them), its owed is capped by that sum. Shares are the current
 budget tree's (as the KPIs take the budget table).
 
 :class:`UsageHistory` keeps this incrementally from the canonical history, in
-exact integer GPU-milliseconds: three piecewise-constant rates (healthy GPUs;
-per leaf, GPUs demanded and GPUs running allocated work), each credited to
+exact integer GPU-milliseconds: four piecewise-constant rates (healthy GPUs;
+per leaf, GPUs demanded, GPUs running allocated work and GPUs running
+unallocated work), each credited to
 hour buckets (UTC hours, ``epoch_ms // HOUR_MS``) when it changes. Only the
 lookback window's hours are kept (the policy's ``lookback``, 7 days by
-default); older ones are dropped. An input counts only once the cycle after it
+default; ``keep_ms`` keeps more, as the offline ``apportion report`` does);
+older ones are dropped. An input counts only once the cycle after it
 has said whether the fold refused it (its ``InputRejected``): inputs are held
 until the next decision batch (every part of it), then applied at their own
 times, so a refused submission or cancel never moves a line.
@@ -67,18 +71,24 @@ def owed_delivered(
     return owed, min(used_gpu_ms, owed)
 
 
+def _ran(w: _Live) -> str:
+    """The rate a run of ``w`` counts in: ``used`` (allocated) or ``free``."""
+    return "used" if w.allocated else "free"
+
+
 def hours_in(window_ms: int) -> int:
     """How many hours a window covers (a partial hour counts)."""
     return max(1, -(-window_ms // HOUR_MS))
 
 
 class _Hour:
-    __slots__ = ("healthy", "demand", "used")
+    __slots__ = ("healthy", "demand", "used", "free")
 
     def __init__(self) -> None:
         self.healthy = 0
         self.demand: dict[str, int] = {}
         self.used: dict[str, int] = {}
+        self.free: dict[str, int] = {}
 
 
 class _Live:
@@ -99,9 +109,11 @@ class UsageHistory:
     :func:`usage_over_time`. It folds nothing and needs no state: it follows the
     events the fold accepted (see the module doc)."""
 
-    def __init__(self, window_ms: int = DEFAULT_WINDOW_MS) -> None:
+    def __init__(self, window_ms: int = DEFAULT_WINDOW_MS, keep_ms: int | None = None) -> None:
         self.window_ms = window_ms
         """The lookback: hours older than it are dropped (a ``PolicySet`` changes it)."""
+        self.keep_ms = keep_ms
+        """When set, hours are kept this long instead of the lookback (whatever the policy)."""
         self.clock = 0
         """Time of the last input applied (the fold's clock: it never goes back)."""
         self.first_ms: int | None = None
@@ -118,6 +130,8 @@ class UsageHistory:
         """Leaf -> ``[GPUs demanded, since ms]``."""
         self.used: dict[str, list[int]] = {}
         """Leaf -> ``[GPUs of allocated runs, since ms]``."""
+        self.free: dict[str, list[int]] = {}
+        """Leaf -> ``[GPUs of unallocated runs, since ms]``."""
         self._held: list[InputItem] = []
         self._held_decisions: list[Any] = []
         self._refused: Counter[str] = Counter()
@@ -173,7 +187,7 @@ class UsageHistory:
                 return
             w = self.live[e.workload] = _Live(e.owner, e.gpus, is_allocated(e))
             if w.allocated:
-                self._change(self.demand, w.leaf, w.gpus, now)
+                self._change("demand", w.leaf, w.gpus, now)
         elif isinstance(e, WorkloadCancelled | WorkloadFinished):
             gone = self.live.pop(e.workload, None)
             if gone is not None:
@@ -201,34 +215,35 @@ class UsageHistory:
             w = self.live.get(d.workload)
             if w is not None and not w.running:
                 w.running = True
-                if w.allocated:
-                    self._change(self.used, w.leaf, w.gpus, now)
+                self._change(_ran(w), w.leaf, w.gpus, now)
         elif isinstance(d, WorkloadPreempted):
             w = self.live.get(d.workload)
             if w is None:
                 return
             if d.requeued:
-                if w.running and w.allocated:
-                    self._change(self.used, w.leaf, -w.gpus, now)
+                if w.running:
+                    self._change(_ran(w), w.leaf, -w.gpus, now)
                 w.running = False
             else:
                 del self.live[d.workload]
                 self._end(w, now)
 
     def _end(self, w: _Live, now: int) -> None:
-        if not w.allocated:
-            return
         if w.running:
-            self._change(self.used, w.leaf, -w.gpus, now)
-        self._change(self.demand, w.leaf, -w.gpus, now)
+            self._change(_ran(w), w.leaf, -w.gpus, now)
+        if w.allocated:
+            self._change("demand", w.leaf, -w.gpus, now)
 
     # -- rates and hour buckets ------------------------------------------------
-    def _change(self, table: dict[str, list[int]], leaf: str, delta: int, now: int) -> None:
+    def _change(self, kind: str, leaf: str, delta: int, now: int) -> None:
+        """Leaf ``leaf``'s ``kind`` rate (``demand``, ``used`` or ``free``) changes by
+        ``delta`` GPUs at ``now``: what it was is credited up to ``now`` first."""
+        table: dict[str, list[int]] = getattr(self, kind)
         rate = table.get(leaf)
         if rate is None:
             table[leaf] = [delta, now]
             return
-        self._credit(table is self.demand, leaf, rate[0], rate[1], now)
+        self._credit(kind, leaf, rate[0], rate[1], now)
         rate[0] += delta
         rate[1] = now
 
@@ -239,9 +254,9 @@ class UsageHistory:
         self.healthy[0] += delta
         self.healthy[1] = now
 
-    def _credit(self, demand: bool | None, leaf: str, rate: int, t0: int, t1: int) -> None:
-        """Add ``rate`` GPUs over ``[t0, t1)`` to the hours (``demand``: True for
-        demand, False for use, None for healthy capacity)."""
+    def _credit(self, kind: str | None, leaf: str, rate: int, t0: int, t1: int) -> None:
+        """Add ``rate`` GPUs over ``[t0, t1)`` to the hours (``kind``: ``demand``,
+        ``used`` or ``free`` of ``leaf``; ``None`` for healthy capacity)."""
         if rate == 0:
             return
         t0 = max(t0, self._oldest_ms(t1))
@@ -250,15 +265,16 @@ class UsageHistory:
             bucket = hours.get(h)
             if bucket is None:
                 bucket = hours[h] = _Hour()
-            if demand is None:
+            if kind is None:
                 bucket.healthy += rate * ms
             else:
-                table = bucket.demand if demand else bucket.used
+                table: dict[str, int] = getattr(bucket, kind)
                 table[leaf] = table.get(leaf, 0) + rate * ms
 
     def _oldest_ms(self, now: int) -> int:
         """Start of the oldest hour kept at ``now``."""
-        return (now // HOUR_MS - hours_in(self.window_ms)) * HOUR_MS
+        kept = self.window_ms if self.keep_ms is None else self.keep_ms
+        return (now // HOUR_MS - hours_in(kept)) * HOUR_MS
 
     def _prune(self) -> None:
         oldest = self._oldest_ms(self.clock) // HOUR_MS
@@ -268,7 +284,7 @@ class UsageHistory:
         for h in [h for h in self.hours if h < oldest]:
             del self.hours[h]
         # (a rate open since before the window is clipped to it when credited)
-        for table in (self.demand, self.used):
+        for table in (self.demand, self.used, self.free):
             for leaf in [leaf for leaf, (r, _) in table.items() if r == 0]:
                 del table[leaf]  # an idle leaf holds no memory
 
@@ -283,26 +299,38 @@ class UsageHistory:
         last = now_ms // HOUR_MS if now_ms % HOUR_MS else now_ms // HOUR_MS - 1
         return max(1, min(most, last - self.first_ms // HOUR_MS + 1))
 
-    def hourly(self, now_ms: int, hours: int | None = None) -> Hourly:
+    def kept_from_ms(self) -> int | None:
+        """Start of the first whole hour held (``None``: no data yet): the hour of the
+        first input, or the oldest hour not dropped, whichever is later."""
+        if self.first_ms is None:
+            return None
+        return max(self.first_ms // HOUR_MS * HOUR_MS, self._oldest_ms(self.clock))
+
+    def hourly(
+        self, now_ms: int, hours: int | None = None, *, last_hour: int | None = None
+    ) -> Hourly:
         """The last ``hours`` hours (default: the lookback window's) up to the one
-        holding ``now_ms``, the open rates credited up to ``now_ms``. Changes nothing."""
+        holding ``now_ms`` (or up to hour index ``last_hour``), the open rates credited
+        up to ``now_ms``. Changes nothing."""
         now_ms = max(now_ms, self.clock)
         n = hours if hours is not None else hours_in(self.window_ms)
         last = now_ms // HOUR_MS if now_ms % HOUR_MS else now_ms // HOUR_MS - 1
+        if last_hour is not None:
+            last = last_hour
         first = last - n + 1
         index = {h: i for i, h in enumerate(range(first, last + 1))}
         healthy = [0] * n
         demand: dict[str, list[int]] = {}
         used: dict[str, list[int]] = {}
+        free: dict[str, list[int]] = {}
         for h, bucket in self.hours.items():
             i = index.get(h)
             if i is None:
                 continue
             healthy[i] += bucket.healthy
-            for leaf, ms in bucket.demand.items():
-                demand.setdefault(leaf, [0] * n)[i] += ms
-            for leaf, ms in bucket.used.items():
-                used.setdefault(leaf, [0] * n)[i] += ms
+            for table, out in ((bucket.demand, demand), (bucket.used, used), (bucket.free, free)):
+                for leaf, ms in table.items():
+                    out.setdefault(leaf, [0] * n)[i] += ms
         start = first * HOUR_MS
 
         def add_open(row: list[int], rate: int, since: int) -> None:
@@ -312,18 +340,19 @@ class UsageHistory:
                     row[i] += rate * ms
 
         add_open(healthy, self.healthy[0], self.healthy[1])
-        for table, out in ((self.demand, demand), (self.used, used)):
-            for leaf, (rate, since) in table.items():
+        for rates, out in ((self.demand, demand), (self.used, used), (self.free, free)):
+            for leaf, (rate, since) in rates.items():
                 if rate:
                     add_open(out.setdefault(leaf, [0] * n), rate, since)
-        return Hourly(start, n, now_ms, healthy, demand, used)
+        return Hourly(start, n, now_ms, healthy, demand, used, free)
 
 
 class Hourly:
     """GPU-ms per hour of ``n`` hours from ``start_ms``: healthy capacity, and per
-    leaf demand and use (exact integers; the last hour runs to ``now_ms``)."""
+    leaf demand, use and free (unallocated) use (exact integers; the last hour
+    runs to ``now_ms``)."""
 
-    __slots__ = ("start_ms", "n", "now_ms", "healthy", "demand", "used")
+    __slots__ = ("start_ms", "n", "now_ms", "healthy", "demand", "used", "free")
 
     def __init__(
         self,
@@ -333,6 +362,7 @@ class Hourly:
         healthy: list[int],
         demand: dict[str, list[int]],
         used: dict[str, list[int]],
+        free: dict[str, list[int]] | None = None,
     ) -> None:
         self.start_ms = start_ms
         self.n = n
@@ -340,18 +370,22 @@ class Hourly:
         self.healthy = healthy
         self.demand = demand
         self.used = used
+        self.free = free if free is not None else {}
 
     def summed(self, leaves: Iterable[str]) -> tuple[list[int], list[int]]:
         """Demand and use of ``leaves`` together, per hour."""
-        demand = [0] * self.n
-        used = [0] * self.n
+        return self.summed_of(leaves, self.demand), self.summed_of(leaves, self.used)
+
+    def summed_of(self, leaves: Iterable[str], table: dict[str, list[int]]) -> list[int]:
+        """``table``'s rows (:attr:`demand`, :attr:`used` or :attr:`free`) of ``leaves``
+        added up, per hour."""
+        row = [0] * self.n
         for leaf in leaves:
-            for row, table in ((demand, self.demand), (used, self.used)):
-                got = table.get(leaf)
-                if got is not None:
-                    for i, ms in enumerate(got):
-                        row[i] += ms
-        return demand, used
+            got = table.get(leaf)
+            if got is not None:
+                for i, ms in enumerate(got):
+                    row[i] += ms
+        return row
 
     def node(self, path: str, share: Fraction, leaves: Iterable[str]) -> dict[str, Any]:
         """One budget node (``share``: its global share) over the hours: per hour and

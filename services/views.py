@@ -34,6 +34,7 @@ from apportion.core.rules.gpu_types import is_any, overlap, takes
 from apportion.core.state import ClusterNode, State, Workload
 from apportion.schemas.bounds import MAX_NAME_LEN, MAX_PATH_LEN
 from apportion.schemas.events import (
+    ANY_GPU_TYPE,
     HOUR_MS,
     InputRejected,
     NodeHealthChanged,
@@ -44,7 +45,7 @@ from apportion.schemas.events import (
 from apportion.schemas.history import HistoryItem, InputItem
 from msgspec import UNSET
 
-from .job_history import JobHistory, QueryError, job_json, job_words
+from .job_history import JobHistory, QueryError, job_json, job_words, parse_gpu_type
 
 DAY_MS = 24 * 3_600_000
 SIMULATED_BEFORE_MS = 946_684_800_000
@@ -253,6 +254,11 @@ QUEUE_STATES = ("pending", "running")
 """The values of ``apportion queue --state`` and ``GET /v1/queue?state=``."""
 
 
+def gpu_types_of(state: State) -> list[str]:
+    """The GPU types of the cluster's nodes, sorted (what ``--gpu-type`` may name)."""
+    return sorted({n.gpu_type for n in state.nodes.values()})
+
+
 class QueueFilter(msgspec.Struct, frozen=True):
     """Which workloads ``queue`` shows (like ``squeue -u/-A/-t``): every filter given
     must hold; ``None``: any."""
@@ -263,14 +269,19 @@ class QueueFilter(msgspec.Struct, frozen=True):
     """The owner leaf is this budget path or below it (by whole segments)."""
     state: str | None = None
     """``pending`` or ``running``: the other section is left empty."""
+    gpu_type: str | None = None
+    """The GPU type the workload asked for (``any``: work that takes any type)."""
 
     @classmethod
-    def parse(cls, query: Any) -> QueueFilter:
-        """From ``GET /v1/queue``'s parameters; :class:`QueryError` names the first one
-        out of its form or bound."""
-        unknown = sorted(set(query) - {"user", "team", "state"})
+    def parse(cls, query: Any, gpu_types: Iterable[str] = ()) -> QueueFilter:
+        """From ``GET /v1/queue``'s parameters (``gpu_types``: the cluster's, that
+        ``gpu_type`` must name); :class:`QueryError` names the first one out of its
+        form or bound."""
+        unknown = sorted(set(query) - {"user", "team", "state", "gpu_type"})
         if unknown:
-            raise QueryError(f"unknown parameter {unknown[0][:64]!r} (known: user, team, state)")
+            raise QueryError(
+                f"unknown parameter {unknown[0][:64]!r} (known: user, team, state, gpu_type)"
+            )
         user = query.get("user") or None
         if user is not None and len(user) > MAX_NAME_LEN:
             raise QueryError(f"user: at most {MAX_NAME_LEN} characters")
@@ -282,10 +293,12 @@ class QueueFilter(msgspec.Struct, frozen=True):
         state = query.get("state") or None
         if state is not None and state not in QUEUE_STATES:
             raise QueryError(f"state: {state[:64]!r} is not one of {', '.join(QUEUE_STATES)}")
-        return cls(user, team, state)
+        return cls(user, team, state, parse_gpu_type(query.get("gpu_type"), gpu_types))
 
     def matches(self, w: Workload) -> bool:
         if self.state is not None and w.status != self.state:
+            return False
+        if self.gpu_type is not None and (w.gpu_type or ANY_GPU_TYPE) != self.gpu_type:
             return False
         if self.user is not None and w.submitted_by != self.user:
             return False
@@ -295,7 +308,12 @@ class QueueFilter(msgspec.Struct, frozen=True):
         )
 
     def as_json(self) -> dict[str, str | None]:
-        return {"user": self.user, "team": self.team, "state": self.state}
+        return {
+            "user": self.user,
+            "team": self.team,
+            "state": self.state,
+            "gpu_type": self.gpu_type,
+        }
 
 
 WAIT_REASONS: dict[str, str] = {

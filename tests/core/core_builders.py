@@ -37,8 +37,10 @@ from apportion.schemas.events import (
     Slot,
     WorkloadCancelled,
     WorkloadFinished,
+    WorkloadHeld,
     WorkloadPlaced,
     WorkloadPreempted,
+    WorkloadReleased,
     WorkloadStarted,
     WorkloadSubmitted,
 )
@@ -258,7 +260,7 @@ def sample_events() -> list[Event]:
     """One event of every kind, every optional field set to a non-default value somewhere."""
     return [
         NodeRegistered(id="i1", at_ms=1, node="n1", gpus=8, gpu_type="h100"),
-        NodeHealthChanged(id="i2", at_ms=2, node="n1", state="draining"),
+        NodeHealthChanged(id="i2", at_ms=2, node="n1", state="draining", reason="bad fan"),
         BudgetSet(id="i3", at_ms=3, path="llm/pretrain", weight=3, owner="bob", actor="alice"),
         BudgetRemoved(id="i4", at_ms=4, path="llm/old", actor="alice"),
         PolicySet(
@@ -294,6 +296,8 @@ def sample_events() -> list[Event]:
             grace_ms=60_000,
         ),
         WorkloadCancelled(id="i7", at_ms=7, workload="w1", actor="carol"),
+        WorkloadHeld(id="i12", at_ms=7, workload="w1", actor="carol"),
+        WorkloadReleased(id="i13", at_ms=7, workload="w1", actor="ops"),
         WorkloadFinished(
             id="i8", at_ms=8, workload="w1", outcome="failed", attempt=2, exit_code=-9, actor="x"
         ),
@@ -327,7 +331,8 @@ def reference_order(state: State) -> list[str]:
     """The documented order taken literally: per level ``(ratio, -weight, path)`` from
     the top level down, ratio = (charged usage + committed) / weight, committed = GPUs
     x the rest of the protection of running allocated work under the path (not on a
-    down node); then ``-priority``, submit time, id; unallocated after, by submit time, id."""
+    down node); then ``-priority``, submit time, id; unallocated after, by submit time, id.
+    Held work is out of the order (no cycle walks it)."""
     nodes = state.budget.nodes
     now = state.now_ms
 
@@ -350,4 +355,4 @@ def reference_order(state: State) -> list[str]:
         ]
         return (0, levels, -w.priority, w.submitted_ms, w.id)
 
-    return [w.id for w in sorted(state.pending.values(), key=key)]
+    return [w.id for w in sorted((w for w in state.pending.values() if not w.held), key=key)]

@@ -1,8 +1,8 @@
 """A hypothesis state machine over random histories, checked against an independent model.
 
 Inputs are random (valid and invalid budget edits incl. removals, node
-registrations and health changes, submissions, cancels, finishes, clock ticks,
-some stamped in the past); decisions are built by the test the way a scheduler
+registrations and health changes, submissions, cancels, holds and releases,
+finishes, clock ticks, some stamped in the past); decisions are built by the test the way a scheduler
 may make them (place a pending workload on free GPUs of healthy nodes; preempt a
 running one, requeued iff resumable; announce rejections; announce drained
 nodes), because ``decide()`` is not this test's subject. Some preemptions give
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from apportion.core import State, apply, fold, queue_order
 from apportion.core.budget import ancestors_of
+from apportion.core.cycle import decide
 from apportion.schemas.events import (
     DAY_MS,
     HOUR_MS,
@@ -35,12 +36,15 @@ from apportion.schemas.events import (
     Slot,
     WorkloadCancelled,
     WorkloadFinished,
+    WorkloadHeld,
     WorkloadPlaced,
     WorkloadPreempted,
+    WorkloadReleased,
     WorkloadSubmitted,
 )
 from core_builders import reference_order
 from hypothesis import HealthCheck, settings
+from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -84,6 +88,8 @@ class FoldMachine(RuleBasedStateMachine):
         self.submitted: dict[str, int] = {}
         self.stops: dict[str, tuple[int, bool]] = {}
         """Runs preempted with notice: workload -> (deadline, requeued)."""
+        self.held: dict[str, str] = {}
+        """Held workloads (pending, out of scheduling) -> who held them."""
 
     # -- plumbing -------------------------------------------------------------
     def _id(self) -> str:
@@ -321,7 +327,48 @@ class FoldMachine(RuleBasedStateMachine):
         if accepted:  # a cancel during a notice ends the run at once
             self._end_run(wid)
             self.stops.pop(wid, None)
+            self.held.pop(wid, None)
             self.model_status[wid] = "cancelled"
+
+    @rule(data=st.data(), release=st.booleans())
+    def hold(self, data, release: bool) -> None:
+        """Hold a workload (only a pending one not held already), or release one (only
+        a held one), as its submitter, the root's owner or someone without authority."""
+        likely = sorted(self.held) if release else sorted(self.state.pending)
+        pool = likely if likely and data.draw(st.booleans()) else [*self.ids, "ghost"]
+        wid = data.draw(st.sampled_from(pool))
+        spec = self.specs.get(wid)
+        actor = data.draw(st.sampled_from([spec.submitted_by if spec else ADMIN, ADMIN, "mallory"]))
+        self.end_stops(self.stamp())
+        if release:
+            expect = wid in self.held and actor != "mallory"
+            event: Event = WorkloadReleased(
+                id=self._id(), at_ms=self.stamp(), workload=wid, actor=actor
+            )
+        else:
+            expect = (
+                self.model_status.get(wid) == "pending"
+                and wid not in self.held
+                and actor != "mallory"
+            )
+            event = WorkloadHeld(id=self._id(), at_ms=self.stamp(), workload=wid, actor=actor)
+        assert self.feed(event) == expect
+        hypothesis_event(
+            f"{'release' if release else 'hold'} {'accepted' if expect else 'refused'}"
+        )
+        if not expect:
+            return
+        order = [w.id for w in queue_order(self.state)]
+        if release:
+            del self.held[wid]
+            assert wid in order and not self.state.workloads[wid].held  # placeable again
+        else:
+            self.held[wid] = actor
+            assert wid not in order  # no cycle walks it
+            placed = {
+                d.workload for d in decide(self.state).decisions if isinstance(d, WorkloadPlaced)
+            }
+            assert not placed & set(self.held), "the scheduler placed held work"
 
     @rule(data=st.data(), outcome=st.sampled_from(["succeeded", "failed"]))
     def finish(self, data, outcome) -> None:
@@ -394,6 +441,8 @@ class FoldMachine(RuleBasedStateMachine):
         out = []
         healthy = [n for n in self.state.nodes.values() if n.health == "healthy"]
         for w in self.state.pending.values():
+            if w.held:
+                continue  # held work is not placed (the fold refuses it as corrupt)
             fits = [n for n in healthy if w.gpu_type in ("any", n.gpu_type)]
             single = [n for n in fits if n.free >= w.gpus]
             if single:
@@ -551,6 +600,15 @@ class FoldMachine(RuleBasedStateMachine):
                 assert live.submitted_ms == self.submitted[wid], wid
 
     @invariant()
+    def held_work_is_pending_and_never_placed(self) -> None:
+        held = {wid: w.held_by for wid, w in self.state.workloads.items() if w.held}
+        assert held == self.held
+        for wid in held:
+            w = self.state.workloads[wid]
+            assert w.status == "pending" and wid not in self.state.running and not w.placement
+            assert w.held_ms is not None and w.held_ms <= self.now
+
+    @invariant()
     def order_is_the_literal_definition(self) -> None:
         assert [w.id for w in queue_order(self.state)] == reference_order(self.state)
 
@@ -570,6 +628,8 @@ class FoldMachine(RuleBasedStateMachine):
         by_shape: dict[str, dict[tuple[str, int, int], list[tuple[int, int, str]]]] = {}
         free: list[tuple[int, str]] = []
         for w in self.state.pending.values():
+            if w.held:
+                continue  # out of the index until released
             if w.min_runtime_ms > 0:
                 key = (-w.priority, w.submitted_ms, w.id)
                 by_leaf.setdefault(w.owner, []).append(key)

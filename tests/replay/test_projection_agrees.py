@@ -64,7 +64,8 @@ def disagreements(state: State, con: duckdb.DuckDBPyConnection) -> list[str]:
     rows = {
         r[0]: r
         for r in con.execute(
-            "SELECT workload, status, preemptions, submitted_ms, first_placed_ms FROM workloads"
+            "SELECT workload, status, preemptions, submitted_ms, first_placed_ms, held_ms, "
+            "held_by FROM workloads"
         ).fetchall()
     }
     for wid in sorted(set(state.workloads) | set(state.ended)):
@@ -79,7 +80,7 @@ def disagreements(state: State, con: duckdb.DuckDBPyConnection) -> list[str]:
             "GROUP BY workload"
         ).fetchall()
     )
-    for wid, (_, status, preemptions, submitted, first) in sorted(rows.items()):
+    for wid, (_, status, preemptions, submitted, first, held_ms, held_by) in sorted(rows.items()):
         folded = state.status_of(wid)
         if status == "rejected":
             if folded is not None:
@@ -88,6 +89,9 @@ def disagreements(state: State, con: duckdb.DuckDBPyConnection) -> list[str]:
         if status != folded:
             out.append(f"{wid}: status {status}, fold {folded}")
         w = state.workloads.get(wid)
+        fold_held = (None, None) if w is None or not w.held else (w.held_ms, w.held_by)
+        if (held_ms, held_by) != fold_held:
+            out.append(f"{wid}: held {(held_ms, held_by)}, fold {fold_held}")
         if w is None:
             continue
         mine = (preemptions, submitted, first, attempts.get(wid, 0), ran.get(wid, 0))

@@ -29,6 +29,14 @@ PRINCIPALS = ("ops", "alice", "a", "b", "vic", "mallory")
 ``mallory``, who owns nothing."""
 
 
+def cli_env(url: str, token_file: Any) -> dict[str, str]:
+    """The environment of a command-line client of the gateway at ``url``, acting as
+    the principal of ``token_file``."""
+    import os
+
+    return {**os.environ, "APPORTION_URL": url, "APPORTION_TOKEN_FILE": str(token_file)}
+
+
 def small_cluster(nodes: int = 2, gpus: int = 8) -> list[Input]:
     """``nodes`` h100 nodes of ``gpus`` GPUs; budget root(ops) -> llm(alice) -> llm/a, llm/b; vision."""
     events: list[Input] = [

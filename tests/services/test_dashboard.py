@@ -154,6 +154,87 @@ def test_the_pages_render_from_the_state() -> None:
     assert "edit-" not in budget_html(gw, "mallory")  # type: ignore[arg-type]
 
 
+def test_node_actions_reason_codes_and_hold_buttons_follow_the_folds_rules() -> None:
+    from apportion.schemas.events import NodeHealthChanged, WorkloadHeld
+
+    f = Folded()
+    for e in small_cluster():
+        f.feed(at(e, T0))
+    f.feed(at(submit("big", gpus=16, min_runtime_ms=HOUR, submitted_by="a"), T0 + 1))
+    f.feed(at(submit("next", gpus=8, min_runtime_ms=HOUR, submitted_by="a"), T0 + 2))
+    f.feed(at(submit("kept", "llm/b", 8, HOUR, submitted_by="b"), T0 + 3))
+    f.feed(WorkloadHeld(id="hold-1", at_ms=T0 + 4, workload="kept", actor="b"))
+    f.feed(
+        NodeHealthChanged(
+            id="h-1", at_ms=T0 + 5, node="h001", state="draining", actor="ops", reason="bad DIMM"
+        )
+    )
+    gw = SimpleNamespace(state=f.state, history=f.history, auth=None, url=None)
+
+    # the node table: state, GPUs used / free, protection, the last change and its reason
+    ops = cluster_html(gw, 6, "ops")  # type: ignore[arg-type]
+    row = re.search(r'<tr data-node="h001">.*?</tr>', ops)
+    assert row is not None
+    assert 'class="node-state draining">draining<' in row[0]
+    assert "8 / 0" in row[0]  # used / free
+    assert "by ops" in row[0] and '<q class="reason">bad DIMM</q>' in row[0]
+    # operators (the root's owner) get a form per node with what its state allows
+    forms = dict(
+        re.findall(r'<form method="post" action="/ui/node/(\w+)/health"[^>]*>(.*?)</form>', ops)
+    )
+    assert set(forms) == {"h000", "h001"}
+    buttons = {
+        n: re.findall(r'name="state" value="(\w+)"[^>]*>(\w+)<', b) for n, b in forms.items()
+    }
+    assert buttons["h000"] == [("draining", "Drain"), ("down", "Down")]
+    assert buttons["h001"] == [("healthy", "Undrain"), ("down", "Down")]
+    assert 'name="reason"' in forms["h000"]
+    # anyone else sees the table without a form or an actions column
+    for viewer in ("alice", "mallory", None):
+        other = cluster_html(gw, 6, viewer)  # type: ignore[arg-type]
+        assert "/health" not in other and "<th>actions</th>" not in other, viewer
+        assert "bad DIMM" in other
+
+    # the queue: each pending workload's reason code beside its sentence; held work marked
+    def rows(viewer: str | None) -> dict[str, str]:
+        page = queue_html(gw, None, viewer)  # type: ignore[arg-type]
+        return dict(re.findall(r'<tr data-workload="([\w-]+)"[^>]*>(.*?)</tr>', page))
+
+    for_a = rows("a")
+    assert set(for_a) == {"next", "kept"}
+    # big holds both nodes under its protection; h001 drains after it
+    assert '<code class="reason-code">waiting_for_protection</code>' in for_a["next"]
+    assert "protected by their minimum runtime" in for_a["next"]  # and the sentence
+    assert '<code class="reason-code">held</code>' in for_a["kept"]
+    assert 'class="badge held"' in for_a["kept"] and "held by b" in for_a["kept"]
+    # Hold for its submitter (a), Release for b who held it and for the owners above
+    assert "/ui/workload/next/hold" in for_a["next"] and "/release" not in for_a["kept"]
+    for viewer in ("b", "alice", "ops"):
+        assert "/ui/workload/kept/release" in rows(viewer)["kept"], viewer
+    assert "/ui/workload/next/hold" not in rows("b")["next"]
+    mallory = queue_html(gw, None, "mallory")  # type: ignore[arg-type]
+    assert "/hold" not in mallory and "/release" not in mallory
+    # the workload page: the same buttons by the same rule, and the reason code
+    held = workload_html(gw, "kept", None, "b")  # type: ignore[arg-type]
+    assert held is not None and 'id="wl-held"' in held and "/ui/workload/kept/release" in held
+    assert '<code class="reason-code" id="wl-reason">held</code>' in held
+    assert "/cancel" in held and "/hold" not in held
+    seen = workload_html(gw, "kept", None, "mallory")  # type: ignore[arg-type]
+    assert seen is not None and "/release" not in seen and "/cancel" not in seen
+    # filters: by submitter, team and state; a bad one answered with the API's reason
+    assert set(rows_of(queue_html(gw, None, "a", {"user": "b"}))) == {"kept"}  # type: ignore[arg-type]
+    only_running = queue_html(gw, None, "a", {"state": "running"})  # type: ignore[arg-type]
+    assert "nothing is waiting" in only_running and "big" in only_running
+    assert rows_of(queue_html(gw, None, "a", {"team": "vision"})) == []  # type: ignore[arg-type]
+    bad = queue_html(gw, None, "a", {"state": "gone"})  # type: ignore[arg-type]
+    assert 'id="queue-error"' in bad and "is not one of pending, running" in bad
+
+
+def rows_of(page: str) -> list[str]:
+    """The workloads of a queue page's pending rows, in order."""
+    return re.findall(r'<tr data-workload="([\w-]+)"', page)
+
+
 def test_text_from_the_log_is_escaped() -> None:
     from apportion.services.dashboard_views import page
 
@@ -419,6 +500,68 @@ async def test_without_auth_the_login_names_the_actor(jlog: JetStreamLog) -> Non
         async with s.post(f"{url}/ui/workload/free1/cancel", allow_redirects=False) as r2:
             assert r2.status == 303 and "ok=" in r2.headers["Location"]
         await eventually(lambda: gw.state.ended.get("free1") == "cancelled", what="cancelled")
+
+
+@pytest.mark.nats
+async def test_node_actions_and_hold_release_through_the_forms(
+    jlog: JetStreamLog, creds: Credentials
+) -> None:
+    async with gateway_on(jlog, creds.authenticator) as gw, session() as ops, session() as a:
+        url = gw.url
+        assert (await login(ops, url, creds.tokens["ops"])).status == 303
+        assert (await login(a, url, creds.tokens["a"])).status == 303
+        # the root's owner drains a node with a reason: forwarded as his health change
+        form = {"state": "draining", "reason": "fan noise"}
+        async with ops.post(f"{url}/ui/node/h001/health", data=form, allow_redirects=False) as r:
+            assert r.status == 303 and r.headers["Location"].startswith("/ui/?ok=")
+        await eventually(lambda: gw.state.nodes["h001"].health == "draining", what="draining")
+        change = gw.history.node_changes["h001"]
+        assert change["actor"] == "ops" and change["reason"] == "fan noise"
+        async with ops.get(f"{url}/ui/live?page=cluster") as r:
+            html = (await r.json())["html"]
+            assert "fan noise" in html and 'value="healthy">Undrain<' in html
+        # a, no operator: no form, and the gateway refuses her post (the fold's 403)
+        async with a.get(f"{url}/ui/") as r:
+            text = await r.text()
+            assert "fan noise" in text and "/health" not in text
+        form = {"state": "down", "reason": "mine now"}
+        async with a.post(f"{url}/ui/node/h000/health", data=form, allow_redirects=False) as r:
+            where = urllib.parse.unquote_plus(r.headers["Location"])
+            assert r.status == 303 and "refused (403)" in where
+        assert gw.state.nodes["h000"].health == "healthy"
+        # an unknown state is the API's 400
+        form = {"state": "asleep"}
+        async with ops.post(f"{url}/ui/node/h000/health", data=form, allow_redirects=False) as r:
+            assert "refused (400)" in urllib.parse.unquote_plus(r.headers["Location"])
+        # hold and release her own pending work from the queue page, back to it filtered
+        form = {"owner": "llm/a", "gpus": "16", "min_runtime": "1h", "id": "gang"}
+        async with a.post(f"{url}/ui/submit", data=form, allow_redirects=False) as r:
+            assert r.status == 303
+        await eventually(lambda: "gang" in gw.state.pending, what="gang pending")
+        back = {"next": "/ui/queue?user=a"}
+        async with a.post(f"{url}/ui/workload/gang/hold", data=back, allow_redirects=False) as r:
+            assert r.headers["Location"] == "/ui/queue?user=a&ok=hold+of+gang+sent"
+        await eventually(lambda: gw.state.pending["gang"].held, what="held")
+        async with a.get(f"{url}/ui/live?page=queue&user=a") as r:
+            html = (await r.json())["html"]
+            assert '<code class="reason-code">held</code>' in html
+            assert "/ui/workload/gang/release" in html
+        # mallory may not release it: the page offers nothing, the gateway refuses
+        async with session() as m:
+            assert (await login(m, url, creds.tokens["mallory"])).status == 303
+            async with m.get(f"{url}/ui/workload/gang") as r:
+                assert "/release" not in await r.text()
+            async with m.post(f"{url}/ui/workload/gang/release", allow_redirects=False) as r:
+                where = urllib.parse.unquote_plus(r.headers["Location"])
+                assert where.startswith("/ui/workload/gang?error=refused (403)")
+        # a form's next leads nowhere but the dashboard
+        evil = {"next": "//evil.example/x"}
+        async with a.post(f"{url}/ui/workload/gang/release", data=evil, allow_redirects=False) as r:
+            assert r.headers["Location"].startswith("/ui/workload/gang?ok=")
+        await eventually(lambda: not gw.state.pending["gang"].held, what="released")
+        # a filter out of its bound is a 400 with the API's reason
+        async with a.get(f"{url}/ui/queue?state=ended") as r:
+            assert r.status == 400 and "is not one of pending, running" in await r.text()
 
 
 def test_the_usage_page_charts_owed_and_delivered_per_team() -> None:

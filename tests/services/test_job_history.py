@@ -33,6 +33,8 @@ from apportion.schemas.events import (
     NodeHealthChanged,
     WorkloadCancelled,
     WorkloadFinished,
+    WorkloadHeld,
+    WorkloadReleased,
     WorkloadStarted,
 )
 from apportion.schemas.history import HistoryItem
@@ -95,6 +97,9 @@ def disagreements(jobs: JobHistory, state: State, con: duckdb.DuckDBPyConnection
                 out.append(f"{wid}: running {mine}, fold {fold}")
         if (job.ended_ms is None) != (w is not None):
             out.append(f"{wid}: ended_ms {job.ended_ms} for a {folded} workload")
+        fold_held = (None, None) if w is None or not w.held else (w.held_ms, w.held_by)
+        if (job.held_ms, job.held_by) != fold_held:
+            out.append(f"{wid}: held {(job.held_ms, job.held_by)}, fold {fold_held}")
     runs = sorted(
         con.execute(
             "SELECT workload, attempt, node, gpus, start_ms, end_ms, end_reason FROM runs"
@@ -236,6 +241,42 @@ def test_a_refused_submission_and_a_refused_report_change_nothing() -> None:
     assert bad is not None and bad.status == "rejected" and "nope" in (bad.rejected or "")
 
 
+def test_a_hold_and_release_are_kept_as_folded_and_projected() -> None:
+    """``w2`` waits behind ``w1`` on the one node; held at 1 min, it is not placed when
+    ``w1`` ends at 2 min; released at 3 min, it is placed at once. The projection's
+    ``held_ms``/``held_by`` and the job history follow the fold at every item; a
+    refused hold (of running work) and release (of unheld work) change nothing."""
+    live = Live()
+    live.submit("w1", "a", 0)
+    live.submit("w2", "a", 1)
+    live.input(WorkloadHeld(id="h", at_ms=MIN, workload="w2", actor="root"))
+    live.input(WorkloadHeld(id="h-run", at_ms=MIN, workload="w1", actor="root"), refused=True)
+    live.finished("w1", "succeeded", 2 * MIN, 1)
+    assert live.state.workloads["w2"].status == "pending"  # held: the free node waits
+    con = duckdb.connect()
+    projection, state = Projection(con), State()
+    jobs = check_each_item(live.items)
+    for item in live.items:
+        projection(item, state, fold_item(state, item))
+    projection.commit(state)
+    assert con.execute(
+        "SELECT status, held_ms, held_by FROM workloads WHERE workload = 'w2'"
+    ).fetchall() == [("pending", MIN, "root")]
+    w2 = jobs.get("w2")
+    assert w2 is not None and (w2.held_ms, w2.held_by) == (MIN, "root")
+    query = JobQuery.parse({"state": "held"}, 2 * MIN)
+    assert [r["workload"] for r in list_jobs(jobs, query, 2 * MIN)["jobs"]] == ["w2"]
+    row = list_jobs(jobs, query, 2 * MIN)["jobs"][0]
+    assert row["held_ms"] == MIN and row["note"] == "held by root (apportion release)"
+    live.input(WorkloadReleased(id="r-bad", at_ms=3 * MIN, workload="w1", actor="root"), True)
+    placed = live.input(WorkloadReleased(id="r", at_ms=3 * MIN, workload="w2", actor="root"))
+    assert [type(d).__name__ for d in placed] == ["WorkloadPlaced"]
+    jobs = check_each_item(live.items)
+    w2 = jobs.get("w2")
+    assert w2 is not None and w2.status == "running" and w2.held_ms is None
+    assert list_jobs(jobs, query, 3 * MIN)["jobs"] == []
+
+
 class JobHistoryMachine(ProjectionMachine):
     """The core's fold machine: at the end of each random history the same items are
     folded, projected and kept as job history, compared after every item."""
@@ -369,6 +410,8 @@ def test_the_query_filters_and_its_bounds() -> None:
         "last_end": "cancelled",
         "exit_code": None,
         "cancelled_by": "root",
+        "held_ms": None,
+        "held_by": None,
         "note": "cancelled by root",
     }
     bad = {

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 
 import aiohttp
 import pytest
 from apportion.services.bus import JetStreamLog
 from conftest import Credentials
-from services_helpers import APPORTION_CMD, eventually, gateway_on
+from services_helpers import APPORTION_CMD, cli_env, eventually, gateway_on
 
 HOUR_MS = 3_600_000
 
@@ -56,7 +55,12 @@ async def test_queue_filters_over_http_and_the_cli(jlog: JetStreamLog, creds: Cr
         ops = creds.headers("ops")
 
         status, whole = await _get(s, f"{url}/v1/queue", ops)
-        assert status == 200 and whole["filter"] == {"user": None, "team": None, "state": None}
+        assert status == 200 and whole["filter"] == {
+            "user": None,
+            "team": None,
+            "state": None,
+            "gpu_type": None,
+        }
         assert whole["totals"] == {"pending": 3, "running": 2}
         position = {r["workload"]: r["position"] for r in whole["pending"]}
         assert sorted(position.values()) == [1, 2, 3]
@@ -91,21 +95,17 @@ async def test_queue_filters_over_http_and_the_cli(jlog: JetStreamLog, creds: Cr
             ("state=done", "state: 'done' is not one of pending, running"),
             ("user=" + "u" * 200, "user: at most 128 characters"),
             ("team=" + "t" * 300, "team: at most 256 characters"),
-            ("colour=red", "unknown parameter 'colour' (known: user, team, state)"),
+            ("colour=red", "unknown parameter 'colour' (known: user, team, state, gpu_type)"),
         ):
             status, body = await _get(s, f"{url}/v1/queue?{query}", ops)
             assert status == 400 and body["code"] == "bad_query", (query, body)
             assert body["error"] == words, body
         status, doc = await _get(s, f"{url}/openapi.json", {})
         names = [p["name"] for p in doc["paths"]["/v1/queue"]["get"]["parameters"]]
-        assert names == ["user", "team", "state"]
+        assert names == ["user", "team", "state", "gpu_type"]
 
         # the command line
-        env = {
-            **os.environ,
-            "APPORTION_URL": url,
-            "APPORTION_TOKEN_FILE": str(creds.token_files["alice"]),
-        }
+        env = cli_env(url, creds.token_files["alice"])
         out = await asyncio.to_thread(_cli, "queue", env=env)
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
@@ -143,3 +143,49 @@ async def test_queue_filters_over_http_and_the_cli(jlog: JetStreamLog, creds: Cr
         out = await asyncio.to_thread(_cli, "queue", "--state", "done", env=env)
         assert out.returncode == 2 and out.stdout == ""
         assert out.stderr == "apportion: state: 'done' is not one of pending, running\n"
+
+
+@pytest.mark.nats
+async def test_gpu_type_filter_on_queue_and_jobs(jlog: JetStreamLog, creds: Credentials) -> None:
+    """`--gpu-type` / `?gpu_type=` keeps the work that asked for that type (`any`: the
+    work that takes any type); a type the cluster does not have is a 400 listing the
+    ones it has, and one line with exit status 2 on the command line."""
+    async with gateway_on(jlog, creds.authenticator) as gw, aiohttp.ClientSession() as s:
+        url, ops = gw.url, creds.headers("ops")
+        for wid, kind in (("typed", "h100"), ("anyone", "any")):
+            spec = {"id": wid, "owner": "llm/a", "gpus": 8, "min_runtime_ms": HOUR_MS}
+            async with s.post(
+                f"{url}/v1/workloads", json={**spec, "gpu_type": kind}, headers=ops
+            ) as r:
+                assert r.status == 202, await r.text()
+        await eventually(lambda: {"typed", "anyone"} <= set(gw.state.workloads), what="folded")
+        status, body = await _get(s, f"{url}/v1/queue?gpu_type=h100", ops)
+        assert status == 200 and body["filter"]["gpu_type"] == "h100"
+        assert _ids(body["pending"] + body["running"]) == ["typed"]
+        status, body = await _get(s, f"{url}/v1/queue?gpu_type=any", ops)
+        assert _ids(body["pending"] + body["running"]) == ["anyone"]
+        status, body = await _get(s, f"{url}/v1/jobs?state=all&gpu_type=h100", ops)
+        assert status == 200 and _ids(body["jobs"]) == ["typed"], body
+        for route in ("queue", "jobs"):
+            status, body = await _get(s, f"{url}/v1/{route}?gpu_type=a100", ops)
+            assert status == 400 and body["code"] == "bad_query", body
+            assert body["error"] == (
+                "gpu_type: 'a100' is not a GPU type of this cluster (known: h100; or any)"
+            )
+        status, doc = await _get(s, f"{url}/openapi.json", {})
+        jobs_params = [p["name"] for p in doc["paths"]["/v1/jobs"]["get"]["parameters"]]
+        assert "gpu_type" in jobs_params
+
+        env = cli_env(url, creds.token_files["ops"])
+        out = await asyncio.to_thread(_cli, "queue", "--gpu-type", "h100", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert _ids(data["pending"] + data["running"]) == ["typed"]
+        out = await asyncio.to_thread(_cli, "jobs", "--all", "--gpu-type", "any", "--json", env=env)
+        assert out.returncode == 0 and _ids(json.loads(out.stdout)["jobs"]) == ["anyone"]
+        for command in ("queue", "jobs"):
+            out = await asyncio.to_thread(_cli, command, "--gpu-type", "tpu", env=env)
+            assert out.returncode == 2 and out.stdout == "", out
+            assert out.stderr == (
+                "apportion: gpu_type: 'tpu' is not a GPU type of this cluster (known: h100; or any)\n"
+            )

@@ -136,10 +136,19 @@ def auth_revoke(principal: str, file: Path | None, hash_prefix: str) -> None:
     help="leave out the executor emulator's user (it may report runs on every host)",
 )
 @click.option(
+    "--slurm",
+    is_flag=True,
+    help="add the Slurm bridge's user, slurm (apportion slurm; docs/slurm.md)",
+)
+@click.option(
     "--example", is_flag=True, help="infra/accounts.conf: the demo cluster, '<user>-secret'"
 )
 def nats_config(
-    cluster_file: Path | None, passwords_file: Path | None, no_executor: bool, example: bool
+    cluster_file: Path | None,
+    passwords_file: Path | None,
+    no_executor: bool,
+    slurm: bool,
+    example: bool,
 ) -> None:
     """Print the NATS accounts and users of a cluster (docs/security.md, "The bus"):
     the streams in an account of their own with the scheduler, every other role
@@ -170,5 +179,8 @@ def nats_config(
             }
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise UserError(f"{passwords_file}: {exc}") from None
-    passwords = {u: known.get(u) or secrets.token_urlsafe(24) for u in users_of(hosts)}
-    click.echo(accounts_conf(spec.name, hosts, passwords, executor=not no_executor), nl=False)
+    passwords = {u: known.get(u) or secrets.token_urlsafe(24) for u in users_of(hosts, slurm=slurm)}
+    click.echo(
+        accounts_conf(spec.name, hosts, passwords, executor=not no_executor, slurm=slurm),
+        nl=False,
+    )

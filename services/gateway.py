@@ -1114,20 +1114,6 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {"200": ok, "404": err},
                 }
             },
-            "/v1/workloads/{id}/cancel": {
-                "post": {
-                    "summary": "Cancel a workload",
-                    "parameters": wid,
-                    "requestBody": body(cancel),
-                    "responses": {
-                        "202": accepted,
-                        "403": err,
-                        "404": err,
-                        "409": err,
-                        **publishing,
-                    },
-                }
-            },
             **{
                 f"/v1/workloads/{{id}}/{what}": {
                     "post": {
@@ -1144,6 +1130,7 @@ def openapi_document() -> dict[str, Any]:
                     }
                 }
                 for what, summary in (
+                    ("cancel", "Cancel a workload"),
                     ("hold", "Hold a pending workload (it is not placed until released)"),
                     ("release", "Release a held workload (at its old place in the queue)"),
                 )

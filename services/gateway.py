@@ -643,6 +643,16 @@ class Gateway:
             response[_ISO_KEY] = True
         return response
 
+    async def _publish_checked(self, check: Callable[[], Any]) -> Any:
+        """Publish the input ``check`` makes, or answer its refusal once it is final
+        (:meth:`_final`): the publish ack, or the refusal's response."""
+        event = check()
+        if isinstance(event, Refusal):
+            event = await self._final(event, check)
+            if isinstance(event, Refusal):
+                return _refused(event)
+        return await _published(self.log.publish_input(event))
+
     async def _final(self, refused: Refusal, again: Callable[[], T | Refusal]) -> T | Refusal:
         """``refused`` if it is final: the view has folded every input stored. Else
         wait (at most :data:`REFUSAL_WAIT_S`) for the view to fold them, asking
@@ -762,12 +772,9 @@ class Gateway:
         def check() -> Any:
             return commands.hold(self.state, workload, actor, self.state.now_ms, event_id, release)
 
-        event = check()
-        if isinstance(event, Refusal):
-            event = await self._final(event, check)
-            if isinstance(event, Refusal):
-                return _refused(event)
-        ack = await _published(self.log.publish_input(event))
+        ack = await self._publish_checked(check)
+        if isinstance(ack, web.Response):
+            return ack
         self.logger.info(what, workload=workload, actor=actor, seq=ack.seq)
         return _json({"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202)
 
@@ -919,12 +926,9 @@ class Gateway:
                 self.state, node, body.state, actor, self.state.now_ms, event_id, body.reason
             )
 
-        event = check()
-        if isinstance(event, Refusal):
-            event = await self._final(event, check)
-            if isinstance(event, Refusal):
-                return _refused(event)
-        ack = await _published(self.log.publish_input(event))
+        ack = await self._publish_checked(check)
+        if isinstance(ack, web.Response):
+            return ack
         self.logger.info("node health", node=node, state=body.state, actor=actor, seq=ack.seq)
         return _json(
             {"node": node, "state": body.state, "seq": ack.seq, "duplicate": ack.duplicate},

@@ -742,14 +742,11 @@ class Gateway:
         body: CancelRequest = await _body(request, CancelRequest)
         actor = self._actor(request, body.actor)
         # the fold's rules, asked early for a 404, 409 or 403; the fold has the final word
-        event = commands.cancel(self.state, workload, actor, self.state.now_ms)
-        if isinstance(event, Refusal):
-            event = await self._final(
-                event, lambda: commands.cancel(self.state, workload, actor, self.state.now_ms)
-            )
-            if isinstance(event, Refusal):
-                return _refused(event)
-        ack = await _published(self.log.publish_input(event))
+        ack = await self._publish_checked(
+            lambda: commands.cancel(self.state, workload, actor, self.state.now_ms)
+        )
+        if isinstance(ack, web.Response):
+            return ack
         return _json({"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202)
 
     async def hold(self, request: web.Request) -> web.Response:

@@ -615,10 +615,15 @@ def submit(
 def cancel(workload: str, url: str | None, timeout: float | None, token_file: Path | None) -> None:
     """Cancel a pending or running workload (retried like a submit; a cancel is stored once)."""
     out = _call(_client(url, timeout, token_file).cancel, workload, os.environ.get("USER", ""))
+    _echo_published("cancel", out)
+
+
+def _echo_published(what: str, out: dict[str, Any]) -> None:
+    """``cancel of w published (input 12)``, or that an earlier attempt was stored."""
     if out.get("seq") is None:
-        click.echo(f"cancel of {out['workload']} published (an earlier attempt was stored)")
+        click.echo(f"{what} of {out['workload']} published (an earlier attempt was stored)")
     else:
-        click.echo(f"cancel of {out['workload']} published (input {out['seq']})")
+        click.echo(f"{what} of {out['workload']} published (input {out['seq']})")
 
 
 def _hold_command(
@@ -627,10 +632,7 @@ def _hold_command(
     what = "release" if release else "hold"
     client = _client(url, timeout, token_file)
     out = _call(client.hold, workload, os.environ.get("USER", ""), release)
-    if out.get("seq") is None:
-        click.echo(f"{what} of {out['workload']} published (an earlier attempt was stored)")
-    else:
-        click.echo(f"{what} of {out['workload']} published (input {out['seq']})")
+    _echo_published(what, out)
 
 
 @main.command()

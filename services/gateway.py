@@ -643,6 +643,16 @@ class Gateway:
             response[_ISO_KEY] = True
         return response
 
+    async def _publish_checked(self, check: Callable[[], Any]) -> Any:
+        """Publish the input ``check`` makes, or answer its refusal once it is final
+        (:meth:`_final`): the publish ack, or the refusal's response."""
+        event = check()
+        if isinstance(event, Refusal):
+            event = await self._final(event, check)
+            if isinstance(event, Refusal):
+                return _refused(event)
+        return await _published(self.log.publish_input(event))
+
     async def _final(self, refused: Refusal, again: Callable[[], T | Refusal]) -> T | Refusal:
         """``refused`` if it is final: the view has folded every input stored. Else
         wait (at most :data:`REFUSAL_WAIT_S`) for the view to fold them, asking
@@ -732,14 +742,11 @@ class Gateway:
         body: CancelRequest = await _body(request, CancelRequest)
         actor = self._actor(request, body.actor)
         # the fold's rules, asked early for a 404, 409 or 403; the fold has the final word
-        event = commands.cancel(self.state, workload, actor, self.state.now_ms)
-        if isinstance(event, Refusal):
-            event = await self._final(
-                event, lambda: commands.cancel(self.state, workload, actor, self.state.now_ms)
-            )
-            if isinstance(event, Refusal):
-                return _refused(event)
-        ack = await _published(self.log.publish_input(event))
+        ack = await self._publish_checked(
+            lambda: commands.cancel(self.state, workload, actor, self.state.now_ms)
+        )
+        if isinstance(ack, web.Response):
+            return ack
         return _json({"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202)
 
     async def hold(self, request: web.Request) -> web.Response:
@@ -762,12 +769,9 @@ class Gateway:
         def check() -> Any:
             return commands.hold(self.state, workload, actor, self.state.now_ms, event_id, release)
 
-        event = check()
-        if isinstance(event, Refusal):
-            event = await self._final(event, check)
-            if isinstance(event, Refusal):
-                return _refused(event)
-        ack = await _published(self.log.publish_input(event))
+        ack = await self._publish_checked(check)
+        if isinstance(ack, web.Response):
+            return ack
         self.logger.info(what, workload=workload, actor=actor, seq=ack.seq)
         return _json({"workload": workload, "seq": ack.seq, "duplicate": ack.duplicate}, status=202)
 
@@ -919,12 +923,9 @@ class Gateway:
                 self.state, node, body.state, actor, self.state.now_ms, event_id, body.reason
             )
 
-        event = check()
-        if isinstance(event, Refusal):
-            event = await self._final(event, check)
-            if isinstance(event, Refusal):
-                return _refused(event)
-        ack = await _published(self.log.publish_input(event))
+        ack = await self._publish_checked(check)
+        if isinstance(ack, web.Response):
+            return ack
         self.logger.info("node health", node=node, state=body.state, actor=actor, seq=ack.seq)
         return _json(
             {"node": node, "state": body.state, "seq": ack.seq, "duplicate": ack.duplicate},
@@ -1114,20 +1115,6 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {"200": ok, "404": err},
                 }
             },
-            "/v1/workloads/{id}/cancel": {
-                "post": {
-                    "summary": "Cancel a workload",
-                    "parameters": wid,
-                    "requestBody": body(cancel),
-                    "responses": {
-                        "202": accepted,
-                        "403": err,
-                        "404": err,
-                        "409": err,
-                        **publishing,
-                    },
-                }
-            },
             **{
                 f"/v1/workloads/{{id}}/{what}": {
                     "post": {
@@ -1144,6 +1131,7 @@ def openapi_document() -> dict[str, Any]:
                     }
                 }
                 for what, summary in (
+                    ("cancel", "Cancel a workload"),
                     ("hold", "Hold a pending workload (it is not placed until released)"),
                     ("release", "Release a held workload (at its old place in the queue)"),
                 )

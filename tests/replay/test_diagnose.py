@@ -382,42 +382,37 @@ def test_nodes_down_when_too_few_healthy_nodes_are_left_for_the_gang():
     assert controlled_share(list(rows.values())) == 0.0
 
 
-def test_a_gang_on_admitted_and_contracted_nodes_pays_the_contracts_until_they_end():
+@pytest.mark.parametrize(
+    ("a0_ends", "expected"),
+    [
+        (True, {"contracts": 4.0, "admission": 4.0}),
+        (False, {"contracts": 8.0}),
+    ],
+)
+def test_a_gang_on_admitted_and_contracted_nodes_pays_the_contracts_until_they_end(
+    a0_ends: bool, expected: dict[str, float]
+) -> None:
     """As in the admission test, but b1 is a 16-GPU gang (two whole nodes). At 1
     min: n1 holds a0 (placed at 0, before b1 was pending: ``contracts``), n2 a2
     (placed at 1 min for a, less under-served than b, while b1 waited:
     ``admission``), n3 c1 (placed at 0: ``contracts``). The cheapest two nodes are
     n2 (an admission is cheaper to clear than a contract) and n1. Had the
-    scheduler admitted nothing, b1 would still wait for a0's contract on n1: for
-    the first half hour the part is ``contracts``. a0 ends at 31 min; from then
-    the admitted a2 alone keeps b1 off (n1 free, n2 admitted): ``admission``.
-    b is short 8 GPUs for the hour (owed 8 of its 16 demand): 4 GPU-h each,
-    all held by a (c's node is not among the cheapest)."""
+    scheduler admitted nothing, b1 would still wait for a0's contract on n1, so
+    while a0 runs the part is ``contracts``. If a0 ends at 31 min, from then the
+    admitted a2 alone keeps b1 off (n1 free, n2 admitted): ``admission``. b is
+    short 8 GPUs for the hour (owed 8 of its 16 demand), all held by a (c's node
+    is not among the cheapest)."""
     run = Run({"a": 1, "b": 1, "c": 1})
     run.submit("a0", "a", 8, 4 * HOUR_MS).submit("c1", "c", 8, 4 * HOUR_MS)
     run.batch().place("a0", "n1").place("c1", "n3")
     run.at(T1).submit("b1", "b", 16, HOUR_MS).submit("a2", "a", 8, 4 * HOUR_MS)
     run.batch().place("a2", "n2")
-    run.at(T1 + HOUR_MS // 2)
-    run.s.finish("a0")
-    run.batch()
+    if a0_ends:
+        run.at(T1 + HOUR_MS // 2)
+        run.s.finish("a0")
+        run.batch()
     run.at(T1 + HOUR_MS).batch()
     b = run.rows()["b"]
     assert b["shortfall_gpu_h"] == pytest.approx(8.0)
-    assert split(b) == {"contracts": pytest.approx(4.0), "admission": pytest.approx(4.0)}
-    assert b["holders"] == {"a": pytest.approx(8.0)}
-
-
-def test_a_gang_on_admitted_and_contracted_nodes_is_the_contracts_price():
-    """The same without a0 ending: for the whole hour b1 would wait for a0's
-    contract even had a2 not been admitted, so all 8 GPU-h are ``contracts``."""
-    run = Run({"a": 1, "b": 1, "c": 1})
-    run.submit("a0", "a", 8, 4 * HOUR_MS).submit("c1", "c", 8, 4 * HOUR_MS)
-    run.batch().place("a0", "n1").place("c1", "n3")
-    run.at(T1).submit("b1", "b", 16, HOUR_MS).submit("a2", "a", 8, 4 * HOUR_MS)
-    run.batch().place("a2", "n2")
-    run.at(T1 + HOUR_MS).batch()
-    b = run.rows()["b"]
-    assert b["shortfall_gpu_h"] == pytest.approx(8.0)
-    assert split(b) == {"contracts": pytest.approx(8.0)}
+    assert split(b) == {k: pytest.approx(v) for k, v in expected.items()}
     assert b["holders"] == {"a": pytest.approx(8.0)}

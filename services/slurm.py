@@ -60,6 +60,7 @@ from apportion.schemas.events import (
     Input,
     NodeHealthChanged,
     NodeRegistered,
+    Slot,
     WorkloadCancelled,
     WorkloadStarted,
 )
@@ -285,6 +286,8 @@ class SlurmBridge:
         """Job id -> the comment written last (written again only when it changes)."""
         self.reported = 0
         self.submitted = 0
+        self._nodes_read = 0
+        """The round whose start read the nodes last."""
         self.slurm_cluster: str | None = None
         """Slurm's ``ClusterName`` (the middle of every workload id it makes)."""
 
@@ -324,6 +327,7 @@ class SlurmBridge:
         if self._rounds % NODES_EVERY == 0 or self.nodes_dirty:
             self.nodes = await self.cli.nodes(self.partitions)
             self.nodes_dirty = False
+            self._nodes_read = self._rounds + 1
         self._rounds += 1
         by_workload = {workload_id(j): j for j in jobs}
         self.runtime.jobs = by_workload
@@ -504,6 +508,18 @@ class SlurmBridge:
                     "start",
                 )
 
+    def _hosts_up(self, placement: Iterable[Slot]) -> bool:
+        """Whether no node of ``placement`` is down in Slurm, as read at the start of
+        this round (else: read again next round, and ``False`` until then). A run
+        Slurm lost because its node failed is not reported as a failure: the
+        node's ``down`` goes in (:meth:`_nodes`) and the scheduler requeues the
+        run as ``node_down`` (a resumable workload runs again)."""
+        if self._nodes_read != self._rounds:
+            self.nodes_dirty = True
+            return False
+        down = {n.name for n in self.nodes if n.health == "down"}
+        return not any(slot.node in down for slot in placement)
+
     async def _vanished(self, by_workload: dict[str, SlurmJob]) -> None:
         """Workloads of Slurm jobs that ``squeue`` no longer shows (purged after
         ``MinJobAge`` while the bridge was away, or moved out of the governed
@@ -526,7 +542,11 @@ class SlurmBridge:
                 self.logger.warning("job gone from squeue; cancelled", workload=wid)
             elif w.placement:
                 key = (wid, w.attempt)
-                if not end_report(self.state, self.ledger, key, 0, None, True):
+                job_id = wid[len(prefix) :]
+                ended = await self.cli.ended_job(int(job_id)) if job_id.isdigit() else None
+                if ended is not None:  # sacct or the completion log knows its end
+                    await self._report_end(ended, key)
+                elif not end_report(self.state, self.ledger, key, 0, None, True):
                     event = finished(key, w.placement[0].node, now, None, lost=True)
                     if await self._publish(event, "finish"):
                         self.logger.warning("job gone from squeue; run lost", workload=wid)
@@ -542,6 +562,8 @@ class SlurmBridge:
             return
         w = self.state.running.get(key[0])
         assert w is not None  # end_report: still the current run
+        if lost and not self._hosts_up(w.placement):
+            return  # the host's down reaches apportion first: its runs are requeued
         event = finished(key, w.placement[0].node, self.clock(), code, lost)
         if await self._publish(event, "finish"):
             self.reported += 1

@@ -16,9 +16,10 @@ mapping rules from a Slurm job to a workload (docs/slurm.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import msgspec
@@ -193,6 +194,50 @@ def exit_code_of(status: int) -> int:
     return (status >> 8) & 0xFF
 
 
+def wait_status(exit_code: str) -> int:
+    """Slurm's ``ExitCode`` text ``<exit>:<signal>`` (``sacct``, the job completion
+    log) as the wait status ``squeue --json`` gives (:func:`exit_code_of` reads both)."""
+    code, _, sig = exit_code.partition(":")
+    return ((int(code) & 0xFF) << 8) | (int(sig or 0) & 0x7F)
+
+
+def parse_sacct(text: str, job_id: int) -> SlurmJob | None:
+    """The final run of ``job_id`` from ``sacct -n -P -X -o JobID,State,ExitCode``
+    (``State`` may read ``CANCELLED by <uid>``); ``None`` when it has no ended row."""
+    found = None
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 3 or parts[0] != str(job_id):
+            continue
+        state = parts[1].split(" ")[0]
+        if state in END_STATES:
+            found = SlurmJob(job_id=job_id, job_state=state, exit_code=wait_status(parts[2]))
+    return found
+
+
+_JOBCOMP_FIELD = re.compile(r"(\w+)=(\S*)")
+
+
+def parse_jobcomp(lines: Iterable[str], job_id: int) -> SlurmJob | None:
+    """The last end of ``job_id`` in Slurm's job completion log
+    (``JobCompType=jobcomp/filetxt``: one line per ended run, ``JobId=N ...
+    JobState=S ... ExitCode=E:G``); ``None`` when the log has no end of it."""
+    head = f"JobId={job_id} "
+    found = None
+    for line in lines:
+        if not line.startswith(head):
+            continue
+        fields = dict(_JOBCOMP_FIELD.findall(line))
+        state = fields.get("JobState", "")
+        if state in END_STATES:
+            found = SlurmJob(
+                job_id=job_id,
+                job_state=state,
+                exit_code=wait_status(fields.get("ExitCode", "0:0")),
+            )
+    return found
+
+
 def workload_id(job: SlurmJob) -> str:
     """The workload of a Slurm job: ``slurm-<cluster>-<job id>``."""
     return f"slurm-{job.cluster or 'slurm'}-{job.job_id}"
@@ -302,6 +347,14 @@ def parse_claim(comment: str) -> Claim | None:
     return None if m is None else Claim(m.group(1), int(m.group(2)), int(m.group(3)))
 
 
+def _read_jobcomp(path: Path, job_id: int) -> SlurmJob | None:
+    try:
+        with path.open(encoding="utf-8", errors="replace") as lines:
+            return parse_jobcomp(lines, job_id)
+    except OSError:
+        return None
+
+
 class SlurmCli:
     """The Slurm commands, each bounded by ``timeout`` seconds; ``env`` carries ``SLURM_CONF``."""
 
@@ -344,6 +397,31 @@ class SlurmCli:
             if key.strip() == "ClusterName":
                 return value.strip()
         raise SlurmError("scontrol show config: no ClusterName")
+
+    async def config(self) -> dict[str, str]:
+        """``scontrol show config`` as key -> value."""
+        out = {}
+        for line in (await self.run("scontrol", "show", "config")).splitlines():
+            key, sep, value = line.partition("=")
+            if sep:
+                out[key.strip()] = value.strip()
+        return out
+
+    async def ended_job(self, job_id: int) -> SlurmJob | None:
+        """How job ``job_id`` ended, once ``squeue`` no longer shows it: from
+        ``sacct`` (slurmdbd), else from the job completion log when Slurm writes
+        one the bridge can read (``JobCompType=jobcomp/filetxt``); ``None`` when
+        neither knows."""
+        with contextlib.suppress(SlurmError):
+            argv = ("sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "JobID,State,ExitCode")
+            found = parse_sacct(await self.run(*argv), job_id)
+            if found is not None:
+                return found
+        config = await self.config()
+        path = config.get("JobCompLoc", "")
+        if config.get("JobCompType") != "jobcomp/filetxt" or not path.startswith("/"):
+            return None
+        return await asyncio.to_thread(_read_jobcomp, Path(path), job_id)
 
     async def comment(self, job_id: int, text: str) -> None:
         await self.run("scontrol", "update", f"JobId={job_id}", f"Comment={text}")

@@ -74,8 +74,10 @@ class SlurmCluster:
         name: str = "lab",
         hold_rule: bool = True,
         names: list[str] | None = None,
+        min_job_age_s: int = 600,
     ) -> None:
         self.root = root
+        self.min_job_age_s = min_job_age_s
         self.nodes = names or [f"{prefix}{i}" for i in range(nodes)]
         self.gpus = gpus
         self.gpu_type = gpu_type
@@ -148,7 +150,10 @@ class SlurmCluster:
             "SlurmdParameters=config_overrides",
             "ReturnToService=2",
             "JobRequeue=1",
-            "MinJobAge=600",
+            f"MinJobAge={self.min_job_age_s}",
+            # the end of every run, for the bridge once squeue no longer shows the job
+            "JobCompType=jobcomp/filetxt",
+            f"JobCompLoc={r}/jobcomp.log",
             "KillWait=5",
             "MpiDefault=none",
             # apportion releases each job when it places it: Slurm's deferral of batch
@@ -182,6 +187,14 @@ class SlurmCluster:
         pids += [self.root / "slurmctld.pid", self.root / "munged.pid"]
         for f in pids:
             _kill_by_pid_file(f)
+
+    def stop_node(self, node: str) -> None:
+        """End ``node``'s slurmd (its jobs' processes run on, as when a host's
+        daemon dies); Slurm hears nothing from it until :meth:`start_node`."""
+        _kill_by_pid_file(self.root / f"slurmd-{node}.pid")
+
+    def start_node(self, node: str) -> None:
+        self._daemon(["slurmd", "-f", str(self.conf), "-N", node])
 
     # -- driving it ----------------------------------------------------------
     def run(self, *argv: str, check: bool = True, timeout: float = 30) -> str:

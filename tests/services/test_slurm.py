@@ -35,7 +35,7 @@ from apportion.services.natsconf import SLURM
 from apportion.services.runner import supervise_scheduler
 from apportion.services.scheduler import Scheduler
 from apportion.services.slurm import SlurmBridge
-from apportion.services.slurm_jobs import SlurmCli
+from apportion.services.slurm_jobs import SlurmCli, exit_code_of, parse_jobcomp
 from services_helpers import APPORTION_CMD
 from slurm_cluster import SlurmCluster, skip_reason
 
@@ -280,6 +280,13 @@ async def test_held_job_runs_on_the_decided_node_and_reports_its_exit(
         assert [(e.node, e.attempt, e.actor) for e in started] == [(node, 1, f"agent:{node}")]
         assert h.state.status_of(wid) == "failed"
         assert job["comment"].startswith(f"apportion: {wid} attempt 1 run 0 on {node}")
+        # Slurm's own completion log tells the same end (read once squeue forgets a job)
+        with (slurm.root / "jobcomp.log").open() as lines:
+            ended = parse_jobcomp(lines, big)
+        assert ended is not None and (ended.job_state, exit_code_of(ended.exit_code)) == (
+            "FAILED",
+            3,
+        )
 
 
 async def test_two_node_gang_runs_on_both_decided_nodes(
@@ -443,6 +450,37 @@ async def test_drain_in_slurm_and_drain_by_apportion(
         assert health("sn1") == "healthy"
 
 
+@pytest.mark.slow
+async def test_a_node_down_in_slurm_is_down_in_apportion_and_its_run_lost(
+    nats_server, jlog, log_as, slurm, tmp_path
+) -> None:
+    """A node Slurm sets DOWN under a running job: the node goes ``down`` in
+    apportion, the run is reported lost, the resumable workload runs again
+    elsewhere; the node back in Slurm is healthy again."""
+    async with harness(nats_server, jlog, log_as, slurm, tmp_path) as h:
+        job = slurm.sbatch("--gres=gpu:4", "--account=lab.a", script="sleep 30\n")
+        wid = h.wid(job)
+        await h.until_job(job, lambda j: j["job_state"] == "RUNNING", "running")
+        [first] = h.placements(wid)
+        node = first.placement[0].node
+        slurm.stop_node(node)  # a host whose daemon is gone: Slurm cannot bring it back
+        slurm.run("scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=psu")
+        await h.until(lambda: h.state.nodes[node].health == "down", f"{node} down in apportion")
+        await h.until(lambda: len(h.placements(wid)) == 2, f"{wid} placed again")
+        await h.until(lambda: len(h.placements(wid)) == 2, f"{wid} placed again")
+        assert not h.finishes(wid)  # not a failure of the job: requeued
+        [preempted] = [d for d in h.decisions if isinstance(d, WorkloadPreempted)]
+        # the node goes draining, then down: a free run is preempted at the first
+        assert (preempted.workload, preempted.reason, preempted.requeued) == (wid, "drain", True)
+        second = h.placements(wid)[1].placement[0].node
+        assert second != node
+        await h.until_job(
+            job, lambda j: j["job_state"] == "RUNNING" and j["nodes"] == second, "running again"
+        )
+        slurm.start_node(node)  # ReturnToService=2: back in service once it registers
+        await h.until(lambda: h.state.nodes[node].health == "healthy", f"{node} healthy again")
+
+
 async def test_a_job_released_by_hand_is_requeued_held_then_placed(
     nats_server, jlog, log_as, slurm, tmp_path
 ) -> None:
@@ -463,6 +501,41 @@ async def test_a_job_released_by_hand_is_requeued_held_then_placed(
         [placed] = h.placements(wid)
         assert info["nodes"] == placed.placement[0].node
         assert [f.outcome for f in h.finishes(wid)] == ["succeeded"]
+
+
+@pytest.mark.slow
+async def test_a_job_aged_out_of_squeue_while_the_bridge_was_away_keeps_its_exit_code(
+    nats_server, jlog, log_as, tmp_path
+) -> None:
+    """A job that ended and left ``squeue`` (``MinJobAge``, here 2 s) while the
+    bridge was stopped: its end is read from Slurm's completion log, exit code
+    and all, not reported lost."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    (tmp_path / "aged").mkdir()
+    aged = SlurmCluster(tmp_path / "aged", nodes=1, prefix="sa", name="aged", min_job_age_s=2)
+    try:
+        aged.start()
+        async with harness(nats_server, jlog, log_as, aged, tmp_path) as h:
+            job = aged.sbatch("--gres=gpu:1", "--account=lab.a", script="sleep 2\nexit 3\n")
+            wid = h.wid(job)
+            await h.until(lambda: h.state.status_of(wid) == "running", f"{wid} running")
+            await h.stop_bridge()
+            for _ in range(1200):  # slurmctld purges old jobs about once a minute
+                if str(job) not in aged.run("squeue", "-h", "-o", "%i", check=False).split():
+                    break
+                await asyncio.sleep(0.25)
+            else:
+                raise AssertionError(f"job {job} still in squeue after 300 s")
+            await h.sync()
+            assert h.state.status_of(wid) == "running"  # nobody has reported it
+            await h.start_bridge()
+            await h.until(lambda: bool(h.finishes(wid)), f"{wid} finished")
+            [fin] = h.finishes(wid)
+            assert (fin.outcome, fin.exit_code) == ("failed", 3)
+    finally:
+        aged.stop()
 
 
 @pytest.mark.slow

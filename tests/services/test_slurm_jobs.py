@@ -17,9 +17,12 @@ from apportion.services.slurm_jobs import (
     exit_code_of,
     gres_gpus,
     parse_claim,
+    parse_jobcomp,
     parse_nodes,
+    parse_sacct,
     partition_types,
     submission,
+    wait_status,
 )
 
 GPN = {"fake": 4}
@@ -188,3 +191,26 @@ def test_the_slurm_nats_user_is_opt_in_and_publishes_only_its_kinds() -> None:
         "apportion.c.inputs.WorkloadStarted.>",
         "apportion.c.inputs.WorkloadSubmitted",
     ]
+
+
+def test_ends_from_sacct_and_the_completion_log() -> None:
+    sacct = "41|COMPLETED|0:0\n42|CANCELLED by 0|0:15\n42|FAILED|2:0\n"
+    assert parse_sacct(sacct, 41) == SlurmJob(job_id=41, job_state="COMPLETED", exit_code=0)
+    last = parse_sacct(sacct, 42)  # the last ended row of the job
+    assert last is not None and (last.job_state, exit_code_of(last.exit_code)) == ("FAILED", 2)
+    assert parse_sacct("43|RUNNING|0:0\n", 43) is None
+    assert parse_sacct("", 41) is None
+    log = [
+        "JobId=7 UserId=root(0) GroupId=root(0) Name=a JobState=NODE_FAIL Partition=gpu "
+        "NodeList=sn0 ExitCode=0:0\n",
+        "JobId=70 UserId=root(0) JobState=COMPLETED ExitCode=0:0\n",
+        "JobId=7 UserId=root(0) GroupId=root(0) Name=a JobState=CANCELLED Partition=gpu "
+        "NodeList=sn1 DerivedExitCode=0:0 ExitCode=0:9\n",
+    ]
+    ended = parse_jobcomp(log, 7)
+    assert ended is not None and (ended.job_state, exit_code_of(ended.exit_code)) == (
+        "CANCELLED",
+        -9,
+    )
+    assert parse_jobcomp(log, 8) is None
+    assert wait_status("3:0") == 3 << 8 and exit_code_of(wait_status("0:15")) == -15

@@ -63,7 +63,7 @@ def path_error(path: str) -> str | None:
 class BudgetTree:
     """Nodes by path plus the derived caches the fold needs (rebuilt, never stored)."""
 
-    __slots__ = ("nodes", "_chains", "_owners", "_weights")
+    __slots__ = ("nodes", "_chains", "_owners", "_weights", "_shape")
 
     def __init__(self, nodes: dict[str, BudgetNode] | None = None) -> None:
         self.nodes: dict[str, BudgetNode] = (
@@ -73,6 +73,8 @@ class BudgetTree:
         self._owners: dict[str, tuple[str, ...]] = {}
         self._weights: tuple[dict[str, int], dict[str, int]] | None = None
         """:meth:`weights_and_scales`, cleared by every change of the tree."""
+        self._shape: tuple[int, int] | None = None
+        """:meth:`shape`, cleared by every change of the tree."""
         """The owners of ``path`` and of its ancestors (for :meth:`owns`); cleared by
         every change of the tree (an owner changes only in :meth:`set_node`)."""
 
@@ -108,6 +110,16 @@ class BudgetTree:
                     scale.update(sibling_scales({c: weight[c] for c in node.children}))
             self._weights = (weight, scale)
         return self._weights
+
+    def shape(self) -> tuple[int, int]:
+        """``(radix, depth)``: the most children any node has (at least 1) and the
+        depth of the deepest leaf (top level = 1). Computed once per version of the
+        tree."""
+        if self._shape is None:
+            radix = max((len(n.children) for n in self.nodes.values()), default=1)
+            depth = max((p.count("/") + 1 for p in self.nodes if p != ROOT), default=0)
+            self._shape = (max(radix, 1), depth)
+        return self._shape
 
     def may_edit(self, actor: str, path: str) -> bool:
         """``actor`` owns a proper ancestor of ``path`` (for the root: owns the root,
@@ -160,6 +172,7 @@ class BudgetTree:
     def set_node(self, path: str, weight: int, owner: str) -> None:
         self._owners.clear()
         self._weights = None
+        self._shape = None
         node = self.nodes.get(path)
         if node is not None:
             node.weight = weight
@@ -175,3 +188,4 @@ class BudgetTree:
         self._chains.clear()
         self._owners.clear()
         self._weights = None
+        self._shape = None

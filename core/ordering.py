@@ -85,7 +85,6 @@ class FairShareView:
         "weight",
         "scale",
         "_rank",
-        "leaf_ranks",
         "_leaf_pos",
     )
 
@@ -107,9 +106,8 @@ class FairShareView:
         """Weights, and scales: ``usage * scale`` orders siblings exactly by ratio
         (:func:`~apportion.core.ratio.sibling_scales`). The tree's own dicts, kept
         until it changes: read only."""
-        self._rank: dict[str, int] | None = None
-        self.leaf_ranks: dict[str, tuple[int, ...]] = {}
-        self._leaf_pos: dict[str, int] | None = None
+        self._rank: dict[str, int] = {}
+        self._leaf_pos: dict[str, int] = {}
 
     def ratio(self, path: str) -> Fraction:
         return ratio(self.usage[path], self.weight[path])
@@ -117,31 +115,39 @@ class FairShareView:
     def sibling_key(self, path: str) -> SiblingKey:
         return sibling_key(self.usage[path], self.scale[path], self.weight[path], path)
 
-    @property
-    def rank(self) -> dict[str, int]:
-        """Each node's rank among its siblings (computed on first use)."""
-        if self._rank is None:
-            self._rank = {ROOT: 0}
-            for node in self.tree.nodes.values():
-                for i, child in enumerate(sorted(node.children, key=self.sibling_key)):
-                    self._rank[child] = i
-        return self._rank
-
-    def ranks_of(self, leaf: str) -> tuple[int, ...]:
-        """Ranks among siblings of ``leaf``'s ancestors (top level down) and of ``leaf``."""
-        ranks = self.leaf_ranks.get(leaf)
-        if ranks is None:
-            ranks = tuple(self.rank[p] for p in [*ancestors_of(leaf)[1:], leaf])
-            self.leaf_ranks[leaf] = ranks
-        return ranks
+    def rank(self, path: str) -> int:
+        """``path``'s rank among its siblings, most under-served first (each family
+        sorted when first asked)."""
+        rank = self._rank.get(path)
+        if rank is None:
+            if path == ROOT:
+                return 0
+            siblings = self.tree.nodes[parent_of(path)].children
+            for i, child in enumerate(sorted(siblings, key=self.sibling_key)):
+                self._rank[child] = i
+            rank = self._rank[path]
+        return rank
 
     def leaf_position(self, leaf: str) -> int:
-        """Position of ``leaf`` among all leaves in fair-share order (criterion 2):
-        higher = more over-served; -1 for a path that is not a leaf."""
-        if self._leaf_pos is None:
-            leaves = sorted(self.tree.leaves(), key=self.ranks_of)
-            self._leaf_pos = {leaf: i for i, leaf in enumerate(leaves)}
-        return self._leaf_pos.get(leaf, -1)
+        """Where ``leaf`` stands among all leaves in fair-share order (criterion 2):
+        higher = more over-served; -1 for a path that is not a leaf. Compare
+        positions only (they are not consecutive): the ranks of the leaf's
+        ancestors and its own, top level first, as the digits of one number in
+        base :meth:`~apportion.core.budget.BudgetTree.shape`'s radix, padded to
+        the deepest leaf. Orders leaves as sorting their rank tuples does (no leaf's
+        tuple is a prefix of another's), reading only the families on its path."""
+        pos = self._leaf_pos.get(leaf)
+        if pos is None:
+            if not self.tree.is_leaf(leaf):
+                return -1
+            radix, depth = self.tree.shape()
+            path = [*ancestors_of(leaf)[1:], leaf]
+            pos = 0
+            for p in path:
+                pos = pos * radix + self.rank(p)
+            pos *= radix ** (depth - len(path))
+            self._leaf_pos[leaf] = pos
+        return pos
 
     def path_ratios(self, leaf: str) -> list[tuple[str, int, int, Fraction]]:
         """``(path, usage_gpu_ms, weight, ratio)`` from the top level down to ``leaf``."""

@@ -6,9 +6,12 @@ from fractions import Fraction as F
 
 import pytest
 from apportion.core import FairShareView, queue_order
+from apportion.core.budget import ancestors_of
 from apportion.core.ordering import FairShareWalk
 from apportion.core.ratio import clearly_below_pair, ratio
 from core_builders import Scenario, reference_order
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 H = 3_600_000
 DAY = 24 * H
@@ -155,7 +158,7 @@ def test_requeued_work_keeps_its_original_submit_time(min_runtime) -> None:
 def test_ranks_and_keys() -> None:
     s = research().submit("r", "research/cv/ben", gpus=2).place("r", "n0").at(H).tick()
     view = FairShareView(s.state)
-    assert view.rank == {
+    assert {p: view.rank(p) for p in s.state.budget.nodes} == {
         "": 0,
         "research": 1,
         "ops": 0,
@@ -165,13 +168,9 @@ def test_ranks_and_keys() -> None:
         "research/cv/ben": 0,
         "ops/oz": 0,
     }
-    assert view.ranks_of("research/cv/ben") == (1, 1, 0)
     # leaves in fair-share order: ops/oz, research/nlp/ann, research/cv/ben
-    assert [view.leaf_position(p) for p in ("ops/oz", "research/nlp/ann", "research/cv/ben")] == [
-        0,
-        1,
-        2,
-    ]
+    positions = [view.leaf_position(p) for p in ("ops/oz", "research/nlp/ann", "research/cv/ben")]
+    assert positions == sorted(positions) and len(set(positions)) == 3
     assert view.leaf_position("research") == -1
 
 
@@ -224,3 +223,41 @@ def test_clearly_below_is_exact(cand, victim, margin_ppm, expected) -> None:
     args = (cand.numerator, cand.denominator, victim.numerator, victim.denominator, margin_ppm)
     assert clearly_below_pair(*args) is expected
     assert ratio(6, 4) == F(3, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 4), st.integers(0, 3), st.integers(1, 9)),
+        min_size=1,
+        max_size=14,
+    )
+)
+def test_leaf_positions_order_leaves_as_their_rank_tuples_do(spec) -> None:
+    """The position of a leaf (one number per leaf, read from its path's families)
+    orders the leaves exactly as sorting every leaf by the ranks of its ancestors
+    and its own does, whatever the tree's shape and usage."""
+    s = Scenario()
+    made: list[str] = []
+    for parent_pick, weight, _, _ in spec:
+        parent = made[parent_pick % len(made)] if made and parent_pick else ""
+        path = f"{parent}/n{len(made)}" if parent else f"n{len(made)}"
+        s.budget(path, weight)
+        made.append(path)
+    s.nodes("h", 2)
+    leaves = s.state.budget.leaves()
+    for i, (_, _, pick, gpus) in enumerate(spec):
+        leaf = leaves[pick % len(leaves)]
+        s.submit(f"w{i}", leaf, gpus=min(gpus, 8), min_runtime_ms=0)
+        s.place(f"w{i}", f"h{i % 2}") if s.state.nodes[f"h{i % 2}"].free >= min(gpus, 8) else None
+        s.after(H // 7)
+    s.tick()
+    view = FairShareView(s.state)
+
+    def ranks(leaf: str) -> tuple[int, ...]:
+        return tuple(view.rank(p) for p in [*ancestors_of(leaf)[1:], leaf])
+
+    by_position = sorted(leaves, key=view.leaf_position)
+    assert by_position == sorted(leaves, key=ranks)
+    assert len({view.leaf_position(p) for p in leaves}) == len(leaves)
+    assert all(view.leaf_position(p) >= 0 for p in leaves)

@@ -393,4 +393,5 @@ def queue_order(state: State, view: FairShareView | None = None) -> list[Workloa
     by submit time, then id."""
     walk = FairShareWalk(state, view or FairShareView(state))
     pending = state.pending
-    return [*walk, *(pending[wid] for _, wid in state.pending_index.free)]
+    free = heapq.merge(*state.pending_index.free.values())
+    return [*walk, *(pending[wid] for _, wid in free)]

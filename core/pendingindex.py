@@ -8,7 +8,9 @@ sort the whole queue again each time:
   min_runtime)``, so that a cycle can pass over every workload of a shape that
   cannot be placed without visiting them one by one
   (:class:`~apportion.core.ordering.FairShareWalk`);
-- ``free``: unallocated work by ``(submit time, id)``.
+- ``free[(gpu_type, gpus)]``: unallocated work of one size by ``(submit time,
+  id)``, so that a cycle can drop every request of a size that can no longer be
+  placed without visiting them one by one (:mod:`~apportion.core.cycle.unallocated`).
 
 A held workload (``WorkloadHeld``) is pending but in none of them: the fold
 removes it when it is held and adds it back, with its old keys, when it is
@@ -52,6 +54,8 @@ class _Pending(Protocol):
 
 LeafKey = tuple[int, int, str]
 FreeKey = tuple[int, str]
+FreeShape = tuple[str, int]
+"""``(gpu_type, gpus)`` of an unallocated workload."""
 Shape = tuple[str, int, int]
 """``(gpu_type, gpus, min_runtime_ms)``: what placing an allocated workload depends
 on besides its owner and priority."""
@@ -85,7 +89,7 @@ class PendingIndex:
         """Built (at the first read) and kept current by :meth:`add` and :meth:`remove`."""
         self._by_leaf: dict[str, list[LeafKey]] = {}
         self._by_shape: dict[str, dict[Shape, list[LeafKey]]] = {}
-        self._free: list[FreeKey] = []
+        self._free: dict[FreeShape, list[FreeKey]] = {}
 
     @property
     def by_leaf(self) -> dict[str, list[LeafKey]]:
@@ -98,7 +102,7 @@ class PendingIndex:
         return self._by_shape
 
     @property
-    def free(self) -> list[FreeKey]:
+    def free(self) -> dict[FreeShape, list[FreeKey]]:
         self.keep()
         return self._free
 
@@ -113,7 +117,7 @@ class PendingIndex:
         lists as :meth:`add` one by one, faster: :meth:`add` spelled inline)."""
         by_leaf: dict[str, list[LeafKey]] = {}
         by_shape: dict[str, dict[Shape, list[LeafKey]]] = {}
-        free: list[FreeKey] = []
+        free: dict[FreeShape, list[FreeKey]] = {}
         for w in self._pending.values():
             if w.held_by is not UNSET:  # held: pending, but no cycle walks it
                 continue
@@ -134,13 +138,18 @@ class PendingIndex:
                 else:
                     same.append(key)
             else:
-                free.append((w.submitted_ms, w.id))
+                size = free.get((w.gpu_type, w.gpus))
+                if size is None:
+                    free[(w.gpu_type, w.gpus)] = [(w.submitted_ms, w.id)]
+                else:
+                    size.append((w.submitted_ms, w.id))
         for keys in by_leaf.values():
             keys.sort()
         for shapes in by_shape.values():
             for keys in shapes.values():
                 keys.sort()
-        free.sort()
+        for keys in free.values():
+            keys.sort()
         self._by_leaf, self._by_shape, self._free = by_leaf, by_shape, free
         self.kept = True
 
@@ -164,7 +173,11 @@ class PendingIndex:
             else:
                 insort(same, key)
         else:
-            insort(self._free, (w.submitted_ms, w.id))
+            size = self._free.get((w.gpu_type, w.gpus))
+            if size is None:
+                self._free[(w.gpu_type, w.gpus)] = [(w.submitted_ms, w.id)]
+            else:
+                insort(size, (w.submitted_ms, w.id))
 
     def remove(self, w: _Pending) -> None:
         if not self.kept:
@@ -184,5 +197,7 @@ class PendingIndex:
             if not same:
                 del shapes[shape]
         else:
-            free = self._free
-            del free[bisect_left(free, (w.submitted_ms, w.id))]
+            size = self._free[(w.gpu_type, w.gpus)]
+            del size[bisect_left(size, (w.submitted_ms, w.id))]
+            if not size:
+                del self._free[(w.gpu_type, w.gpus)]

@@ -626,7 +626,7 @@ class FoldMachine(RuleBasedStateMachine):
         index = self.state.pending_index
         by_leaf: dict[str, list[tuple[int, int, str]]] = {}
         by_shape: dict[str, dict[tuple[str, int, int], list[tuple[int, int, str]]]] = {}
-        free: list[tuple[int, str]] = []
+        free: dict[tuple[str, int], list[tuple[int, str]]] = {}
         for w in self.state.pending.values():
             if w.held:
                 continue  # out of the index until released
@@ -636,10 +636,13 @@ class FoldMachine(RuleBasedStateMachine):
                 shape = (w.gpu_type, w.gpus, w.min_runtime_ms)
                 by_shape.setdefault(w.owner, {}).setdefault(shape, []).append(key)
             else:
-                free.append((w.submitted_ms, w.id))
-        for keys in [*by_leaf.values(), *(k for s in by_shape.values() for k in s.values())]:
+                free.setdefault((w.gpu_type, w.gpus), []).append((w.submitted_ms, w.id))
+        for keys in [
+            *by_leaf.values(),
+            *(k for s in by_shape.values() for k in s.values()),
+            *free.values(),
+        ]:
             keys.sort()
-        free.sort()
         refolded = fold(self.events).pending_index
         restored = State.from_bytes(self.state.to_bytes()).pending_index
         for other in (index, refolded, restored):

@@ -9,6 +9,7 @@ import random
 import pytest
 from apportion.core.pendingindex import (
     FreeKey,
+    FreeShape,
     LeafKey,
     PendingIndex,
     Shape,
@@ -21,19 +22,25 @@ from apportion.core.state import Workload
 
 def definition(
     pending: dict[str, Workload],
-) -> tuple[dict[str, list[LeafKey]], dict[str, dict[Shape, list[LeafKey]]], list[FreeKey]]:
+) -> tuple[
+    dict[str, list[LeafKey]], dict[str, dict[Shape, list[LeafKey]]], dict[FreeShape, list[FreeKey]]
+]:
     by_leaf: dict[str, list[LeafKey]] = {}
     by_shape: dict[str, dict[Shape, list[LeafKey]]] = {}
-    free: list[FreeKey] = []
+    free: dict[FreeShape, list[FreeKey]] = {}
     for w in pending.values():
         if w.min_runtime_ms > 0:
             by_leaf.setdefault(w.owner, []).append(leaf_key(w))
             by_shape.setdefault(w.owner, {}).setdefault(shape_of(w), []).append(leaf_key(w))
         else:
-            free.append(free_key(w))
-    for keys in [*by_leaf.values(), *(k for s in by_shape.values() for k in s.values())]:
+            free.setdefault((w.gpu_type, w.gpus), []).append(free_key(w))
+    for keys in [
+        *by_leaf.values(),
+        *(k for s in by_shape.values() for k in s.values()),
+        *free.values(),
+    ]:
         keys.sort()
-    return by_leaf, by_shape, sorted(free)
+    return by_leaf, by_shape, free
 
 
 def assert_is_definition(index: PendingIndex, pending: dict[str, Workload]) -> None:
@@ -84,4 +91,4 @@ def test_the_index_is_its_definition_whenever_it_is_first_read(
     # everything leaves: no empty lists or leaves stay behind
     for wid in sorted(pending):
         index.remove(pending.pop(wid))
-    assert (index.by_leaf, index.by_shape, index.free) == ({}, {}, [])
+    assert (index.by_leaf, index.by_shape, index.free) == ({}, {}, {})

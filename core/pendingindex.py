@@ -148,8 +148,8 @@ class PendingIndex:
         for shapes in by_shape.values():
             for keys in shapes.values():
                 keys.sort()
-        for keys in free.values():
-            keys.sort()
+        for sized in free.values():
+            sized.sort()
         self._by_leaf, self._by_shape, self._free = by_leaf, by_shape, free
         self.kept = True
 

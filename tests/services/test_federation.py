@@ -1,0 +1,369 @@
+"""Clusters joined through NATS itself (issue 29, services/federation.py).
+
+Real nats-servers as the topology of docs/federation.md: a hub (JetStream
+domain ``hub``, the ``TREE`` stream) and one server per cluster (its own
+JetStream domain, the production accounts, a leaf link binding ``APPORTION``
+to the hub's ``FEDERATION`` account with the generated leaf permissions).
+Each cluster's INPUTS sources its peer's ``USAGE_<peer>`` and the hub's
+``TREE``; a forwarder publishes the ``UsageReported`` decisions of its
+cluster's batches to ``USAGE_<c>``.
+
+The decision batches are written by hand as JSON (the forwarder reads them as
+JSON and does not need the decision's schema); once the core's
+``UsageReported`` lands, the audit of each cluster can be added on top.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from apportion.services import federation as fed
+from apportion.services.bus import JetStreamLog, connect
+from apportion.services.natsconf import (
+    accounts_conf,
+    federated_server,
+    hub_conf,
+    hub_users,
+    user_url,
+    users_of,
+)
+from apportion.services.stack import free_port
+from conftest import NatsServer, nats_server_binary, password
+
+pytestmark = pytest.mark.nats
+
+CLUSTERS = ("east", "west")
+WAIT_S = 60.0
+"""The bound of every wait for sourced messages (sources retry with a back-off
+after a link comes back)."""
+
+
+class Topology:
+    """A hub and a server per cluster, each started from its generated configuration."""
+
+    def __init__(self, tmp: Path, clusters: tuple[str, ...]) -> None:
+        binary = nats_server_binary()
+        if binary is None:
+            pytest.skip("no nats-server binary")
+        self.clusters = clusters
+        self._tmp = tmp
+        self.leaf_port = free_port()
+        self.monitor_port = free_port()
+        hub_port = free_port()
+        self.hub = NatsServer(
+            f"nats://127.0.0.1:{hub_port}",
+            binary,
+            tmp / "hub",
+            hub_port,
+            conf=hub_conf(
+                clusters,
+                {u: password(u) for u in hub_users(clusters)},
+                store_dir=str(tmp / "hub" / "js"),
+                listen=f"127.0.0.1:{hub_port}",
+                leaf_listen=f"127.0.0.1:{self.leaf_port}",
+            )
+            + f"http: 127.0.0.1:{self.monitor_port}\n",
+        )
+        self.servers: dict[str, NatsServer] = {}
+        for c in clusters:
+            port = free_port()
+            self.servers[c] = NatsServer(
+                f"nats://127.0.0.1:{port}", binary, tmp / c, port, conf=self.conf(c, linked=True)
+            )
+
+    def conf(self, c: str, *, linked: bool) -> str:
+        hub_url = user_url(f"nats://127.0.0.1:{self.leaf_port}", f"leaf-{c}", password(f"leaf-{c}"))
+        server = federated_server(
+            c,
+            hub_url if linked else "",
+            store_dir=str(self._tmp_of(c) / "js"),
+            listen="127.0.0.1:4222",  # the port is given on the command line
+        )
+        return accounts_conf(c, [], {u: password(u) for u in users_of([])}, server=server)
+
+    def _tmp_of(self, c: str) -> Path:
+        return self._tmp / c
+
+    def start(self) -> None:
+        self.hub.start()
+        for s in self.servers.values():
+            s.start()
+
+    def stop(self) -> None:
+        for s in [*self.servers.values(), self.hub]:
+            s.stop()
+
+    def relink(self, c: str, linked: bool) -> None:
+        """Reload cluster ``c``'s server with (or without) its leaf link: no restart."""
+        server = self.servers[c]
+        server.conf = self.conf(c, linked=linked)
+        assert server.store is not None and server.proc is not None
+        (server.store / "server.conf").write_text(server.conf)
+        server.proc.send_signal(signal.SIGHUP)
+
+    def leafs(self) -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/leafz", timeout=5) as r:
+            return int(json.load(r).get("leafnodes", 0))
+
+    async def wait_leafs(self, n: int) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while await asyncio.to_thread(self.leafs) != n:
+                await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+async def topology(tmp_path: Path) -> AsyncIterator[Topology]:
+    t = Topology(tmp_path, CLUSTERS)
+    t.start()
+    try:
+        await t.wait_leafs(len(CLUSTERS))
+        yield t
+    finally:
+        t.stop()
+
+
+class Side:
+    """One cluster as its scheduler sees it: its streams, its forwarder, a batch writer."""
+
+    def __init__(self, c: str, nc: Any) -> None:
+        self.c = c
+        self.nc = nc
+        self.js = nc.jetstream(timeout=5.0)
+        self.forwarder = fed.UsageForwarder(nc, c)
+        self.starts: list[int] = []
+        self._batches = 0
+
+    async def batch(self, *starts: int) -> None:
+        """Store a decision batch holding a ``UsageReported`` for each interval start
+        (and a placement, which the forwarder leaves alone)."""
+        decisions: list[dict[str, Any]] = [
+            {"kind": "WorkloadPlaced", "id": f"p{self._batches}", "at_ms": 1, "workload": "w"}
+        ]
+        for s in starts:
+            decisions.append(
+                {
+                    "kind": fed.REPORT_KIND,
+                    "id": f"r-{self.c}-{s}",
+                    "at_ms": s + 60_000,
+                    "cluster": self.c,
+                    "start_ms": s,
+                    "end_ms": s + 60_000,
+                    "charges": [["llm/pretrain", 8 * 60_000]],
+                }
+            )
+        body = json.dumps({"basis": self._batches, "decisions": decisions}).encode()
+        await self.js.publish(
+            f"apportion.{self.c}.decisions",
+            body,
+            headers={"Nats-Expected-Last-Sequence": str(self._batches)},
+        )
+        self._batches += 1
+        self.starts += starts
+
+
+async def _side(t: Topology, c: str) -> Side:
+    nc = await connect(t.servers[c].url_as("scheduler"), name=f"sched-{c}")
+    await JetStreamLog(nc.jetstream(), c).setup()
+    return Side(c, nc)
+
+
+async def _tree_admin(t: Topology) -> Any:
+    nc = await connect(t.hub.url_as(fed.TREE_ADMIN), name="tree-admin")
+    await fed.ensure_tree_stream(nc.jetstream(timeout=5.0))
+    return nc
+
+
+async def _publish_tree(admin: Any, path: str, weight: int) -> str:
+    event_id = f"budget-{path}-{weight}"
+    body = {
+        "kind": "BudgetSet",
+        "id": event_id,
+        "at_ms": 1,
+        "path": path,
+        "weight": weight,
+        "owner": "alice",
+        "actor": "admin",
+    }
+    await admin.jetstream(timeout=5.0).publish(
+        fed.tree_subject("BudgetSet"), json.dumps(body).encode(), headers={"Nats-Msg-Id": event_id}
+    )
+    return event_id
+
+
+async def _inputs(side: Side) -> list[tuple[str, dict[str, Any]]]:
+    """Every message of the side's INPUTS: (subject, payload)."""
+    info = await side.js.stream_info(f"INPUTS_{side.c}")
+    out = []
+    for seq in range(info.state.first_seq or 1, info.state.last_seq + 1):
+        m = await side.js.get_msg(f"INPUTS_{side.c}", seq)
+        out.append((m.subject, json.loads(m.data)))
+    return out
+
+
+async def _until(side: Side, done: Any) -> list[tuple[str, dict[str, Any]]]:
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            got = await _inputs(side)
+            if done(got):
+                return got
+            await asyncio.sleep(0.2)
+
+
+def _summaries(got: list[tuple[str, dict[str, Any]]], me: str, source: str) -> list[int]:
+    subject = fed.summary_subject(me, source)
+    return [body["start_ms"] for subj, body in got if subj == subject]
+
+
+def _tree_ids(got: list[tuple[str, dict[str, Any]]], me: str) -> list[str]:
+    return [body["id"] for subj, body in got if subj == f"apportion.{me}.inputs.BudgetSet"]
+
+
+async def _check_arrived(
+    sides: dict[str, Side], tree: list[str]
+) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """Wait until every summary of each side and every tree edit are in every
+    peer's INPUTS, then check each arrived exactly once and in order."""
+    out = {}
+    for me, side in sides.items():
+        peers = [p for p in sides if p != me]
+
+        def complete(
+            got: list[tuple[str, dict[str, Any]]], me: str = me, peers: list[str] = peers
+        ) -> bool:
+            return len(_tree_ids(got, me)) >= len(tree) and all(
+                len(_summaries(got, me, p)) >= len(sides[p].starts) for p in peers
+            )
+
+        got = await _until(side, complete)
+        for p in peers:
+            assert _summaries(got, me, p) == sides[p].starts, (me, p)
+        assert _tree_ids(got, me) == tree, me
+        out[me] = got
+    return out
+
+
+async def test_summaries_and_tree_edits_reach_every_cluster_once(topology: Topology) -> None:
+    t = topology
+    admin = await _tree_admin(t)
+    sides = {c: await _side(t, c) for c in CLUSTERS}
+    try:
+        for c, side in sides.items():
+            names = await fed.join(side.js, c, [p for p in CLUSTERS if p != c])
+            assert names == [f"USAGE_{p}" for p in CLUSTERS if p != c] + ["TREE"]
+        await sides["east"].batch(0, 60_000)
+        await sides["east"].batch()  # a batch without a summary
+        await sides["west"].batch(0)
+        await sides["east"].batch(120_000)
+        for side in sides.values():
+            await side.forwarder.forward_once()
+        tree = [await _publish_tree(admin, "llm", 3)]
+        got = await _check_arrived(sides, tree)
+
+        # what a peer stores is a UsageSummary input naming its source, with the
+        # report's fields as they were; its id is the dedup key
+        body = next(b for s, b in got["west"] if s == fed.summary_subject("west", "east"))
+        assert body == {
+            "kind": fed.SUMMARY_KIND,
+            "id": "usage:east:0",
+            "at_ms": body["at_ms"],  # the time the forwarder sent it
+            "source": "east",
+            "start_ms": 0,
+            "end_ms": 60_000,
+            "charges": [["llm/pretrain", 480_000]],
+        }
+
+        # a forwarder started again (another scheduler leading) sends nothing twice
+        again = fed.UsageForwarder(sides["east"].nc, "east")
+        assert await again.forward_once() == 0
+        await sides["east"].batch(180_000)
+        assert await again.forward_once() == 1
+        assert await sides["east"].forwarder.forward_once() == 0  # fenced, then caught up
+        await _check_arrived(sides, tree)
+
+        # status names each source; leave stops sourcing a peer (what came stays)
+        states = await fed.status(sides["west"].js, "west")
+        assert [s.name for s in states] == ["USAGE_east", "TREE"]
+        assert await fed.leave(sides["west"].js, "west", ["east"]) == ["TREE"]
+        assert len(_summaries(await _inputs(sides["west"]), "west", "east")) == 4
+        assert await fed.join(sides["west"].js, "west", ["east"]) == ["USAGE_east", "TREE"]
+    finally:
+        for side in sides.values():
+            await side.nc.close()
+        await admin.close()
+
+
+def test_the_leaf_link_carries_sourcing_only() -> None:
+    """The hub user of a cluster's leaf link may not reach the peers' INPUTS or
+    the hub's JetStream API beyond creating source consumers."""
+    from apportion.services.natsconf import leaf_permissions
+
+    send, receive = leaf_permissions("east", ["east", "west", "north"], "hub")
+    assert "$JS.west.API.CONSUMER.CREATE.USAGE_west.>" in send
+    assert not any("INPUTS" in s or "STREAM" in s or "tree.inputs" in s for s in send)
+    assert not any("INPUTS" in s or "STREAM" in s for s in receive)
+
+
+@pytest.mark.slow
+async def test_a_partition_loses_nothing_and_counts_nothing_twice(topology: Topology) -> None:
+    """Cut ``east`` off (its server reloaded without the leaf link), keep both
+    sides writing, restart ``west``'s server on the way, rejoin: every summary
+    and tree edit arrives in every cluster exactly once, in order per source."""
+    t = topology
+    admin = await _tree_admin(t)
+    sides = {c: await _side(t, c) for c in CLUSTERS}
+    try:
+        for c, side in sides.items():
+            await fed.join(side.js, c, [p for p in CLUSTERS if p != c])
+        minute = 60_000
+        for k in range(3):
+            for side in sides.values():
+                await side.batch(k * minute)
+                await side.forwarder.forward_once()
+        tree = [await _publish_tree(admin, "llm", 1)]
+        await _check_arrived(sides, tree)
+
+        # 1. cut east off: both sides keep deciding and forwarding
+        t.relink("east", linked=False)
+        await t.wait_leafs(1)
+        for k in range(3, 8):
+            for side in sides.values():
+                await side.batch(k * minute)
+                await side.forwarder.forward_once()
+        tree.append(await _publish_tree(admin, "llm", 2))  # the tree edit east cannot see yet
+        east = await _inputs(sides["east"])
+        assert _tree_ids(east, "east") == tree[:1]
+
+        # 2. west's server restarts during the partition (its store kept)
+        await sides["west"].nc.close()
+        t.servers["west"].stop()
+        t.servers["west"].start()
+        west = await _side(t, "west")
+        west.starts, west._batches = sides["west"].starts, sides["west"]._batches
+        sides["west"] = west
+        await t.wait_leafs(1)
+        for k in range(8, 10):
+            for side in sides.values():
+                await side.batch(k * minute)
+                await side.forwarder.forward_once()
+
+        # 3. rejoin: everything arrives, once, in order
+        t.relink("east", linked=True)
+        await t.wait_leafs(2)
+        for side in sides.values():
+            await side.batch(10 * minute)
+            await side.forwarder.forward_once()
+        tree.append(await _publish_tree(admin, "llm", 3))
+        await _check_arrived(sides, tree)
+        for side in sides.values():
+            assert side.starts == [k * minute for k in range(11)]
+    finally:
+        for side in sides.values():
+            await side.nc.close()
+        await admin.close()

@@ -57,6 +57,8 @@ HDR_FROM = "Apportion-Decisions-Seq"
 """On a usage summary: ``<batch seq>.<index>``, the decision it was made from
 (where the forwarder resumes)."""
 WRONG_LAST_SEQUENCE = 10071
+IDLE_S = 10.0
+"""How often a forwarder whose cluster has not joined looks again, at most."""
 FEDERATION_ACCOUNT = "FEDERATION"
 """The hub's account that every cluster's ``APPORTION`` joins as a leaf."""
 TREE_ADMIN = "tree-admin"
@@ -408,6 +410,8 @@ class UsageForwarder:
         self.logger = logs.get("federation", cluster=cluster)
         self._last_usage_seq = 0
         self._from: tuple[int, int] = (0, -1)
+        self.joined = False
+        """``USAGE_<C>`` was there at the last look."""
 
     async def _locate(self) -> bool:
         """Read where forwarding got to; ``False`` if ``USAGE_<C>`` is not there."""
@@ -435,7 +439,8 @@ class UsageForwarder:
         """Forward every summary not yet forwarded; returns how many were published."""
         from nats.js.errors import APIError
 
-        if not await self._locate():
+        self.joined = await self._locate()
+        if not self.joined:
             return 0
         js = self.nc.jetstream(timeout=5.0)
         decisions = f"DECISIONS_{self.cluster}"
@@ -473,18 +478,23 @@ class UsageForwarder:
             start = got[-1].seq + 1
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Forward until ``stop`` is set, every :attr:`poll_s` seconds while leading."""
+        """Forward until ``stop`` is set: every :attr:`poll_s` seconds while leading
+        and joined; while ``USAGE_<C>`` is not there, asking again less and less
+        often (up to every :data:`IDLE_S` seconds)."""
+        wait = self.poll_s
         while not stop.is_set():
             if self.leading is None or self.leading.is_set():
                 try:
                     n = await self.forward_once()
                     if n:
                         self.logger.debug("forwarded usage summaries", count=n)
+                    wait = self.poll_s if self.joined else min(IDLE_S, wait * 2)
                 except Exception as exc:  # a service keeps running: log one line, try again
                     self.logger.warning(
                         "cannot forward usage summaries",
                         error=f"{type(exc).__name__}: {exc}".splitlines()[0],
                     )
+                    wait = min(IDLE_S, wait * 2)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.poll_s):
+                async with asyncio.timeout(wait):
                     await stop.wait()

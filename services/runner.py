@@ -78,6 +78,27 @@ async def supervise_scheduler(scheduler: Any, stop: asyncio.Event, retry_s: floa
                 await asyncio.wait_for(stop.wait(), retry_s)
 
 
+async def run_scheduler(scheduler: Any, stop: asyncio.Event) -> None:
+    """:func:`supervise_scheduler`, with the usage forwarder of a federated cluster
+    beside it (:class:`~apportion.services.federation.UsageForwarder`: it
+    forwards while this scheduler leads, and idles while the cluster has no
+    ``USAGE_<c>``, so a cluster joins with no restart). A log in memory has none."""
+    nc = getattr(scheduler.log, "nc", None)
+    if nc is None:
+        await supervise_scheduler(scheduler, stop)
+        return
+    from .federation import UsageForwarder
+
+    forwarder = UsageForwarder(nc, scheduler.log.subjects.cluster, leading=scheduler.leading)
+    beside = asyncio.create_task(forwarder.run(stop), name="usage-forwarder")
+    try:
+        await supervise_scheduler(scheduler, stop)
+    finally:
+        beside.cancel()
+        with contextlib.suppress(BaseException):
+            await beside
+
+
 def _why(exc: BaseException) -> str:
     text = str(exc).splitlines()[0][:300] if str(exc) else ""
     return f"{type(exc).__name__}: {text}".rstrip(": ")
@@ -287,7 +308,7 @@ async def serve(
                 await log.lease(holder=f"{socket.gethostname()}-{id(log)}"),
                 snapshot_every=snapshot_every,
             )
-            main = supervise_scheduler(service, stop)
+            main = run_scheduler(service, stop)
         elif kind == "projector":
             from .metrics import ProjectorMetrics
             from .projector import Projector, open_projection_for

@@ -367,3 +367,35 @@ async def test_a_partition_loses_nothing_and_counts_nothing_twice(topology: Topo
         for side in sides.values():
             await side.nc.close()
         await admin.close()
+
+
+async def test_a_running_forwarder_starts_when_its_cluster_joins(topology: Topology) -> None:
+    """The forwarder runs beside the scheduler from the start (runner.run_scheduler);
+    it idles until the cluster joins, forwards only while its scheduler leads, and
+    nothing needs a restart."""
+    t = topology
+    sides = {c: await _side(t, c) for c in CLUSTERS}
+    stop = asyncio.Event()
+    leading = asyncio.Event()
+    east = sides["east"]
+    forwarder = fed.UsageForwarder(east.nc, "east", leading=leading, poll_s=0.05)
+    running = asyncio.create_task(forwarder.run(stop))
+    try:
+        await east.batch(0)
+        leading.set()
+        await fed.join(sides["west"].js, "west", ["east"], tree=False)
+        await fed.join(east.js, "east", ["west"], tree=False)
+        got = await _until(sides["west"], lambda g: _summaries(g, "west", "east") == [0])
+        assert _summaries(got, "west", "east") == [0]
+        leading.clear()  # another scheduler leads now: this one forwards nothing
+        await east.batch(60_000)
+        await asyncio.sleep(0.3)
+        assert forwarder.forwarded == 1
+        leading.set()
+        got = await _until(sides["west"], lambda g: len(_summaries(g, "west", "east")) == 2)
+        assert _summaries(got, "west", "east") == [0, 60_000]
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 10)
+        for side in sides.values():
+            await side.nc.close()

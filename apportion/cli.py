@@ -136,6 +136,7 @@ for _module in (
     "apportion.cli_agent",
     "apportion.cli_history",
     "apportion.cli_report",
+    "apportion.cli_federation",
 ):
     _register(_module)
 _register("apportion.cli_sql")

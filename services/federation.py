@@ -272,6 +272,8 @@ async def join(
     ``USAGE_<cluster>`` (what peers source), and its INPUTS sourcing each peer's
     usage (added to the peers it already sources). Connected as the cluster's
     scheduler (the one user with its JetStream API)."""
+    if cluster == hub_domain or hub_domain in peers:
+        raise ValueError(f"{hub_domain!r} is the hub's JetStream domain, not a cluster's")
     await ensure_usage_stream(js, cluster, replicas, timeout_s)
     info = await _retrying(lambda: js.stream_info(_inputs(cluster)), timeout_s)
     known = peers_of(info.config.sources or [])
@@ -318,7 +320,8 @@ class SourceState:
 
 
 async def status(js: Any, cluster: str, timeout_s: float = 10.0) -> list[SourceState]:
-    """The federation sources of ``INPUTS_<cluster>`` as the server reports them."""
+    """The federation sources of ``INPUTS_<cluster>`` as the server reports them
+    (the peers' by name, then the tree)."""
     info = await _retrying(lambda: js.stream_info(_inputs(cluster)), timeout_s)
     out = []
     for s in info.sources or []:
@@ -334,7 +337,25 @@ async def status(js: Any, cluster: str, timeout_s: float = 10.0) -> list[SourceS
                 error=error,
             )
         )
-    return out
+    return sorted(out, key=lambda s: (s.name == TREE_STREAM, s.name))
+
+
+async def publish_tree_input(js: Any, event: Any) -> Any:
+    """Publish one input (a budget edit: :data:`TREE_KINDS`) on the hub's tree,
+    once: ``Nats-Msg-Id`` is its id, ``at_ms`` the time it is sent (as every
+    publisher stamps it). Every joined cluster's INPUTS takes it on its own
+    subject of that kind. Connected to the hub as :data:`TREE_ADMIN`."""
+    from apportion.schemas.codec import encode
+    from apportion.schemas.events import kind_of
+
+    from .bus import stamped
+
+    kind = kind_of(event)
+    if kind not in TREE_KINDS:
+        raise ValueError(f"{kind} is not made on the tree (only {', '.join(TREE_KINDS)})")
+    return await js.publish(
+        tree_subject(kind), encode(stamped(event)), headers={HDR_MSG_ID: event.id}
+    )
 
 
 # -- usage summaries from decision batches -----------------------------------

@@ -498,7 +498,7 @@ def federated_server(
     """The server settings of cluster ``cluster`` in a federation (put before its
     accounts, :func:`accounts_conf`'s ``server``): JetStream in the domain
     ``cluster`` (its streams stay its own) and a leaf link to the hub at
-    ``hub_url`` (``nats-leaf://leaf-<c>:<password>@hub:7422``) that binds
+    ``hub_url`` (``nats://leaf-<c>:<password>@hub:7422``) that binds
     ``APPORTION`` to the hub's ``FEDERATION`` account. Removing the
     ``leafnodes`` block and reloading the server (``nats-server --signal
     reload``) cuts the link without a restart; putting it back rejoins. Without

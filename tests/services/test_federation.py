@@ -399,3 +399,100 @@ async def test_a_running_forwarder_starts_when_its_cluster_joins(topology: Topol
         await asyncio.wait_for(running, 10)
         for side in sides.values():
             await side.nc.close()
+
+
+def test_the_cli_joins_a_cluster_and_edits_the_tree_once(tmp_path: Path) -> None:
+    """``apportion federation join|status|leave`` as a cluster's scheduler,
+    ``tree-setup|tree-set`` as the hub's tree admin; errors are one line."""
+    import time
+
+    from click.testing import CliRunner
+
+    from apportion.cli import main
+
+    t = Topology(tmp_path, CLUSTERS)
+    t.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while t.leafs() != len(CLUSTERS):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        run = CliRunner().invoke
+        hub = ["--hub", t.hub.url_as(fed.TREE_ADMIN)]
+        assert run(main, ["federation", "tree-setup", *hub]).exit_code == 0
+        for c in CLUSTERS:
+            nats = ["--nats", t.servers[c].url_as("scheduler"), "--cluster", c]
+            asyncio.run(_setup_streams(t, c))
+            peer = next(p for p in CLUSTERS if p != c)
+            r = run(main, ["federation", "join", *nats, "--peer", peer])
+            assert r.exit_code == 0, r.output
+            assert r.output.strip() == f"cluster {c}: INPUTS_{c} sources USAGE_{peer}, TREE"
+        r = run(
+            main,
+            ["federation", "tree-set", "llm", "--weight", "2", "--owner", "alice"]
+            + ["--actor", "admin", "--id", "edit-1", *hub],
+        )
+        assert r.exit_code == 0 and "TREE sequence 1" in r.output, r.output
+        r = run(
+            main,
+            ["federation", "tree-set", "llm", "--weight", "2", "--owner", "alice"]
+            + ["--actor", "admin", "--id", "edit-1", *hub],
+        )
+        assert "(already stored)" in r.output  # a retry is stored once
+        east = ["--nats", t.servers["east"].url_as("scheduler"), "--cluster", "east"]
+        r = run(main, ["federation", "status", *east])
+        assert r.exit_code == 0 and r.output.splitlines()[0].startswith("USAGE_west"), r.output
+        r = run(main, ["federation", "leave", *east, "--all-peers"])
+        assert r.output.strip() == "cluster east: INPUTS_east sources TREE"
+        # as a user without the JetStream API: one line, no traceback
+        r = run(
+            main,
+            ["federation", "status", "--nats", t.servers["east"].url_as("gateway")]
+            + ["--cluster", "east"],
+            env={"APPORTION_TIMEOUT": "1"},
+        )
+        assert r.exit_code == 2 and "Traceback" not in r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
+    finally:
+        t.stop()
+
+
+async def _setup_streams(t: Topology, c: str) -> None:
+    nc = await connect(t.servers[c].url_as("scheduler"), name=f"setup-{c}")
+    try:
+        await JetStreamLog(nc.jetstream(), c).setup()
+    finally:
+        await nc.close()
+
+
+def test_nats_config_writes_valid_files_for_the_hub_and_a_member(tmp_path: Path) -> None:
+    """``apportion nats-config --hub a,b`` and ``--hub-url URL``: files nats-server
+    takes (``-t``); a cluster may not be named like the hub's domain."""
+    import subprocess
+    import sys
+
+    def config(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "apportion", "nats-config", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    hub = config("--hub", "east,west", "--store-dir", str(tmp_path / "hub"))
+    member = config(
+        "--hub-url", "nats://leaf-demo:pw@127.0.0.1:7422", "--store-dir", str(tmp_path / "m")
+    )
+    for out in (hub, member):
+        assert out.returncode == 0, out.stderr
+    assert 'user: "leaf-east"' in hub.stdout and 'domain: "hub"' in hub.stdout
+    assert 'domain: "demo"' in member.stdout and 'account: "APPORTION"' in member.stdout
+    bad = config("--hub", "east,hub")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    binary = nats_server_binary()
+    if binary is not None:
+        for name, out in (("hub", hub), ("member", member)):
+            conf = tmp_path / f"{name}.conf"
+            conf.write_text(out.stdout)
+            check = subprocess.run([binary, "-t", "-c", str(conf)], capture_output=True, text=True)
+            assert check.returncode == 0, check.stderr + check.stdout

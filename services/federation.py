@@ -63,6 +63,10 @@ FEDERATION_ACCOUNT = "FEDERATION"
 """The hub's account that every cluster's ``APPORTION`` joins as a leaf."""
 TREE_ADMIN = "tree-admin"
 """The hub user who publishes budget edits on the tree (and creates ``TREE``)."""
+TREE_GATEWAY = "gateway"
+"""The hub user of the clusters' gateways (``serve gateway --hub``): it publishes
+:data:`GATEWAY_TREE_KINDS` on the tree, as each gateway's budget requests ask."""
+GATEWAY_TREE_KINDS = ("BudgetSet", "BudgetRemoved")
 
 
 def usage_stream(cluster: str) -> str:

@@ -562,15 +562,18 @@ def hub_conf(
 ) -> str:
     """The hub's whole configuration: JetStream in its own domain (``TREE``), a
     leaf listener, and the account ``FEDERATION`` with a user per cluster's leaf
-    link (``leaf-<c>``, :func:`leaf_permissions`) and the tree's admin
-    (``tree-admin``: publishes budget edits on ``apportion.tree.inputs.<Kind>``
-    and creates ``TREE``). ``passwords`` maps each of those users to its password.
+    link (``leaf-<c>``, :func:`leaf_permissions`), the tree's admin
+    (``tree-admin``: publishes the tree's kinds on ``apportion.tree.inputs.<Kind>``
+    and creates ``TREE``) and the clusters' gateways (``gateway``: ``BudgetSet``
+    and ``BudgetRemoved`` on the tree, nothing else). ``passwords`` maps each of those users to its password.
     A cluster added later: generate it again and reload the hub
     (``nats-server --signal reload``); no member restarts."""
     from .federation import (
         FEDERATION_ACCOUNT,
+        GATEWAY_TREE_KINDS,
         HUB_DOMAIN,
         TREE_ADMIN,
+        TREE_GATEWAY,
         TREE_KINDS,
         TREE_STREAM,
         leaf_user,
@@ -602,6 +605,18 @@ def hub_conf(
         _list(admin_deny, "            ").rstrip("\n"),
         "          ] }",
         f"          subscribe {{ allow: [{_q(inbox_prefix(TREE_ADMIN) + '.>')}] }}",
+        "        }",
+        "      }",
+    ]
+    users += [
+        "      {",
+        "        # a cluster's gateway in a federation (serve gateway --hub): budget edits only",
+        f"        user: {_q(TREE_GATEWAY)}, password: {_q(passwords[TREE_GATEWAY])}",
+        "        permissions {",
+        "          publish { allow: [",
+        _list((tree_subject(k) for k in GATEWAY_TREE_KINDS), "            ").rstrip("\n"),
+        "          ] }",
+        f"          subscribe {{ allow: [{_q(inbox_prefix(TREE_GATEWAY) + '.>')}] }}",
         "        }",
         "      }",
     ]
@@ -644,7 +659,7 @@ def hub_conf(
 
 
 def hub_users(clusters: Iterable[str]) -> list[str]:
-    """The hub's users: the tree's admin and a leaf link per cluster."""
-    from .federation import TREE_ADMIN, leaf_user
+    """The hub's users: the tree's admin, the clusters' gateways and a leaf link per cluster."""
+    from .federation import TREE_ADMIN, TREE_GATEWAY, leaf_user
 
-    return [TREE_ADMIN, *(leaf_user(c) for c in clusters)]
+    return [TREE_ADMIN, TREE_GATEWAY, *(leaf_user(c) for c in clusters)]

@@ -496,3 +496,62 @@ def test_nats_config_writes_valid_files_for_the_hub_and_a_member(tmp_path: Path)
             conf.write_text(out.stdout)
             check = subprocess.run([binary, "-t", "-c", str(conf)], capture_output=True, text=True)
             assert check.returncode == 0, check.stderr + check.stdout
+
+
+async def test_a_gateway_with_the_hub_edits_the_budget_once_for_every_cluster(
+    topology: Topology,
+) -> None:
+    """``serve gateway --hub``: ``POST /v1/budget`` on one cluster's gateway is
+    checked against its tree and published once, on the hub; every joined
+    cluster's INPUTS takes it, and the gateway's own view folds it."""
+    import aiohttp
+    from apportion.services.gateway import Gateway
+    from apportion.services.runner import supervise_scheduler
+    from apportion.services.scheduler import Scheduler
+    from services_helpers import eventually, small_cluster
+
+    t = topology
+    admin = await _tree_admin(t)
+    sides = {c: await _side(t, c) for c in CLUSTERS}
+    for c, side in sides.items():
+        await fed.join(side.js, c, [p for p in CLUSTERS if p != c])
+    east = t.servers["east"]
+    op = await connect(east.url_as("operator"), name="op")
+    gw = await connect(east.url_as("gateway"), name="gw")
+    hub_gw = await connect(t.hub.url_as(fed.TREE_GATEWAY), name="hub-gw")
+    await JetStreamLog(op.jetstream(), "east").publish_inputs(small_cluster())
+    scheduler = Scheduler(JetStreamLog(sides["east"].nc.jetstream(), "east"))
+    gateway = Gateway(
+        JetStreamLog(gw.jetstream(), "east"), auth=None, tree=hub_gw.jetstream(timeout=5.0)
+    )
+    stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(supervise_scheduler(scheduler, stop)),
+        asyncio.create_task(gateway.serve(stop, port=0)),
+    ]
+    try:
+        await gateway.ready.wait()
+        await eventually(lambda: gateway.state.input_seq >= len(small_cluster()), what="caught up")
+        async with aiohttp.ClientSession() as http:
+            edit = {"set": [{"path": "llm/c", "weight": 2, "owner": "carol"}], "actor": "alice"}
+            async with http.post(f"{gateway.url}/v1/budget", json=edit) as r:
+                assert r.status == 202, await r.text()
+                assert (await r.json())["on"] == "tree"
+            refused = {"set": [{"path": "vision/x", "weight": 1, "owner": "x"}], "actor": "alice"}
+            async with http.post(f"{gateway.url}/v1/budget", json=refused) as r:
+                assert r.status == 403, await r.text()  # checked before it reaches the tree
+
+        def edits(got: list[tuple[str, dict[str, Any]]], c: str) -> list[tuple[str, str]]:
+            subject = f"apportion.{c}.inputs.BudgetSet"
+            return [(b["path"], b["actor"]) for s, b in got if s == subject and b["path"] != ""]
+
+        for c, side in sides.items():
+            got = await _until(side, lambda g, c=c: ("llm/c", "alice") in edits(g, c))
+            assert edits(got, c).count(("llm/c", "alice")) == 1, c
+            assert ("vision/x", "alice") not in edits(got, c)
+        await eventually(lambda: "llm/c" in gateway.state.budget.nodes, what="folded")
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+        for nc in (op, gw, hub_gw, admin, *(s.nc for s in sides.values())):
+            await nc.close()

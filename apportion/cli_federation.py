@@ -200,6 +200,22 @@ def tree_setup_cmd(hub_url: str | None, replicas: int) -> None:
     click.echo(f"the hub's {fed.TREE_STREAM} stream is there")
 
 
+def _edit(kind: Any, event_id: str | None, **fields: Any) -> Any:
+    """A tree edit of type ``kind``, sent now, within the bounds every reader checks."""
+    from apportion.schemas.codec import EventDecodeError, decode_input, encode
+
+    try:
+        event = kind(
+            id=event_id or f"budget-{uuid.uuid4().hex}",
+            at_ms=time.time_ns() // 1_000_000,
+            **fields,
+        )
+        decode_input(encode(event))
+    except (EventDecodeError, TypeError) as exc:
+        raise UserError(f"invalid budget edit: {exc}") from None
+    return event
+
+
 def _publish_tree(hub_url: str | None, event: Any) -> None:
     from apportion.services import federation as fed
 
@@ -222,22 +238,11 @@ def tree_set_cmd(
     hub_url: str | None, path: str, weight: int, owner: str, actor: str, event_id: str | None
 ) -> None:
     """Set budget node PATH once for every cluster (a BudgetSet on the tree)."""
-    from apportion.schemas.codec import EventDecodeError, decode_input, encode
     from apportion.schemas.events import BudgetSet
 
-    try:
-        event = BudgetSet(
-            id=event_id or f"budget-{uuid.uuid4().hex}",
-            at_ms=time.time_ns() // 1_000_000,
-            path=path,
-            weight=weight,
-            owner=owner,
-            actor=actor,
-        )
-        decode_input(encode(event))  # the bounds every reader checks
-    except (EventDecodeError, TypeError) as exc:
-        raise UserError(f"invalid budget edit: {exc}") from None
-    _publish_tree(hub_url, event)
+    _publish_tree(
+        hub_url, _edit(BudgetSet, event_id, path=path, weight=weight, owner=owner, actor=actor)
+    )
 
 
 @federation.command("tree-remove")
@@ -247,17 +252,6 @@ def tree_set_cmd(
 @click.option("--id", "event_id", default=None, help="the edit's id (a retry: the same id)")
 def tree_remove_cmd(hub_url: str | None, path: str, actor: str, event_id: str | None) -> None:
     """Remove budget node PATH once for every cluster (a BudgetRemoved on the tree)."""
-    from apportion.schemas.codec import EventDecodeError, decode_input, encode
     from apportion.schemas.events import BudgetRemoved
 
-    try:
-        event = BudgetRemoved(
-            id=event_id or f"budget-{uuid.uuid4().hex}",
-            at_ms=time.time_ns() // 1_000_000,
-            path=path,
-            actor=actor,
-        )
-        decode_input(encode(event))
-    except (EventDecodeError, TypeError) as exc:
-        raise UserError(f"invalid budget edit: {exc}") from None
-    _publish_tree(hub_url, event)
+    _publish_tree(hub_url, _edit(BudgetRemoved, event_id, path=path, actor=actor))

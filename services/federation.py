@@ -171,15 +171,13 @@ async def _retrying(call: Callable[[], Any], timeout_s: float) -> Any:
             await asyncio.sleep(0.5)
 
 
-async def ensure_usage_stream(
-    js: Any, cluster: str, replicas: int = 1, timeout_s: float = 10.0
+async def _ensure_stream(
+    js: Any, name: str, subjects: list[str], replicas: int, timeout_s: float
 ) -> None:
-    """Create ``USAGE_<cluster>`` if it does not exist (file storage, direct
-    gets, nothing deleted; a summary id is stored once within two minutes)."""
+    """Create stream ``name`` if it does not exist: file storage, direct gets,
+    nothing deleted or purged, an id stored once within two minutes."""
     from nats.js import api
     from nats.js.errors import NotFoundError
-
-    name = usage_stream(cluster)
 
     async def make() -> None:
         try:
@@ -188,7 +186,7 @@ async def ensure_usage_stream(
             await js.add_stream(
                 api.StreamConfig(
                     name=name,
-                    subjects=[usage_subject(cluster)],
+                    subjects=subjects,
                     storage=api.StorageType.FILE,
                     num_replicas=replicas,
                     duplicate_window=120.0,
@@ -201,34 +199,19 @@ async def ensure_usage_stream(
             )
 
     await _retrying(make, timeout_s)
+
+
+async def ensure_usage_stream(
+    js: Any, cluster: str, replicas: int = 1, timeout_s: float = 10.0
+) -> None:
+    """Create ``USAGE_<cluster>`` if it does not exist (connected as its scheduler)."""
+    await _ensure_stream(js, usage_stream(cluster), [usage_subject(cluster)], replicas, timeout_s)
 
 
 async def ensure_tree_stream(js: Any, replicas: int = 1, timeout_s: float = 10.0) -> None:
     """Create the hub's ``TREE`` if it does not exist (connected to the hub as
     :data:`TREE_ADMIN`)."""
-    from nats.js import api
-    from nats.js.errors import NotFoundError
-
-    async def make() -> None:
-        try:
-            await js.stream_info(TREE_STREAM)
-        except NotFoundError:
-            await js.add_stream(
-                api.StreamConfig(
-                    name=TREE_STREAM,
-                    subjects=[f"{TREE_PREFIX}.*"],
-                    storage=api.StorageType.FILE,
-                    num_replicas=replicas,
-                    duplicate_window=120.0,
-                    retention=api.RetentionPolicy.LIMITS,
-                    discard=api.DiscardPolicy.NEW,
-                    allow_direct=True,
-                    deny_delete=True,
-                    deny_purge=True,
-                )
-            )
-
-    await _retrying(make, timeout_s)
+    await _ensure_stream(js, TREE_STREAM, [f"{TREE_PREFIX}.*"], replicas, timeout_s)
 
 
 async def set_sources(

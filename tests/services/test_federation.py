@@ -505,10 +505,7 @@ async def test_a_gateway_with_the_hub_edits_the_budget_once_for_every_cluster(
     checked against its tree and published once, on the hub; every joined
     cluster's INPUTS takes it, and the gateway's own view folds it."""
     import aiohttp
-    from apportion.services.gateway import Gateway
-    from apportion.services.runner import supervise_scheduler
-    from apportion.services.scheduler import Scheduler
-    from services_helpers import eventually, small_cluster
+    from services_helpers import Roles, eventually, gateway_on
 
     t = topology
     admin = await _tree_admin(t)
@@ -519,27 +516,24 @@ async def test_a_gateway_with_the_hub_edits_the_budget_once_for_every_cluster(
     op = await connect(east.url_as("operator"), name="op")
     gw = await connect(east.url_as("gateway"), name="gw")
     hub_gw = await connect(t.hub.url_as(fed.TREE_GATEWAY), name="hub-gw")
-    await JetStreamLog(op.jetstream(), "east").publish_inputs(small_cluster())
-    scheduler = Scheduler(JetStreamLog(sides["east"].nc.jetstream(), "east"))
-    gateway = Gateway(
-        JetStreamLog(gw.jetstream(), "east"), auth=None, tree=hub_gw.jetstream(timeout=5.0)
-    )
-    stop = asyncio.Event()
-    tasks = [
-        asyncio.create_task(supervise_scheduler(scheduler, stop)),
-        asyncio.create_task(gateway.serve(stop, port=0)),
-    ]
+    roles = Roles(*(JetStreamLog(nc.jetstream(), "east") for nc in (sides["east"].nc, op, gw)))
     try:
-        await gateway.ready.wait()
-        await eventually(lambda: gateway.state.input_seq >= len(small_cluster()), what="caught up")
-        async with aiohttp.ClientSession() as http:
-            edit = {"set": [{"path": "llm/c", "weight": 2, "owner": "carol"}], "actor": "alice"}
-            async with http.post(f"{gateway.url}/v1/budget", json=edit) as r:
-                assert r.status == 202, await r.text()
-                assert (await r.json())["on"] == "tree"
-            refused = {"set": [{"path": "vision/x", "weight": 1, "owner": "x"}], "actor": "alice"}
-            async with http.post(f"{gateway.url}/v1/budget", json=refused) as r:
-                assert r.status == 403, await r.text()  # checked before it reaches the tree
+        async with gateway_on(roles, None, tree=hub_gw.jetstream(timeout=5.0)) as gateway:
+            async with aiohttp.ClientSession() as http:
+                edit = {
+                    "set": [{"path": "llm/c", "weight": 2, "owner": "carol"}],
+                    "actor": "alice",
+                }
+                async with http.post(f"{gateway.url}/v1/budget", json=edit) as r:
+                    assert r.status == 202, await r.text()
+                    assert (await r.json())["on"] == "tree"
+                refused = {
+                    "set": [{"path": "vision/x", "weight": 1, "owner": "x"}],
+                    "actor": "alice",
+                }
+                async with http.post(f"{gateway.url}/v1/budget", json=refused) as r:
+                    assert r.status == 403, await r.text()  # checked before it reaches the tree
+            await eventually(lambda: "llm/c" in gateway.state.budget.nodes, what="folded")
 
         def edits(got: list[tuple[str, dict[str, Any]]], c: str) -> list[tuple[str, str]]:
             subject = f"apportion.{c}.inputs.BudgetSet"
@@ -549,9 +543,6 @@ async def test_a_gateway_with_the_hub_edits_the_budget_once_for_every_cluster(
             got = await _until(side, lambda g, c=c: ("llm/c", "alice") in edits(g, c))
             assert edits(got, c).count(("llm/c", "alice")) == 1, c
             assert ("vision/x", "alice") not in edits(got, c)
-        await eventually(lambda: "llm/c" in gateway.state.budget.nodes, what="folded")
     finally:
-        stop.set()
-        await asyncio.gather(*tasks)
         for nc in (op, gw, hub_gw, admin, *(s.nc for s in sides.values())):
             await nc.close()

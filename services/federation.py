@@ -408,8 +408,11 @@ class UsageForwarder:
         leading: asyncio.Event | None = None,
         poll_s: float = 0.5,
         clock: Callable[[], int] | None = None,
+        on_forward: Callable[[], object] | None = None,
     ) -> None:
         self.nc = nc
+        self.on_forward = on_forward
+        """Called once for each summary published (the scheduler's metrics)."""
         self.cluster = cluster
         self.leading = leading
         self.poll_s = poll_s
@@ -480,6 +483,8 @@ class UsageForwarder:
                         raise
                     self._last_usage_seq = ack.seq
                     self.forwarded += 1
+                    if self.on_forward is not None:
+                        self.on_forward()
                     sent += 1
             if not got or not pending:
                 return sent

@@ -89,7 +89,12 @@ async def run_scheduler(scheduler: Any, stop: asyncio.Event) -> None:
         return
     from .federation import UsageForwarder
 
-    forwarder = UsageForwarder(nc, scheduler.log.subjects.cluster, leading=scheduler.leading)
+    forwarder = UsageForwarder(
+        nc,
+        scheduler.log.subjects.cluster,
+        leading=scheduler.leading,
+        on_forward=scheduler.metrics.usage_forwarded.inc,
+    )
     beside = asyncio.create_task(forwarder.run(stop), name="usage-forwarder")
     try:
         await supervise_scheduler(scheduler, stop)

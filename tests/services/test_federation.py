@@ -40,7 +40,7 @@ from conftest import NatsServer, nats_server_binary, password
 pytestmark = pytest.mark.nats
 
 CLUSTERS = ("east", "west")
-WAIT_S = 60.0
+WAIT_S = 120.0
 """The bound of every wait for sourced messages (sources retry with a back-off
 after a link comes back)."""
 
@@ -287,9 +287,17 @@ async def test_summaries_and_tree_edits_reach_every_cluster_once(topology: Topol
         assert await sides["east"].forwarder.forward_once() == 0  # fenced, then caught up
         await _check_arrived(sides, tree)
 
-        # status names each source; leave stops sourcing a peer (what came stays)
+        # status names each source, and the scheduler's metrics show them
         states = await fed.status(sides["west"].js, "west")
         assert [s.name for s in states] == ["USAGE_east", "TREE"]
+        from apportion.services.scheduler import Scheduler
+
+        text = (await Scheduler(JetStreamLog(sides["west"].js, "west")).metrics_text()).decode()
+        for name in ("USAGE_east", "TREE"):
+            assert f'apportion_federation_source_lag{{source="{name}"}} 0.0' in text, text
+            assert f'apportion_federation_source_error{{source="{name}"}} 0.0' in text
+
+        # leave stops sourcing a peer (what came stays)
         assert await fed.leave(sides["west"].js, "west", ["east"]) == ["TREE"]
         assert len(_summaries(await _inputs(sides["west"]), "west", "east")) == 4
         assert await fed.join(sides["west"].js, "west", ["east"]) == ["USAGE_east", "TREE"]

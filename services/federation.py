@@ -396,9 +396,10 @@ class UsageForwarder:
     leading, a crash between two summaries of one batch) resumes after it. Each
     publish expects ``USAGE_<C>``'s last sequence (a second forwarder is fenced
     out, then reads where the other got to) and carries ``Nats-Msg-Id =
-    usage:<C>:<start_ms>``. Idle while ``USAGE_<C>`` does not exist (the cluster
-    has not joined) or while ``leading`` is clear. Runs with the scheduler's
-    credential."""
+    usage:<C>:<start_ms>``. Between two looks it remembers the last batch it
+    read, so it reads each batch once while ``USAGE_<C>`` moves only by its own
+    hand. Idle while ``USAGE_<C>`` does not exist (the cluster has not joined)
+    or while ``leading`` is clear. Runs with the scheduler's credential."""
 
     def __init__(
         self,
@@ -419,13 +420,18 @@ class UsageForwarder:
         self.clock = clock or (lambda: time.time_ns() // 1_000_000)
         self.forwarded = 0
         self.logger = logs.get("federation", cluster=cluster)
-        self._last_usage_seq = 0
-        self._from: tuple[int, int] = (0, -1)
         self.joined = False
         """``USAGE_<C>`` was there at the last look."""
+        self._usage_seq: int | None = None
+        """``USAGE_<C>``'s last sequence as this forwarder left it (``None``: not known)."""
+        self._done: tuple[int, int] = (0, -1)
+        """The last decision forwarded: (batch sequence, index of the summary in it)."""
+        self._read = 0
+        """The last batch read through."""
 
-    async def _locate(self) -> bool:
-        """Read where forwarding got to; ``False`` if ``USAGE_<C>`` is not there."""
+    async def _locate(self) -> int | None:
+        """``USAGE_<C>``'s last sequence (``None``: no such stream); when another
+        hand moved it, where forwarding got to is read again from its last message."""
         import nats.errors
 
         request = json.dumps({"last_by_subj": usage_subject(self.cluster)}).encode()
@@ -434,38 +440,37 @@ class UsageForwarder:
                 f"$JS.API.DIRECT.GET.{usage_stream(self.cluster)}", request, timeout=5.0
             )
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            return False
+            return None
         headers = msg.headers or {}
         status_code = headers.get("Status")
-        if status_code == "404":
-            self._last_usage_seq, self._from = 0, (0, -1)
-            return True
-        if status_code is not None:
-            return False
-        self._last_usage_seq = int(headers["Nats-Sequence"])
-        self._from = _position(headers.get(HDR_FROM))
-        return True
+        if status_code is not None and status_code != "404":
+            return None
+        last = int(headers["Nats-Sequence"]) if status_code is None else 0
+        if last != self._usage_seq:
+            self._done = _position(headers.get(HDR_FROM)) if last else (0, -1)
+            self._read = max(self._done[0] - 1, 0)  # that batch may hold more summaries
+            self._usage_seq = last
+        return last
 
     async def forward_once(self) -> int:
         """Forward every summary not yet forwarded; returns how many were published."""
         from nats.js.errors import APIError
 
-        self.joined = await self._locate()
-        if not self.joined:
+        last = await self._locate()
+        self.joined = last is not None
+        if last is None:
             return 0
         js = self.nc.jetstream(timeout=5.0)
         decisions = f"DECISIONS_{self.cluster}"
-        seq, index = self._from
-        start = max(seq, 1)
         sent = 0
         while True:
             try:
-                got, pending = await get_batch(self.nc, decisions, start, 1000)
+                got, pending = await get_batch(self.nc, decisions, self._read + 1, 1000)
             except DirectGetError:
                 return sent
             for m in got:
                 for i, (msg_id, data) in enumerate(summaries_of(m.data, self.clock())):
-                    if (m.seq, i) <= (seq, index):
+                    if (m.seq, i) <= self._done:
                         continue
                     try:
                         ack = await js.publish(
@@ -474,21 +479,22 @@ class UsageForwarder:
                             headers={
                                 HDR_MSG_ID: msg_id,
                                 HDR_FROM: f"{m.seq}.{i}",
-                                HDR_EXPECTED_LAST_SEQ: str(self._last_usage_seq),
+                                HDR_EXPECTED_LAST_SEQ: str(self._usage_seq),
                             },
                         )
                     except APIError as exc:
                         if exc.err_code == WRONG_LAST_SEQUENCE:
-                            return sent  # another forwarder moved on: locate again
+                            self._usage_seq = None  # another forwarder moved on: read again
+                            return sent
                         raise
-                    self._last_usage_seq = ack.seq
+                    self._usage_seq, self._done = ack.seq, (m.seq, i)
                     self.forwarded += 1
+                    sent += 1
                     if self.on_forward is not None:
                         self.on_forward()
-                    sent += 1
+                self._read = m.seq
             if not got or not pending:
                 return sent
-            start = got[-1].seq + 1
 
     async def run(self, stop: asyncio.Event) -> None:
         """Forward until ``stop`` is set: every :attr:`poll_s` seconds while leading

@@ -159,6 +159,22 @@ def auth_revoke(principal: str, file: Path | None, hash_prefix: str) -> None:
 @click.option(
     "--store-dir", default="./.apportion/nats", show_default=True, help="with --hub(-url)"
 )
+@click.option(
+    "--server-name", default="", help="with --hub-url: this server's name (default apportion-<c>)"
+)
+@click.option(
+    "--route-listen",
+    default="",
+    metavar="HOST:PORT",
+    help="with --hub-url, a cluster of servers: where this one listens for routes",
+)
+@click.option(
+    "--route",
+    "routes",
+    multiple=True,
+    metavar="URL",
+    help="with --route-listen: every server's route URL, nats://HOST:PORT (repeat)",
+)
 def nats_config(
     cluster_file: Path | None,
     passwords_file: Path | None,
@@ -169,6 +185,9 @@ def nats_config(
     listen: str,
     leaf_listen: str,
     store_dir: str,
+    server_name: str,
+    route_listen: str,
+    routes: tuple[str, ...],
 ) -> None:
     """Print the NATS accounts and users of a cluster (docs/security.md, "The bus"):
     the streams in an account of their own with the scheduler, every other role
@@ -221,7 +240,15 @@ def nats_config(
     if hub_url is not None:
         from apportion.services.natsconf import federated_server
 
-        server = federated_server(spec.name, hub_url, store_dir=store_dir, listen=listen)
+        server = federated_server(
+            spec.name,
+            hub_url,
+            store_dir=store_dir,
+            listen=listen,
+            server_name=server_name,
+            route_listen=route_listen,
+            routes=routes,
+        )
     click.echo(
         accounts_conf(spec.name, hosts, passwords, server=server, executor=not no_executor),
         nl=False,

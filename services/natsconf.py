@@ -494,6 +494,8 @@ def federated_server(
     store_dir: str,
     listen: str = "127.0.0.1:4222",
     server_name: str = "",
+    route_listen: str = "",
+    routes: Sequence[str] = (),
 ) -> str:
     """The server settings of cluster ``cluster`` in a federation (put before its
     accounts, :func:`accounts_conf`'s ``server``): JetStream in the domain
@@ -502,7 +504,13 @@ def federated_server(
     ``APPORTION`` to the hub's ``FEDERATION`` account. Removing the
     ``leafnodes`` block and reloading the server (``nats-server --signal
     reload``) cuts the link without a restart; putting it back rejoins. Without
-    ``hub_url``: the same server, not linked (a cluster that left)."""
+    ``hub_url``: the same server, not linked (a cluster that left).
+
+    A cluster of three servers: each one's with its own ``server_name``,
+    ``route_listen`` (``host:port``) and the three ``routes``
+    (``nats://host:port``); every member of the cluster has the same domain and
+    a leaf link of its own (checked with nats-server 2.15.1: an R3 INPUTS goes on
+    sourcing after its leader is killed, docs/federation.md)."""
     lines = [
         f"server_name: {_q(server_name or f'apportion-{cluster}')}",
         f"listen: {listen}",
@@ -511,6 +519,14 @@ def federated_server(
         f"  domain: {_q(cluster)}  # each cluster its own JetStream (docs/federation.md)",
         "}",
     ]
+    if route_listen:
+        lines += [
+            "cluster {",
+            f"  name: {_q(cluster)}",
+            f"  listen: {route_listen}",
+            f"  routes: [{', '.join(_q(r) for r in routes)}]",
+            "}",
+        ]
     if hub_url:
         lines += [
             "leafnodes {",

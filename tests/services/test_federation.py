@@ -48,11 +48,14 @@ after a link comes back)."""
 class Topology:
     """A hub and a server per cluster, each started from its generated configuration."""
 
-    def __init__(self, tmp: Path, clusters: tuple[str, ...]) -> None:
+    def __init__(
+        self, tmp: Path, clusters: tuple[str, ...], sizes: dict[str, int] | None = None
+    ) -> None:
         binary = nats_server_binary()
         if binary is None:
             pytest.skip("no nats-server binary")
         self.clusters = clusters
+        self.sizes = {c: (sizes or {}).get(c, 1) for c in clusters}
         self._tmp = tmp
         self.leaf_port = free_port()
         self.monitor_port = free_port()
@@ -71,34 +74,46 @@ class Topology:
             )
             + f"http: 127.0.0.1:{self.monitor_port}\n",
         )
-        self.servers: dict[str, NatsServer] = {}
+        self.routes = {c: [free_port() for _ in range(n)] for c, n in self.sizes.items() if n > 1}
+        self.members: dict[str, list[NatsServer]] = {}
         for c in clusters:
-            port = free_port()
-            self.servers[c] = NatsServer(
-                f"nats://127.0.0.1:{port}", binary, tmp / c, port, conf=self.conf(c, linked=True)
-            )
+            self.members[c] = []
+            for i in range(self.sizes[c]):
+                port = free_port()
+                conf = self.conf(c, linked=True, member=i)
+                self.members[c].append(
+                    NatsServer(f"nats://127.0.0.1:{port}", binary, tmp / f"{c}{i}", port, conf=conf)
+                )
+        self.servers = {c: m[0] for c, m in self.members.items()}
+        """The first server of each cluster (the only one where a cluster has one)."""
 
-    def conf(self, c: str, *, linked: bool) -> str:
+    def conf(self, c: str, *, linked: bool, member: int = 0) -> str:
         hub_url = user_url(f"nats://127.0.0.1:{self.leaf_port}", f"leaf-{c}", password(f"leaf-{c}"))
+        routes = self.routes.get(c, [])
         server = federated_server(
             c,
             hub_url if linked else "",
-            store_dir=str(self._tmp_of(c) / "js"),
+            store_dir=str(self._tmp / f"{c}{member}" / "js"),
             listen="127.0.0.1:4222",  # the port is given on the command line
+            server_name=f"{c}-{member}",
+            route_listen=f"127.0.0.1:{routes[member]}" if routes else "",
+            routes=[f"nats://127.0.0.1:{r}" for r in routes],
         )
         return accounts_conf(c, [], {u: password(u) for u in users_of([])}, server=server)
 
-    def _tmp_of(self, c: str) -> Path:
-        return self._tmp / c
+    def url_as(self, c: str, user: str) -> str:
+        """Every server of cluster ``c``, as ``user``."""
+        return ",".join(m.url_as(user) for m in self.members[c])
 
     def start(self) -> None:
         self.hub.start()
-        for s in self.servers.values():
-            s.start()
+        for members in self.members.values():
+            for m in members:
+                m.start()
 
     def stop(self) -> None:
-        for s in [*self.servers.values(), self.hub]:
-            s.stop()
+        for m in [*(m for ms in self.members.values() for m in ms), self.hub]:
+            m.stop()
 
     def relink(self, c: str, linked: bool) -> None:
         """Reload cluster ``c``'s server with (or without) its leaf link: no restart."""
@@ -169,8 +184,8 @@ class Side:
 
 
 async def _side(t: Topology, c: str) -> Side:
-    nc = await connect(t.servers[c].url_as("scheduler"), name=f"sched-{c}")
-    await JetStreamLog(nc.jetstream(), c).setup()
+    nc = await connect(t.url_as(c, "scheduler"), name=f"sched-{c}")
+    await JetStreamLog(nc.jetstream(), c, replicas=min(t.sizes[c], 3)).setup()
     return Side(c, nc)
 
 
@@ -554,3 +569,48 @@ async def test_a_gateway_with_the_hub_edits_the_budget_once_for_every_cluster(
     finally:
         for nc in (op, gw, hub_gw, admin, *(s.nc for s in sides.values())):
             await nc.close()
+
+
+@pytest.mark.slow
+async def test_a_cluster_of_three_servers_goes_on_sourcing_when_its_leader_dies(
+    tmp_path: Path,
+) -> None:
+    """``east`` is three servers (one domain, a leaf link each, INPUTS and
+    USAGE with three replicas); killing the server that leads ``INPUTS_east``
+    leaves the sources running on the new leader: what ``west`` and the tree
+    publish meanwhile arrives once, and so does what ``east`` forwards after."""
+    t = Topology(tmp_path, CLUSTERS, sizes={"east": 3})
+    t.start()
+    sides: dict[str, Side] = {}
+    admin = None
+    try:
+        await t.wait_leafs(4)
+        admin = await _tree_admin(t)
+        sides = {c: await _side(t, c) for c in CLUSTERS}
+        for c, side in sides.items():
+            peer = next(p for p in CLUSTERS if p != c)
+            await fed.join(side.js, c, [peer], replicas=t.sizes[c], timeout_s=WAIT_S)
+        for k in range(3):
+            for side in sides.values():
+                await side.batch(k * 60_000)
+                await side.forwarder.forward_once()
+        tree = [await _publish_tree(admin, "llm", 1)]
+        await _check_arrived(sides, tree)
+
+        leader = (await sides["east"].js.stream_info("INPUTS_east")).cluster.leader
+        t.members["east"][int(leader.rsplit("-", 1)[1])].stop()
+        for k in range(3, 6):
+            await sides["west"].batch(k * 60_000)
+            await sides["west"].forwarder.forward_once()
+        tree.append(await _publish_tree(admin, "llm", 2))
+        east = sides["east"]
+        east.js = east.nc.jetstream(timeout=WAIT_S)  # answers wait for the new leaders
+        async with asyncio.timeout(WAIT_S):
+            await east.batch(3 * 60_000)
+            while await east.forwarder.forward_once() == 0:
+                await asyncio.sleep(0.2)
+        await _check_arrived(sides, tree)
+    finally:
+        for nc in [*(s.nc for s in sides.values()), *([admin] if admin else [])]:
+            await nc.close()
+        t.stop()

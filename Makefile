@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow bench outcomes lint typecheck venv clean browser promtool
+.PHONY: run test test-slow bench outcomes lint typecheck venv clean browser promtool slurm
 
 venv: $(STAMP)
 
@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m apportion simulate --compare
 
-test: $(STAMP) browser promtool
+test: $(STAMP) browser promtool slurm
 	$(PY) -m pytest -m "not slow" -q
 
-test-slow: $(STAMP) browser promtool
+test-slow: $(STAMP) browser promtool slurm
 	$(PY) -m pytest -q
 
 # The dashboard's browser test drives Debian's chromium (Playwright via executable_path).
@@ -42,6 +42,17 @@ promtool:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
 			|| echo "promtool: could not install prometheus; the promtool test will skip"; \
 	else echo "promtool: not root or no apt-get; the promtool test will skip"; fi
+
+# The Slurm bridge's tests start a real slurmctld and slurmd (Debian's slurm-wlm and munge).
+# Install them when missing and we are root; never fail: without them those tests skip.
+slurm:
+	@if command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 \
+		&& command -v munged >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "slurm: installing slurm-wlm and munge (apt-get) for the Slurm bridge's tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge) >/dev/null 2>&1 \
+			|| echo "slurm: could not install slurm-wlm; the Slurm tests will skip"; \
+	else echo "slurm: not root or no apt-get; the Slurm tests will skip"; fi
 
 outcomes: $(STAMP)
 	$(PY) -m apportion outcomes $(ARGS)

@@ -134,6 +134,7 @@ for _module in (
     "apportion.cli_live",
     "apportion.cli_auth",
     "apportion.cli_agent",
+    "apportion.cli_slurm",
     "apportion.cli_history",
     "apportion.cli_report",
     "apportion.cli_federation",

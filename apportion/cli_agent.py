@@ -18,6 +18,17 @@ from apportion.cli import UserError, main
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:@+\-]{1,128}$")
 
+CLUSTER_NAME = click.option(
+    "--cluster-name", default="demo", show_default=True, help="which cluster's streams"
+)
+NATS_URL = click.option(
+    "--nats",
+    "nats_url",
+    default=None,
+    help="NATS URL (default: $NATS_URL, else nats://127.0.0.1:4222)",
+)
+"""Options of the commands that follow one cluster's history on the bus (``agent``, ``slurm``)."""
+
 
 @main.command()
 @click.option(
@@ -25,13 +36,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.:@+\-]{1,128}$")
     default=None,
     help="this host's node name (default: the host name, up to the first dot)",
 )
-@click.option("--cluster-name", default="demo", show_default=True, help="which cluster's streams")
-@click.option(
-    "--nats",
-    "nats_url",
-    default=None,
-    help="NATS URL (default: $NATS_URL, else nats://127.0.0.1:4222)",
-)
+@CLUSTER_NAME
+@NATS_URL
 @click.option(
     "--gpus",
     type=click.IntRange(1, 65536),
@@ -176,24 +182,31 @@ def agent(
 async def _agent(url: str, cluster: str, **options: Any) -> None:
     from apportion.services.agent import Agent
     from apportion.services.bus import JetStreamLog, connect
-    from apportion.services.runner import STOP_GRACE_S, exit_watchdog
 
     nc = await connect(url, name=f"apportion-agent-{options['node']}")
-    log = JetStreamLog(nc.jetstream(), cluster)
+    agent = Agent(JetStreamLog(nc.jetstream(), cluster), **options)
+    await run_until_signalled(nc, agent)
+
+
+async def run_until_signalled(nc: Any, service: Any) -> None:
+    """``service.run(stop)`` until SIGINT or SIGTERM sets ``stop`` (a stop that hangs
+    ends the process after three stop graces), then close ``nc``. For the
+    one-service commands (``agent``, ``slurm``)."""
+    from apportion.services.runner import STOP_GRACE_S, exit_watchdog
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     watchdog: list[threading.Timer] = []
-    agent = Agent(log, **options)
 
     def on_signal() -> None:
         stop.set()
         if not watchdog:
-            watchdog.append(exit_watchdog(3 * STOP_GRACE_S, agent.logger))
+            watchdog.append(exit_watchdog(3 * STOP_GRACE_S, service.logger))
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
-        await agent.run(stop)
+        await service.run(stop)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

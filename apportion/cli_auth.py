@@ -136,6 +136,11 @@ def auth_revoke(principal: str, file: Path | None, hash_prefix: str) -> None:
     help="leave out the executor emulator's user (it may report runs on every host)",
 )
 @click.option(
+    "--slurm",
+    is_flag=True,
+    help="add the Slurm bridge's user, slurm (apportion slurm; docs/slurm.md)",
+)
+@click.option(
     "--example", is_flag=True, help="infra/accounts.conf: the demo cluster, '<user>-secret'"
 )
 @click.option(
@@ -179,6 +184,7 @@ def nats_config(
     cluster_file: Path | None,
     passwords_file: Path | None,
     no_executor: bool,
+    slurm: bool,
     example: bool,
     hub_url: str | None,
     hub_for: str | None,
@@ -235,7 +241,7 @@ def nats_config(
     except InputFileError as exc:
         raise UserError(str(exc)) from None
     hosts = [e.node for e in spec.events if isinstance(e, NodeRegistered)]
-    passwords = {u: known.get(u) or secrets.token_urlsafe(24) for u in users_of(hosts)}
+    passwords = {u: known.get(u) or secrets.token_urlsafe(24) for u in users_of(hosts, slurm=slurm)}
     server = ""
     if hub_url is not None:
         from apportion.services.natsconf import federated_server
@@ -250,7 +256,9 @@ def nats_config(
             routes=routes,
         )
     click.echo(
-        accounts_conf(spec.name, hosts, passwords, server=server, executor=not no_executor),
+        accounts_conf(
+            spec.name, hosts, passwords, server=server, executor=not no_executor, slurm=slurm
+        ),
         nl=False,
     )
 

@@ -156,6 +156,19 @@ def _echo_json(data: Any) -> None:
     "marked down) that run each workload's command, instead of the emulator",
 )
 @click.option(
+    "--slurm",
+    "slurm_partitions",
+    multiple=True,
+    help="run the Slurm bridge (apportion slurm) on this Slurm partition (repeat for "
+    "several) instead of the emulator; the cluster file's other nodes are marked down",
+)
+@click.option(
+    "--slurm-accounts",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="with --slurm: TOML [accounts] table, Slurm account -> budget leaf",
+)
+@click.option(
     "--no-auth",
     is_flag=True,
     help="the gateway authenticates nobody and takes actors from request bodies (insecure)",
@@ -169,6 +182,8 @@ def up(
     log_level: str,
     no_executor: bool,
     agents: int,
+    slurm_partitions: tuple[str, ...],
+    slurm_accounts: Path | None,
     no_auth: bool,
 ) -> None:
     """Start nats-server (unless NATS_URL is set) and every service in one process; Ctrl-C stops.
@@ -190,6 +205,18 @@ def up(
     nodes = sum(isinstance(e, NodeRegistered) for e in spec.events)
     if agents > nodes:
         raise UserError(f"--agents {agents}: the cluster has {nodes} nodes")
+    slurm = None
+    if slurm_partitions:
+        from apportion.services.slurm import SlurmOptions
+        from apportion.services.slurm_jobs import AccountMap
+
+        if agents:
+            raise UserError("--slurm and --agents: choose one executor")
+        try:
+            table = AccountMap.load(slurm_accounts).table
+        except (OSError, ValueError) as exc:
+            raise UserError(f"--slurm-accounts: {exc}") from None
+        slurm = SlurmOptions(partitions=slurm_partitions, accounts=table)
     logs.configure(log_level)
     if no_auth:
         click.echo(
@@ -209,7 +236,9 @@ def up(
 
             folder = data_dir / "credentials"
             hosts = [e.node for e in spec.events if isinstance(e, NodeRegistered)]
-            nats_users = ensure_nats_credentials(folder, spec.name, hosts, server="")
+            nats_users = ensure_nats_credentials(
+                folder, spec.name, hosts, server="", slurm=slurm is not None
+            )
             config = folder / NATS_CONF_FILE
             adopt_unowned_streams(data_dir / "nats")
         try:
@@ -231,6 +260,7 @@ def up(
                 server,
                 agents,
                 nats_users,
+                slurm,
             )
         )
     except (OSError, ValueError, CredentialsError) as exc:
@@ -252,6 +282,7 @@ async def _up(
     nats: Any = None,
     agents: int = 0,
     nats_users: dict[str, str] | None = None,
+    slurm: Any = None,
 ) -> None:
     from apportion.services.runner import STOP_GRACE_S
     from apportion.services.stack import Stack
@@ -271,6 +302,7 @@ async def _up(
         auth=auth,
         agents=agents,
         nats_users=nats_users,
+        slurm=slurm,
         nats=nats,  # supervised: started again if it dies
         exit_grace_s=3 * STOP_GRACE_S,  # a stop that hangs ends the process
     )

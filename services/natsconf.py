@@ -77,6 +77,13 @@ the executor emulator ``WorkloadStarted`` and ``WorkloadFinished`` on every host
 
 EXECUTOR_KINDS = ("WorkloadStarted", "WorkloadFinished")
 
+SLURM = "slurm"
+SLURM_KINDS = ("WorkloadSubmitted", "WorkloadCancelled")
+"""The Slurm bridge (``apportion slurm``, opt-in: ``accounts_conf(..., slurm=True)``)
+publishes these on ``apportion.<c>.inputs.<Kind>`` (a Slurm user's job and its
+cancel: the actor is the Slurm user, authenticated by Slurm) and, as the agent of
+every node it runs, :data:`AGENT_KINDS` on every host's subjects (docs/slurm.md)."""
+
 SCHEDULER = "scheduler"
 ROLES = ("scheduler", "gateway", "operator", "projector", "auditor", "executor")
 """Every user but the agents (one per host: :func:`agent_user`)."""
@@ -95,8 +102,8 @@ def inbox_prefix(user: str | None) -> str:
     return f"_INBOX_{user}" if user else "_INBOX"
 
 
-def users_of(hosts: Iterable[str]) -> list[str]:
-    return [*ROLES, *(agent_user(h) for h in hosts)]
+def users_of(hosts: Iterable[str], *, slurm: bool = False) -> list[str]:
+    return [*ROLES, *([SLURM] if slurm else []), *(agent_user(h) for h in hosts)]
 
 
 def _account_of(user: str) -> str:
@@ -214,6 +221,7 @@ def accounts_conf(
     *,
     server: str = "",
     executor: bool = True,
+    slurm: bool = False,
 ) -> str:
     """The ``accounts`` block for cluster ``cluster`` (or for each of several
     clusters served by one nats-server: the same accounts and users, each with the
@@ -221,7 +229,9 @@ def accounts_conf(
     maps every user (:func:`users_of`) to its password.
     ``server`` is put first (``listen``, ``jetstream { ... }``, ...).
     ``executor``: with the executor emulator's user, which may report runs on
-    every host (a demo device: leave it out where real agents run)."""
+    every host (a demo device: leave it out where real agents run). ``slurm``:
+    with the Slurm bridge's user (:data:`SLURM_KINDS`, and the agent kinds on
+    every host's subjects)."""
     hosts = list(hosts)
     names = [cluster] if isinstance(cluster, str) else list(cluster)
     cs = [_Cluster(c, hosts, executor) for c in names]
@@ -235,6 +245,14 @@ def accounts_conf(
     wakes = _each(cs, lambda k: k.wakes)
     log_reads = _each(cs, lambda k: k.log_reads)
     log_readers = ["gateway", "operator"]
+    if slurm:
+        publishes[SLURM] = _each(
+            cs,
+            lambda k: [
+                *(f"{k.inputs}.{kind}" for kind in SLURM_KINDS),
+                *(f"{k.inputs}.{kind}.>" for kind in AGENT_KINDS),
+            ],
+        )
     writers = [_account_of(u) for u, subjects in publishes.items() if subjects]
     agents = [_account_of(agent_user(h)) for h in hosts]
 
@@ -442,16 +460,16 @@ def load_nats_users(folder: Path) -> dict[str, str]:
 
 
 def ensure_nats_credentials(
-    folder: Path, cluster: str, hosts: Iterable[str], server: str
+    folder: Path, cluster: str, hosts: Iterable[str], server: str, *, slurm: bool = False
 ) -> dict[str, str]:
     """The NATS users of ``apportion up``: a password per user (kept from an
     earlier run, made for a new one) in ``<folder>/nats-users.toml`` and the
     server's configuration in ``<folder>/nats.conf``, both mode 0600 in a folder
-    of mode 0700. Returns user -> password."""
+    of mode 0700 (``slurm``: with the Slurm bridge's user). Returns user -> password."""
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
     users = load_nats_users(folder)
-    wanted = users_of(hosts)
+    wanted = users_of(hosts, slurm=slurm)
     changed = False
     for user in wanted:
         if user not in users:
@@ -465,7 +483,9 @@ def ensure_nats_credentials(
             *(f"{_q(u)} = {_q(p)}" for u, p in users.items()),
         ]
         _write_private(folder / NATS_USERS_FILE, "\n".join(lines) + "\n")
-    _write_private(folder / NATS_CONF_FILE, accounts_conf(cluster, hosts, users, server=server))
+    _write_private(
+        folder / NATS_CONF_FILE, accounts_conf(cluster, hosts, users, server=server, slurm=slurm)
+    )
     return users
 
 

@@ -310,8 +310,12 @@ class Stack:
         auth: bool = True,
         agents: int = 0,
         nats_users: dict[str, str] | None = None,
+        slurm: Any = None,
     ) -> None:
         self.url = url
+        self.slurm = slurm
+        """A :class:`~apportion.services.slurm.SlurmOptions`: run the Slurm bridge
+        (``apportion slurm``) instead of the executor emulator; ``None``: none."""
         self.nats_users = nats_users
         """Each NATS user's password (:func:`~apportion.services.natsconf.ensure_nats_credentials`):
         every service connects as its own user (the agent of a host as that host's);
@@ -380,7 +384,14 @@ class Stack:
                 self.data_dir.mkdir(parents=True, exist_ok=True)
                 projector_log = await self._log_as("projector")
                 children["projector"] = lambda: self._run_projector(projector_log, stop)
-            if self.agent_count:
+            if self.slurm is not None:
+                from .slurm import SlurmBridge, mark_absent_down
+
+                admin = tree_principals(self.spec.budget)[0]
+                await mark_absent_down(await self._log_as("operator"), self.spec, self.slurm, admin)
+                slurm_log = await self._log_as("slurm")
+                children["slurm"] = lambda: SlurmBridge(slurm_log, **self.slurm.bridge()).run(stop)
+            elif self.agent_count:
                 for node in await self._agent_nodes(await self._log_as("operator")):
                     agent_log = await self._log_as(agent_user(node.node))
                     children[f"agent-{node.node}"] = functools.partial(

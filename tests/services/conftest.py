@@ -18,7 +18,7 @@ role it acts as: ``jlog``/``nc``/``js`` are the scheduler's (the one user that
 creates the streams and writes decisions), ``oplog`` the operator's (who sets
 a cluster up and submits as the admin would), ``log_as(user)`` and
 ``connect_as(user)`` any other (``gateway``, ``projector``, ``auditor``,
-``executor``, ``agent-<host>``).
+``executor``, ``slurm``, ``agent-<host>``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def production_conf(clusters: str | Iterable[str], hosts: Iterable[str], store: 
     hosts = list(hosts)
     names = [clusters] if isinstance(clusters, str) else list(clusters)
     server = f'host: 127.0.0.1\njetstream {{\n  store_dir: "{store}"\n}}\n'
-    return accounts_conf(names, hosts, {u: password(u) for u in users_of(hosts)}, server=server)
+    users = {u: password(u) for u in users_of(hosts, slurm=True)}
+    return accounts_conf(names, hosts, users, server=server, slurm=True)
 
 
 def nats_server_binary() -> str | None:

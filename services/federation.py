@@ -159,13 +159,13 @@ def _inputs(cluster: str) -> str:
 async def _retrying(call: Callable[[], Any], timeout_s: float) -> Any:
     """``await call()`` until it succeeds or ``timeout_s`` passes (a stream
     electing its leader answers 503 or not at all for a moment)."""
-    from nats.js.errors import ServiceUnavailableError
+    from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return await call()
-        except (ServiceUnavailableError, TimeoutError):
+        except (ServiceUnavailableError, NoStreamResponseError, TimeoutError):
             if time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(0.5)

@@ -545,6 +545,9 @@ def federated_server(
             f"  name: {_q(cluster)}",
             f"  listen: {route_listen}",
             f"  routes: [{', '.join(_q(r) for r in routes)}]",
+            "  # clients use the servers their URL lists, each with its user; an advertised",
+            "  # one comes without a user and is refused (Authorization Violation)",
+            "  no_advertise: true",
             "}",
         ]
     if hub_url:

@@ -45,8 +45,10 @@ HUB_DOMAIN = "hub"
 """The JetStream domain of the hub (where ``TREE`` lives)."""
 TREE_STREAM = "TREE"
 TREE_PREFIX = "apportion.tree.inputs"
-TREE_KINDS = ("BudgetSet", "BudgetRemoved", "PolicySet")
-"""The inputs made once for every cluster (published on the tree, sourced by each)."""
+TREE_KINDS = ("BudgetSet", "BudgetRemoved")
+"""The inputs made once for every cluster (published on the tree, sourced by each).
+Not ``PolicySet``: a cluster's policy names the cluster itself (its ``cluster``
+field), so each cluster's operator sets its own."""
 REPORT_KIND = "UsageReported"
 """The decision a cluster's core emits with its charged usage of an interval."""
 SUMMARY_KIND = "UsageSummary"
@@ -65,8 +67,7 @@ TREE_ADMIN = "tree-admin"
 """The hub user who publishes budget edits on the tree (and creates ``TREE``)."""
 TREE_GATEWAY = "gateway"
 """The hub user of the clusters' gateways (``serve gateway --hub``): it publishes
-:data:`GATEWAY_TREE_KINDS` on the tree, as each gateway's budget requests ask."""
-GATEWAY_TREE_KINDS = ("BudgetSet", "BudgetRemoved")
+:data:`TREE_KINDS` on the tree, as each gateway's budget requests ask."""
 
 
 def usage_stream(cluster: str) -> str:

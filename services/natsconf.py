@@ -609,7 +609,6 @@ def hub_conf(
     (``nats-server --signal reload``); no member restarts."""
     from .federation import (
         FEDERATION_ACCOUNT,
-        GATEWAY_TREE_KINDS,
         HUB_DOMAIN,
         TREE_ADMIN,
         TREE_GATEWAY,
@@ -646,7 +645,7 @@ def hub_conf(
             "a cluster's gateway in a federation (serve gateway --hub): budget edits only",
             TREE_GATEWAY,
             passwords[TREE_GATEWAY],
-            [tree_subject(k) for k in GATEWAY_TREE_KINDS],
+            [tree_subject(k) for k in TREE_KINDS],
             [inbox_prefix(TREE_GATEWAY) + ".>"],
         ),
     ]

@@ -137,6 +137,7 @@ for _module in (
     "apportion.cli_slurm",
     "apportion.cli_history",
     "apportion.cli_report",
+    "apportion.cli_federation",
 ):
     _register(_module)
 _register("apportion.cli_sql")

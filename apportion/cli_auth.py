@@ -143,19 +143,66 @@ def auth_revoke(principal: str, file: Path | None, hash_prefix: str) -> None:
 @click.option(
     "--example", is_flag=True, help="infra/accounts.conf: the demo cluster, '<user>-secret'"
 )
+@click.option(
+    "--hub-url",
+    default=None,
+    help="federation: the whole configuration of this cluster's server, a leaf of the hub "
+    "at this URL (nats://leaf-<cluster>:PASSWORD@HOST:7422), its JetStream domain "
+    "the cluster's name (docs/federation.md)",
+)
+@click.option(
+    "--hub",
+    "hub_for",
+    default=None,
+    metavar="CLUSTER,CLUSTER,...",
+    help="federation: the hub's whole configuration for these clusters",
+)
+@click.option("--listen", default="127.0.0.1:4222", show_default=True, help="with --hub(-url)")
+@click.option(
+    "--leaf-listen", default="127.0.0.1:7422", show_default=True, help="with --hub: leaf links"
+)
+@click.option(
+    "--store-dir", default="./.apportion/nats", show_default=True, help="with --hub(-url)"
+)
+@click.option(
+    "--server-name", default="", help="with --hub-url: this server's name (default apportion-<c>)"
+)
+@click.option(
+    "--route-listen",
+    default="",
+    metavar="HOST:PORT",
+    help="with --hub-url, a cluster of servers: where this one listens for routes",
+)
+@click.option(
+    "--route",
+    "routes",
+    multiple=True,
+    metavar="URL",
+    help="with --route-listen: every server's route URL, nats://HOST:PORT (repeat)",
+)
 def nats_config(
     cluster_file: Path | None,
     passwords_file: Path | None,
     no_executor: bool,
     slurm: bool,
     example: bool,
+    hub_url: str | None,
+    hub_for: str | None,
+    listen: str,
+    leaf_listen: str,
+    store_dir: str,
+    server_name: str,
+    route_listen: str,
+    routes: tuple[str, ...],
 ) -> None:
     """Print the NATS accounts and users of a cluster (docs/security.md, "The bus"):
     the streams in an account of their own with the scheduler, every other role
     and every host's agent in an account of its own. Include it from your
-    nats-server configuration; keep it readable by the server's user only."""
+    nats-server configuration; keep it readable by the server's user only.
+
+    With --hub-url, the whole configuration of a federated cluster's server (its
+    JetStream domain, its leaf link to the hub); with --hub, the hub's."""
     import secrets
-    import tomllib
 
     from apportion.replay.errors import InputFileError
     from apportion.schemas.events import NodeRegistered
@@ -165,22 +212,65 @@ def nats_config(
     if example:
         click.echo(example_conf(), nl=False)
         return
+    known = _known_passwords(passwords_file)
+    if hub_for is not None:
+        from apportion.services.bus import Subjects
+        from apportion.services.federation import HUB_DOMAIN
+        from apportion.services.natsconf import hub_conf, hub_users
+
+        names = [c.strip() for c in hub_for.split(",") if c.strip()]
+        try:
+            for c in names:
+                Subjects(c)
+        except ValueError as exc:
+            raise UserError(f"--hub: {exc}") from None
+        if HUB_DOMAIN in names:
+            raise UserError(f"--hub: {HUB_DOMAIN!r} is the hub's JetStream domain, not a cluster's")
+        if not names:
+            raise UserError("--hub: name the clusters (a,b,...)")
+        hub_passwords = {u: known.get(u) or secrets.token_urlsafe(24) for u in hub_users(names)}
+        click.echo(
+            hub_conf(
+                names, hub_passwords, store_dir=store_dir, listen=listen, leaf_listen=leaf_listen
+            ),
+            nl=False,
+        )
+        return
     try:
         spec = load_cluster_spec(cluster_file)
     except InputFileError as exc:
         raise UserError(str(exc)) from None
     hosts = [e.node for e in spec.events if isinstance(e, NodeRegistered)]
-    known: dict[str, str] = {}
-    if passwords_file is not None:
-        try:
-            known = {
-                str(k): str(v)
-                for k, v in tomllib.loads(passwords_file.read_text()).get("users", {}).items()
-            }
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise UserError(f"{passwords_file}: {exc}") from None
     passwords = {u: known.get(u) or secrets.token_urlsafe(24) for u in users_of(hosts, slurm=slurm)}
+    server = ""
+    if hub_url is not None:
+        from apportion.services.natsconf import federated_server
+
+        server = federated_server(
+            spec.name,
+            hub_url,
+            store_dir=store_dir,
+            listen=listen,
+            server_name=server_name,
+            route_listen=route_listen,
+            routes=routes,
+        )
     click.echo(
-        accounts_conf(spec.name, hosts, passwords, executor=not no_executor, slurm=slurm),
+        accounts_conf(
+            spec.name, hosts, passwords, server=server, executor=not no_executor, slurm=slurm
+        ),
         nl=False,
     )
+
+
+def _known_passwords(passwords_file: Path | None) -> dict[str, str]:
+    """``[users]`` of a nats-users.toml (``{}`` without one)."""
+    import tomllib
+
+    if passwords_file is None:
+        return {}
+    try:
+        users = tomllib.loads(passwords_file.read_text()).get("users", {})
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"{passwords_file}: {exc}") from None
+    return {str(k): str(v) for k, v in users.items()}

@@ -1439,6 +1439,14 @@ def budget_apply(
     help="gateway: the host agents' --work-dir (the same on every host), so that explain "
     "names each attempt's log in full (default: <work-dir>)",
 )
+@click.option(
+    "--hub",
+    "hub_url",
+    default=None,
+    envvar="APPORTION_HUB_URL",
+    help="gateway, in a federation: the hub's NATS URL as its gateway user; budget edits are "
+    "then made once, on the hub's tree, for every cluster [env APPORTION_HUB_URL]",
+)
 def serve(
     kind: str,
     cluster_name: str,
@@ -1451,6 +1459,7 @@ def serve(
     credentials: Path | None,
     no_auth: bool,
     agent_work_dir: str | None,
+    hub_url: str | None,
 ) -> None:
     """Run one service in this process against $NATS_URL (production shape: one process per service).
 
@@ -1469,6 +1478,8 @@ def serve(
         raise UserError("give --credentials FILE or --no-auth, not both")
     if agent_work_dir is not None and kind != "gateway":
         raise UserError("--agent-work-dir is for the gateway only")
+    if hub_url is not None and kind != "gateway":
+        raise UserError("--hub is for the gateway only")
     logs.configure(log_level)
     try:
         asyncio.run(
@@ -1484,6 +1495,7 @@ def serve(
                 insecure=no_auth,
                 metrics_port=metrics_port,
                 agent_work_dir=agent_work_dir,
+                hub_url=hub_url,
             )
         )
     except (OSError, ValueError) as exc:

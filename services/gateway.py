@@ -361,8 +361,13 @@ class Gateway:
         auth: Authenticator | None,
         extra_metrics: Callable[[], Awaitable[bytes]] | None = None,
         agent_work_dir: str | None = None,
+        tree: Any = None,
     ) -> None:
         self.log = log
+        self.tree = tree
+        """In a federation: a JetStream context on the hub (as its ``gateway`` user).
+        Budget edits are then published once, on the hub's tree, for every cluster
+        (docs/federation.md); ``None``: on this cluster's INPUTS."""
         self.extra_metrics = extra_metrics
         """More Prometheus text for ``/metrics``: the other services of this process (``apportion up``)."""
         self.auth = auth
@@ -955,6 +960,17 @@ class Gateway:
             events = await self._final(events, check)
             if isinstance(events, Refusal):
                 return _refused(events)
+        if self.tree is not None:
+            from .federation import publish_tree_input
+
+            tree = self.tree
+
+            async def on_tree() -> list[Any]:
+                return [await publish_tree_input(tree, e) for e in events]
+
+            acks = await _published(on_tree())
+            out = {"published": len(acks), "last_seq": acks[-1].seq, "on": "tree"}
+            return _json(out, status=202)
         acks = await _published(self.log.publish_inputs(list(events)))
         return _json({"published": len(acks), "last_seq": acks[-1].seq}, status=202)
 

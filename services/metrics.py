@@ -293,6 +293,30 @@ class SchedulerMetrics:
             "apportion_scheduler", "the scheduler's state (0 with no state loaded)", r
         )
         self._kinds = {k: self.decisions.labels(k) for k in DECISION_KINDS}
+        self.usage_forwarded = Counter(
+            "apportion_scheduler_usage_summaries_forwarded",
+            "Usage summaries this process's forwarder published to USAGE_<c> for the peers "
+            "(docs/federation.md)",
+            registry=r,
+        )
+        self.source_lag = Gauge(
+            "apportion_federation_source_lag",
+            "Messages a federation source of INPUTS is behind its stream, as the server says",
+            ["source"],
+            registry=r,
+        )
+        self.source_heard = Gauge(
+            "apportion_federation_source_heard_seconds",
+            "Seconds since a federation source of INPUTS last heard from its stream (-1: never)",
+            ["source"],
+            registry=r,
+        )
+        self.source_error = Gauge(
+            "apportion_federation_source_error",
+            "1 while the server reports an error for a federation source of INPUTS",
+            ["source"],
+            registry=r,
+        )
 
     def cycle(self, seconds: float, decisions: Iterable[Any], parts: int) -> None:
         """One cycle published: ``decisions`` (the ones this scheduler published) in ``parts`` messages."""
@@ -310,6 +334,16 @@ class SchedulerMetrics:
     def update(self, *, leading: bool, folded: int, stored: int | None) -> None:
         self.leader.set(1 if leading else 0)
         self.inputs.set(folded, stored)
+
+    def sources(self, states: Iterable[Any]) -> None:
+        """The federation sources of INPUTS (:func:`apportion.services.federation.status`)."""
+        for gauge in (self.source_lag, self.source_heard, self.source_error):
+            gauge.clear()
+        for s in states:
+            self.source_lag.labels(s.name).set(s.lag)
+            heard = -1.0 if s.active_ms is None else s.active_ms / 1000
+            self.source_heard.labels(s.name).set(heard)
+            self.source_error.labels(s.name).set(1 if s.error else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

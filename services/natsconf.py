@@ -150,6 +150,10 @@ class _Cluster:
         host's agent has no business reading another's output), the projector or
         the auditor."""
         self.leases, self.snaps = f"apportion_{c}_leases", f"apportion_{c}_snapshots"
+        self.usage_stream, self.usage = f"USAGE_{c}", f"apportion.{c}.usage"
+        """The cluster's usage summaries for its peers (services/federation.py)."""
+        self.guarded = [*self.streams, self.logs_stream, self.usage_stream]
+        """The streams no user purges or creates a consumer on."""
         # what each non-scheduler user may publish into APPORTION (service imports)
         self.publishes: dict[str, list[str]] = {
             "gateway": [f"{inputs}.{k}" for k in ROLE_KINDS["gateway"]],
@@ -201,6 +205,12 @@ def _scheduler_api(k: _Cluster) -> list[str]:
         f"$JS.API.CONSUMER.CREATE.OBJ_{snaps}.>",
         f"$JS.API.CONSUMER.DELETE.OBJ_{snaps}.>",
         f"$JS.API.CONSUMER.INFO.OBJ_{snaps}.>",
+        # federation (services/federation.py): its usage summaries, read back by the
+        # forwarder to find where it got to; the sources of INPUTS are a stream update
+        f"$JS.API.STREAM.INFO.{k.usage_stream}",
+        f"$JS.API.STREAM.CREATE.{k.usage_stream}",
+        f"$JS.API.STREAM.UPDATE.{k.usage_stream}",
+        f"$JS.API.DIRECT.GET.{k.usage_stream}",
     ]
 
 
@@ -269,6 +279,7 @@ def accounts_conf(
                 f"$KV.{k.leases}.>",
                 f"$O.{k.snaps}.>",
                 k.decisions,
+                k.usage,
                 *(f"{k.inputs}.{kind}" for kind in ROLE_KINDS["scheduler"]),
             ],
         ),
@@ -276,11 +287,9 @@ def accounts_conf(
     sched_deny = [
         "$JS.API.STREAM.DELETE.>",
         "$JS.API.STREAM.MSG.DELETE.>",
-        *_each(cs, lambda k: (f"$JS.API.STREAM.PURGE.{s}" for s in [*k.streams, k.logs_stream])),
-        *_each(cs, lambda k: (f"$JS.API.CONSUMER.CREATE.{s}" for s in [*k.streams, k.logs_stream])),
-        *_each(
-            cs, lambda k: (f"$JS.API.CONSUMER.CREATE.{s}.>" for s in [*k.streams, k.logs_stream])
-        ),
+        *_each(cs, lambda k: (f"$JS.API.STREAM.PURGE.{s}" for s in k.guarded)),
+        *_each(cs, lambda k: (f"$JS.API.CONSUMER.CREATE.{s}" for s in k.guarded)),
+        *_each(cs, lambda k: (f"$JS.API.CONSUMER.CREATE.{s}.>" for s in k.guarded)),
         "$JS.API.CONSUMER.DURABLE.CREATE.>",
     ]
     sched_sub = [
@@ -493,3 +502,219 @@ def user_url(url: str, user: str, password: str) -> str:
         rest = rest.rsplit("@", 1)[-1]
         out.append(f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}")
     return ",".join(out)
+
+
+# -- federation: a cluster's server as a leaf of the hub, and the hub ------------
+
+
+def federated_server(
+    cluster: str,
+    hub_url: str,
+    *,
+    store_dir: str,
+    listen: str = "127.0.0.1:4222",
+    server_name: str = "",
+    route_listen: str = "",
+    routes: Sequence[str] = (),
+) -> str:
+    """The server settings of cluster ``cluster`` in a federation (put before its
+    accounts, :func:`accounts_conf`'s ``server``): JetStream in the domain
+    ``cluster`` (its streams stay its own) and a leaf link to the hub at
+    ``hub_url`` (``nats://leaf-<c>:<password>@hub:7422``) that binds
+    ``APPORTION`` to the hub's ``FEDERATION`` account. Removing the
+    ``leafnodes`` block and reloading the server (``nats-server --signal
+    reload``) cuts the link without a restart; putting it back rejoins. Without
+    ``hub_url``: the same server, not linked (a cluster that left).
+
+    A cluster of three servers: each one's with its own ``server_name``,
+    ``route_listen`` (``host:port``) and the three ``routes``
+    (``nats://host:port``); every member of the cluster has the same domain and
+    a leaf link of its own (checked with nats-server 2.15.1: an R3 INPUTS goes on
+    sourcing after its leader is killed, docs/federation.md)."""
+    lines = [
+        f"server_name: {_q(server_name or f'apportion-{cluster}')}",
+        f"listen: {listen}",
+        "jetstream {",
+        f"  store_dir: {_q(store_dir)}",
+        f"  domain: {_q(cluster)}  # each cluster its own JetStream (docs/federation.md)",
+        "}",
+    ]
+    if route_listen:
+        lines += [
+            "cluster {",
+            f"  name: {_q(cluster)}",
+            f"  listen: {route_listen}",
+            f"  routes: [{', '.join(_q(r) for r in routes)}]",
+            "  # clients use the servers their URL lists, each with its user; an advertised",
+            "  # one comes without a user and is refused (Authorization Violation)",
+            "  no_advertise: true",
+            "}",
+        ]
+    if hub_url:
+        lines += [
+            "leafnodes {",
+            "  remotes = [",
+            f"    {{ url: {_q(hub_url)}, account: {_q(JS_ACCOUNT)} }}",
+            "  ]",
+            "}",
+        ]
+    return "\n".join([*lines, ""])
+
+
+def leaf_permissions(
+    cluster: str, clusters: Sequence[str], hub_domain: str
+) -> tuple[list[str], list[str]]:
+    """What the leaf link of ``cluster`` may send into the hub and receive from it
+    (its hub user's publish and subscribe permissions): stream sourcing only.
+    Sent: consumer creates on the peers' ``USAGE_<p>`` and on ``TREE``, the
+    answers to the peers' creates on its own ``USAGE_<c>``, its usage delivered
+    to the peers, flow control. Received: the peers' creates on ``USAGE_<c>``,
+    answers, what its own sources deliver, flow control. Subjects measured on
+    nats-server 2.15.1 (docs/federation.md)."""
+    from .federation import TREE_STREAM, deliver_prefix, usage_stream
+
+    peers = [p for p in clusters if p != cluster]
+    send = [
+        *(f"$JS.{p}.API.CONSUMER.CREATE.{usage_stream(p)}.>" for p in peers),
+        f"$JS.{hub_domain}.API.CONSUMER.CREATE.{TREE_STREAM}.>",
+        "$JSC.R.>",
+        *(f"{deliver_prefix(p, cluster)}.>" for p in peers),
+        "$JS.FC.>",
+    ]
+    receive = [
+        f"$JS.{cluster}.API.CONSUMER.CREATE.{usage_stream(cluster)}.>",
+        "$JSC.R.>",
+        f"apportion.fed.{cluster}.from.>",
+        "$JS.FC.>",
+    ]
+    return send, receive
+
+
+def hub_conf(
+    clusters: Sequence[str],
+    passwords: Mapping[str, str],
+    *,
+    store_dir: str,
+    listen: str = "127.0.0.1:4222",
+    leaf_listen: str = "127.0.0.1:7422",
+    domain: str = "",
+) -> str:
+    """The hub's whole configuration: JetStream in its own domain (``TREE``), a
+    leaf listener, and the account ``FEDERATION`` with a user per cluster's leaf
+    link (``leaf-<c>``, :func:`leaf_permissions`), the tree's admin
+    (``tree-admin``: publishes the tree's kinds on ``apportion.tree.inputs.<Kind>``
+    and creates ``TREE``) and the clusters' gateways (``gateway``: ``BudgetSet``
+    and ``BudgetRemoved`` on the tree, nothing else). ``passwords`` maps each of those users to its password.
+    A cluster added later: generate it again and reload the hub
+    (``nats-server --signal reload``); no member restarts."""
+    from .federation import (
+        FEDERATION_ACCOUNT,
+        HUB_DOMAIN,
+        TREE_ADMIN,
+        TREE_GATEWAY,
+        TREE_KINDS,
+        TREE_STREAM,
+        leaf_user,
+        tree_subject,
+    )
+
+    domain = domain or HUB_DOMAIN
+    admin_pub = [
+        *(tree_subject(k) for k in TREE_KINDS),
+        "$JS.API.INFO",
+        f"$JS.API.STREAM.INFO.{TREE_STREAM}",
+        f"$JS.API.STREAM.CREATE.{TREE_STREAM}",
+        f"$JS.API.DIRECT.GET.{TREE_STREAM}",
+    ]
+    admin_deny = [
+        "$JS.API.STREAM.DELETE.>",
+        "$JS.API.STREAM.PURGE.>",
+        "$JS.API.STREAM.MSG.DELETE.>",
+        "$JS.API.CONSUMER.>",
+    ]
+    users = [
+        *_hub_user(
+            "publishes budget edits once, for every cluster; creates TREE",
+            TREE_ADMIN,
+            passwords[TREE_ADMIN],
+            admin_pub,
+            [inbox_prefix(TREE_ADMIN) + ".>"],
+            deny=admin_deny,
+        ),
+        *_hub_user(
+            "a cluster's gateway in a federation (serve gateway --hub): budget edits only",
+            TREE_GATEWAY,
+            passwords[TREE_GATEWAY],
+            [tree_subject(k) for k in TREE_KINDS],
+            [inbox_prefix(TREE_GATEWAY) + ".>"],
+        ),
+    ]
+    for c in clusters:
+        send, receive = leaf_permissions(c, clusters, domain)
+        users += _hub_user(
+            f"the leaf link of cluster {c}: stream sourcing only",
+            leaf_user(c),
+            passwords[leaf_user(c)],
+            send,
+            receive,
+        )
+    out = [
+        "# The hub of a federation of apportion clusters (generated by",
+        "# apportion.services.natsconf.hub_conf; docs/federation.md).",
+        f"server_name: {_q('apportion-hub')}",
+        f"listen: {listen}",
+        "jetstream {",
+        f"  store_dir: {_q(store_dir)}",
+        f"  domain: {_q(domain)}",
+        "}",
+        f"leafnodes {{ listen: {leaf_listen} }}",
+        "accounts {",
+        f"  {FEDERATION_ACCOUNT} {{",
+        "    jetstream: enabled",
+        "    users = [",
+        *users,
+        "    ]",
+        "  }",
+        "}",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def _hub_user(
+    why: str,
+    user: str,
+    password: str,
+    publish: Iterable[str],
+    subscribe: Iterable[str],
+    deny: Iterable[str] = (),
+) -> list[str]:
+    """The lines of one user of the hub's account."""
+    deny = list(deny)
+    return [
+        "      {",
+        f"        # {why}",
+        f"        user: {_q(user)}, password: {_q(password)}",
+        "        permissions {",
+        "          publish {",
+        "            allow: [",
+        _list(publish, "              ").rstrip("\n"),
+        "            ]",
+        *(
+            ["            deny: [", _list(deny, "              ").rstrip("\n"), "            ]"]
+            if deny
+            else []
+        ),
+        "          }",
+        "          subscribe { allow: [",
+        _list(subscribe, "            ").rstrip("\n"),
+        "          ] }",
+        "        }",
+        "      }",
+    ]
+
+
+def hub_users(clusters: Iterable[str]) -> list[str]:
+    """The hub's users: the tree's admin, the clusters' gateways and a leaf link per cluster."""
+    from .federation import TREE_ADMIN, TREE_GATEWAY, leaf_user
+
+    return [TREE_ADMIN, TREE_GATEWAY, *(leaf_user(c) for c in clusters)]

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import logs
-from .bus import JetStreamLog, connect
+from .bus import JetStreamLog, client_timeout_s, connect
 
 KINDS = ("scheduler", "projector", "gateway", "executor")
 
@@ -76,6 +76,32 @@ async def supervise_scheduler(scheduler: Any, stop: asyncio.Event, retry_s: floa
             scheduler.leading.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), retry_s)
+
+
+async def run_scheduler(scheduler: Any, stop: asyncio.Event) -> None:
+    """:func:`supervise_scheduler`, with the usage forwarder of a federated cluster
+    beside it (:class:`~apportion.services.federation.UsageForwarder`: it
+    forwards while this scheduler leads, and idles while the cluster has no
+    ``USAGE_<c>``, so a cluster joins with no restart). A log in memory has none."""
+    nc = getattr(scheduler.log, "nc", None)
+    if nc is None:
+        await supervise_scheduler(scheduler, stop)
+        return
+    from .federation import UsageForwarder
+
+    forwarder = UsageForwarder(
+        nc,
+        scheduler.log.subjects.cluster,
+        leading=scheduler.leading,
+        on_forward=scheduler.metrics.usage_forwarded.inc,
+    )
+    beside = asyncio.create_task(forwarder.run(stop), name="usage-forwarder")
+    try:
+        await supervise_scheduler(scheduler, stop)
+    finally:
+        beside.cancel()
+        with contextlib.suppress(BaseException):
+            await beside
 
 
 def _why(exc: BaseException) -> str:
@@ -222,6 +248,7 @@ async def serve(
     insecure: bool = False,
     metrics_port: int | None = None,
     agent_work_dir: str | None = None,
+    hub_url: str | None = None,
 ) -> None:
     """Run service ``kind`` until SIGINT/SIGTERM (or ``stop``).
 
@@ -235,6 +262,8 @@ async def serve(
     Prometheus metrics at ``http://<host>:<metrics_port>/metrics`` (0: any free
     port, logged); the gateway serves its own on its port. ``agent_work_dir``
     (gateway): the host agents' ``--work-dir``, for the log locations ``explain`` gives.
+    ``hub_url`` (gateway, in a federation): the hub, where budget edits are then
+    published once for every cluster (docs/federation.md).
     A signal gives the service ``grace_s`` seconds to stop, then it is
     cancelled; a process still alive ``2 * grace_s`` after the signal exits.
     """
@@ -255,7 +284,16 @@ async def serve(
                 "the gateway needs a credentials file (--credentials FILE or "
                 "$APPORTION_CREDENTIALS), or --no-auth to run without authentication"
             )
+    if hub_url is not None and kind != "gateway":
+        raise ValueError("the hub's URL is for the gateway only")
     nc = await connect(url, name=f"apportion-{kind}")
+    hub = None
+    if hub_url is not None:
+        try:
+            hub = await connect(hub_url, name=f"apportion-{kind}-hub")
+        except BaseException:
+            await nc.close()
+            raise
     log = JetStreamLog(nc.jetstream(), cluster, replicas=replicas)
     stop = stop or asyncio.Event()
     logger = logs.get(kind, cluster=cluster)
@@ -287,7 +325,7 @@ async def serve(
                 await log.lease(holder=f"{socket.gethostname()}-{id(log)}"),
                 snapshot_every=snapshot_every,
             )
-            main = supervise_scheduler(service, stop)
+            main = run_scheduler(service, stop)
         elif kind == "projector":
             from .metrics import ProjectorMetrics
             from .projector import Projector, open_projection_for
@@ -308,7 +346,12 @@ async def serve(
         elif kind == "gateway":
             from .gateway import Gateway
 
-            service = Gateway(log, auth=gateway_auth, agent_work_dir=agent_work_dir)
+            service = Gateway(
+                log,
+                auth=gateway_auth,
+                agent_work_dir=agent_work_dir,
+                tree=None if hub is None else hub.jetstream(timeout=client_timeout_s()),
+            )
             main = service.serve(stop, host, port)
         else:
             from .executor import Executor
@@ -348,6 +391,9 @@ async def serve(
             loop.remove_signal_handler(sig)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), grace_s)
+        if hub is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(hub.close(), grace_s)
         for timer in watchdog:
             timer.cancel()
             timer.join()  # gone before the interpreter ends (a live daemon thread can abort it)

@@ -810,6 +810,12 @@ class Scheduler:
             folded=state.input_seq if state is not None else self.last_basis,
             stored=await stored_inputs(self.log),
         )
+        js = getattr(self.log, "js", None)
+        if js is not None:  # a federated cluster's sources (none: nothing shown)
+            from .federation import status
+
+            with contextlib.suppress(Exception):
+                self.metrics.sources(await status(js, self.log.subjects.cluster, timeout_s=2.0))
         return self.metrics.render()
 
     async def _tick(self) -> None:

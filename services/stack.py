@@ -36,7 +36,7 @@ from .metrics import ExecutorMetrics, ProjectorMetrics
 from .natsconf import SCHEDULER as SCHEDULER_USER
 from .natsconf import agent_user, user_url
 from .projector import Projector, open_projection_for
-from .runner import STOP_GRACE_S, Supervisor, exit_watchdog, stop_within, supervise_scheduler
+from .runner import STOP_GRACE_S, Supervisor, exit_watchdog, run_scheduler, stop_within
 from .scheduler import Scheduler
 
 DEMO_CLUSTER_TOML = """\
@@ -377,7 +377,7 @@ class Stack:
             sup = self.supervisor = Supervisor(stop, self.logger)
             gateway_log = await self._log_as("gateway")
             children: dict[str, Callable[[], Awaitable[None]]] = {
-                "scheduler": lambda: supervise_scheduler(self.scheduler, stop),
+                "scheduler": lambda: run_scheduler(self.scheduler, stop),
                 "gateway": lambda: self._serve_gateway(gateway_log, stop),
             }
             if self.with_projector:

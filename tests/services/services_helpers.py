@@ -145,12 +145,12 @@ class Roles(NamedTuple):
 
 
 @contextlib.asynccontextmanager
-async def gateway_on(roles: Roles, auth: Any) -> AsyncIterator[Gateway]:
+async def gateway_on(roles: Roles, auth: Any, **options: Any) -> AsyncIterator[Gateway]:
     """A supervised scheduler (the scheduler's log) and a gateway (the gateway's;
-    checking ``auth``, ``None``: no auth) with :func:`small_cluster` published
-    first by the operator, the gateway caught up with it."""
+    checking ``auth``, ``None``: no auth; ``options``: the gateway's others) with
+    :func:`small_cluster` published first by the operator, the gateway caught up with it."""
     await roles.op.publish_inputs(small_cluster())
-    scheduler, gateway = Scheduler(roles.sched), Gateway(roles.gw, auth=auth)
+    scheduler, gateway = Scheduler(roles.sched), Gateway(roles.gw, auth=auth, **options)
     stop = asyncio.Event()
     tasks = [
         asyncio.create_task(supervise_scheduler(scheduler, stop)),

@@ -59,6 +59,13 @@ def test_commands_that_read_or_serve_a_cluster_end_without_nats(tmp_path: Path) 
             "serve gateway": (["serve", "gateway", "--credentials", str(credentials)], nats),
             "serve projector": (["serve", "projector", "--db", str(tmp_path / "p.duckdb")], nats),
             "up": (["up", "--data-dir", str(tmp_path / "up"), "--port", "0"], nats),
+            "federation join": (["federation", "join", "--cluster", "demo", "--peer", "b"], nats),
+            "federation status": (["federation", "status", "--cluster", "demo"], nats),
+            "federation tree-set": (
+                ["federation", "tree-set", "llm", "--weight", "1", "--owner", "a"]
+                + ["--actor", "admin", "--hub", NO_NATS],
+                {},
+            ),
         }
     )
     for name, err in errs.items():

@@ -28,7 +28,7 @@ from apportion.schemas.history import HistoryItem
 
 from .diagnose import SCHEDULER_CAUSES, diagnose
 from .kpi import compute_kpis
-from .run import load_inputs
+from .run import KPI_COMMIT_EVERY, load_inputs
 from .simulator import simulate
 
 
@@ -99,11 +99,18 @@ def run_cell(cell: Cell, knobs: tuple[str, ...] = ()) -> dict[str, Any]:
         items: list[HistoryItem] = []
         sink = _collector(items) if policy == "budget" else None
         sim = simulate(
-            inp.cluster_events, inp.trace, inp.health, policy=policy, days=inp.days, sink=sink
+            inp.cluster_events,
+            inp.trace,
+            inp.health,
+            policy=policy,
+            days=inp.days,
+            sink=sink,
+            history=False,  # only the KPIs' tables (the diagnosis reads ``items``)
+            commit_every=KPI_COMMIT_EVERY,
         )
         assert sim.con is not None
         start = sim.start_ms + inp.warmup_days * DAY_MS  # the warm-up days are not measured
-        out[policy] = compute_kpis(sim.con, start, sim.end_ms, sim.wall_s)
+        out[policy] = compute_kpis(sim.con, start, sim.end_ms, sim.wall_s, sim.events)
         sim.con.close()
         if items:
             rows = diagnose(items).rows(from_ms=start)

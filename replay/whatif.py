@@ -57,6 +57,7 @@ from .cluster_file import format_duration
 from .eventlog import CONFIG_TYPES, CanonicalLog
 from .kpi import compute_kpis
 from .projection import Projection
+from .run import KPI_COMMIT_EVERY
 from .simulator import SimResult, simulate
 
 
@@ -215,10 +216,18 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
     policy = change.policy or log.header.policy
     wall0 = time.perf_counter()
     sim: SimResult = simulate(
-        cluster, (), (), policy=policy, start_ms=start_ms, end_ms=end_ms, timed_inputs=timed
+        cluster,
+        (),
+        (),
+        policy=policy,
+        start_ms=start_ms,
+        end_ms=end_ms,
+        timed_inputs=timed,
+        history=False,  # only the KPIs' tables
+        commit_every=KPI_COMMIT_EVERY,
     )
     assert sim.con is not None
-    kpis = compute_kpis(sim.con, start_ms, end_ms, time.perf_counter() - wall0)
+    kpis = compute_kpis(sim.con, start_ms, end_ms, time.perf_counter() - wall0, sim.events)
     refused_before = {
         d.ref
         for it in items

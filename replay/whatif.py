@@ -125,7 +125,9 @@ def _observed_durations(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
     return {w: int(d) for w, d in rows}
 
 
-def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
+def whatif(log: CanonicalLog, change: PolicyChange, *, keep_history: bool = False) -> WhatIf:
+    """Re-simulate ``log`` under ``change``. The result's ``sim.con`` holds the
+    tables the KPIs read, or (``keep_history``) the what-if's whole projection."""
     items = list(log)
     inputs: list[Input] = [
         it.event for it in items if isinstance(it, InputItem) and it.event is not None
@@ -223,11 +225,12 @@ def whatif(log: CanonicalLog, change: PolicyChange) -> WhatIf:
         start_ms=start_ms,
         end_ms=end_ms,
         timed_inputs=timed,
-        history=False,  # only the KPIs' tables
-        commit_every=KPI_COMMIT_EVERY,
+        history=keep_history,
+        commit_every=200_000 if keep_history else KPI_COMMIT_EVERY,
     )
     assert sim.con is not None
-    kpis = compute_kpis(sim.con, start_ms, end_ms, time.perf_counter() - wall0, sim.events)
+    events = None if keep_history else sim.events
+    kpis = compute_kpis(sim.con, start_ms, end_ms, time.perf_counter() - wall0, events)
     refused_before = {
         d.ref
         for it in items

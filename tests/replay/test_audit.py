@@ -336,7 +336,7 @@ def test_replay_until_stops_after_that_input_and_its_batch(tmp_path):
 
 @pytest.mark.parametrize("name", ["debug-budget-1d", "debug-priority-1d"])
 def test_whatif_with_the_same_policy_reproduces_the_kpis(name):
-    res = whatif(open_log(golden(name)), PolicyChange())
+    res = whatif(open_log(golden(name)), PolicyChange(), keep_history=True)
     a = {k: v for k, v in res.original.items() if k != "wall_s"}
     b = {k: v for k, v in res.whatif.items() if k != "wall_s"}
     assert a == b
@@ -345,7 +345,7 @@ def test_whatif_with_the_same_policy_reproduces_the_kpis(name):
 
 def test_whatif_replays_the_history_itself_when_nothing_changes(tmp_path):
     """Same policy: the re-simulated history is the original one, decision for decision."""
-    res = whatif(open_log(golden("debug-budget-1d")), PolicyChange())
+    res = whatif(open_log(golden("debug-budget-1d")), PolicyChange(), keep_history=True)
     events = res.sim.con.execute(
         "SELECT kind, workload, node, at_ms FROM events ORDER BY pos"
     ).fetchall()

@@ -62,7 +62,9 @@ def _placements(con):
 
 
 def test_cap_replays_a_4h_contract_with_1h_protection(log):
-    res = whatif(open_log(log), PolicyChange(max_min_runtime_ms=parse_duration_ms("1h")))
+    res = whatif(
+        open_log(log), PolicyChange(max_min_runtime_ms=parse_duration_ms("1h")), keep_history=True
+    )
     assert res.capped == 1
     assert res.new_rejections == []
     assert res.whatif["rejected"] == 0 and res.whatif["workloads"] == 2
@@ -77,7 +79,7 @@ def test_cap_replays_a_4h_contract_with_1h_protection(log):
 
 
 def test_without_the_cap_the_log_is_remade(log):
-    res = whatif(open_log(log), PolicyChange())
+    res = whatif(open_log(log), PolicyChange(), keep_history=True)
     assert res.capped == 0
     placed = _placements(res.sim.con)
     assert placed["long"] == (res.start_ms, 4 * HOUR)

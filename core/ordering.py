@@ -94,9 +94,9 @@ class FairShareView:
         self.tree = tree
         now, lookback = state.now_ms, state.policy.lookback_ms
         self.charged: dict[str, int] = {
-            path: node.series.window(now, lookback) for path, node in tree.nodes.items()
+            path: node.charged(now, lookback) for path, node in tree.nodes.items()
         }
-        """GPU-ms charged inside the lookback window."""
+        """GPU-ms charged inside the lookback window (on every cluster of a federation)."""
         self.committed = committed_charges(state)
         """GPU-ms that running allocated work will be charged for the rest of its protection."""
         self.usage: dict[str, int] = {

@@ -28,6 +28,7 @@ from .rules.authority import (
     may_manage_node,
     not_operator,
 )
+from .rules.federation import MAX_SUMMARY_MS, MIN_SUMMARY_MS
 from .rules.gpu_types import is_any, takes
 from .state import (
     SCHEDULER,
@@ -195,6 +196,18 @@ def policy_refusal(state: State, e: PolicySet) -> Refusal | None:
             f"policy: grace ({duration_text(e.grace_ms)}) must not exceed max_grace "
             f"({duration_text(e.max_grace_ms)})",
         )
+    if not MIN_SUMMARY_MS <= e.usage_summary_ms <= MAX_SUMMARY_MS:
+        return Refusal(
+            R.OUT_OF_RANGE,
+            "policy: usage_summary must be between 10 s and 1 h, "
+            f"got {duration_text(e.usage_summary_ms)}",
+        )
+    if any(p != e.cluster for p in e.peers) and not e.cluster:
+        return Refusal(
+            R.INVALID_NAME, "policy: a cluster with peers must name itself (policy cluster)"
+        )
+    if len(set(e.peers)) != len(e.peers):
+        return Refusal(R.OUT_OF_RANGE, "policy: a peer cluster is named twice")
     return None
 
 

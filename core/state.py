@@ -60,6 +60,28 @@ class Policy(msgspec.Struct, kw_only=True):
     held), so a state whose policy sets no wait encodes as it did before the field
     existed. Read it as :attr:`margin_wait_ms`."""
 
+    cluster: str | UnsetType = UNSET
+    """This cluster's name among its peers (unset while ``""``, as are the next two
+    fields at their defaults, so a single cluster encodes as before they existed)."""
+    peers: tuple[str, ...] | UnsetType = UNSET
+    usage_summary_ms: int | UnsetType = UNSET
+
+    @property
+    def cluster_name(self) -> str:
+        return "" if isinstance(self.cluster, UnsetType) else self.cluster
+
+    @property
+    def reports_usage(self) -> bool:
+        """A peer other than the cluster itself: the cycle reports its usage."""
+        peers = () if isinstance(self.peers, UnsetType) else self.peers
+        return any(p != self.cluster_name for p in peers)
+
+    @property
+    def summary_ms(self) -> int:
+        """Length of one reported usage interval."""
+        s = self.usage_summary_ms
+        return 5 * MINUTE_MS if isinstance(s, UnsetType) else s
+
     @property
     def margin_wait_ms(self) -> int:
         """``preemption_margin_wait_ms``, 0 when unset (held however long it waits)."""
@@ -177,6 +199,10 @@ class StateSnapshot(msgspec.Struct, kw_only=True):
     input_ids: list[tuple[str, int]] | UnsetType = UNSET
     """:attr:`State.input_ids` in the order remembered; written only while there are
     some (a state that never saw a sending time encodes as it did before)."""
+    reported_until_ms: int | UnsetType = UNSET
+    """:attr:`State.reported_until_ms`; written only while the cluster reports usage."""
+    peer_intervals: list[tuple[str, list[tuple[int, int]]]] | UnsetType = UNSET
+    """:attr:`State.peer_intervals`; written only once a usage summary was folded."""
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
@@ -207,6 +233,8 @@ class State:
         "stop_deadlines",
         "input_ids",
         "input_id_expiry",
+        "reported_until_ms",
+        "peer_intervals",
     )
 
     def __init__(self) -> None:
@@ -249,11 +277,19 @@ class State:
         remembered (:mod:`apportion.core.rules.identity`: an input is folded once)."""
         self.input_id_expiry: list[tuple[int, str]] = []
         """``(until, id)`` of :attr:`input_ids`, a heap (derived, rebuilt on restore)."""
+        self.reported_until_ms: int | None = None
+        """While the policy names peers: the end of the last usage interval this
+        cluster reported (``UsageReported``); the next one starts there."""
+        self.peer_intervals: dict[str, list[tuple[int, int]]] = {}
+        """Per peer cluster, the intervals ``[start, end)`` whose usage summaries were
+        folded, merged, sorted and disjoint (those ended before the longest
+        lookback dropped): what was heard, so a repeat or an overlap is refused."""
 
     # -- reading -------------------------------------------------------
     def usage(self, path: str) -> int:
-        """GPU-ms charged to ``path``'s subtree inside ``[now - lookback, now]``."""
-        return self.budget.nodes[path].series.window(self.now_ms, self.policy.lookback_ms)
+        """GPU-ms charged to ``path``'s subtree inside ``[now - lookback, now]``, on
+        this cluster and (from their usage summaries) on its peers."""
+        return self.budget.nodes[path].charged(self.now_ms, self.policy.lookback_ms)
 
     def status_of(self, workload: str) -> str | None:
         live = self.workloads.get(workload)
@@ -281,6 +317,12 @@ class State:
                 else UNSET
             ),
             input_ids=list(self.input_ids.items()) if self.input_ids else UNSET,
+            reported_until_ms=(UNSET if self.reported_until_ms is None else self.reported_until_ms),
+            peer_intervals=(
+                [(src, list(spans)) for src, spans in sorted(self.peer_intervals.items())]
+                if self.peer_intervals
+                else UNSET
+            ),
         )
 
     def to_bytes(self) -> bytes:
@@ -323,6 +365,12 @@ class State:
         if not isinstance(snap.input_ids, UnsetType):
             state.input_ids = dict(snap.input_ids)
             state.input_id_expiry = sorted((until, ref) for ref, until in snap.input_ids)
+        if not isinstance(snap.reported_until_ms, UnsetType):
+            state.reported_until_ms = snap.reported_until_ms
+        if not isinstance(snap.peer_intervals, UnsetType):
+            state.peer_intervals = {
+                src: [(a, b) for a, b in spans] for src, spans in snap.peer_intervals
+            }
         return state
 
     def copy(self) -> State:

@@ -28,6 +28,7 @@ from apportion.schemas.events import (
     HealthState,
     InputRejected,
     InputsLost,
+    LeafCharge,
     NodeDrained,
     NodeHealthChanged,
     NodeRegistered,
@@ -35,6 +36,8 @@ from apportion.schemas.events import (
     PolicySet,
     PreemptReason,
     Slot,
+    UsageReported,
+    UsageSummary,
     WorkloadCancelled,
     WorkloadFinished,
     WorkloadHeld,
@@ -324,6 +327,23 @@ def sample_events() -> list[Event]:
         ),
         NodeDrained(id="d3", at_ms=12, node="n1"),
         InputRejected(id="d4", at_ms=13, ref="i4", reason="unknown budget node 'llm/old'"),
+        UsageSummary(
+            id="i14",
+            at_ms=13,
+            source="east",
+            start_ms=0,
+            end_ms=300_000,
+            charges=(LeafCharge("llm/pretrain", 3_600_000), LeafCharge("", 5)),
+            actor="federation:east",
+        ),
+        UsageReported(
+            id="d5",
+            at_ms=300_000,
+            cluster="west",
+            start_ms=0,
+            end_ms=300_000,
+            charges=(LeafCharge("llm/pretrain", 7),),
+        ),
     ]
 
 

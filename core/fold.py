@@ -24,7 +24,6 @@ from typing import Any
 from apportion.schemas import reasons as R
 from apportion.schemas.bounds import clip_reason
 from apportion.schemas.events import (
-    MINUTE_MS,
     BudgetRemoved,
     BudgetSet,
     ClockTicked,
@@ -216,7 +215,7 @@ def _policy_set(state: State, e: PolicySet) -> None:
         preemption_margin_wait_ms=e.preemption_margin_wait_ms or UNSET,
         cluster=e.cluster or UNSET,
         peers=e.peers or UNSET,
-        usage_summary_ms=UNSET if e.usage_summary_ms == 5 * MINUTE_MS else e.usage_summary_ms,
+        usage_summary_ms=e.usage_summary_ms,
     )
     if not state.policy.reports_usage:
         state.reported_until_ms = None

@@ -151,18 +151,22 @@ class PolicySet(Event, frozen=True, kw_only=True, tag="PolicySet"):
     """How long a waiting workload is held to the preemption margin: once queued
     this long, it outranks any running workload whose side's ratio is strictly
     higher than its own (no margin). ``0``: held to it however long it waits."""
-    cluster: Name = ""
-    """This cluster's own name among its peers (``""``: not federated). Required
+    cluster: Name | msgspec.UnsetType = msgspec.UNSET
+    """This cluster's own name among its peers (unset or ``""``: not federated). Required
     when ``peers`` names another cluster; it is the ``cluster`` of the
     :class:`UsageReported` decisions and a :class:`UsageSummary` from it is
     refused (a cluster never counts its own usage twice)."""
-    peers: Annotated[tuple[Name, ...], Meta(max_length=MAX_PEERS)] = ()
-    """The clusters sharing this budget tree (``()``: a single cluster). While it
+    peers: Annotated[tuple[Name, ...], Meta(max_length=MAX_PEERS)] | msgspec.UnsetType = (
+        msgspec.UNSET
+    )
+    """The clusters sharing this budget tree (unset or ``()``: a single cluster). While it
     names a cluster other than ``cluster``, the cycle reports this cluster's
     charges every ``usage_summary_ms`` (:class:`UsageReported`). The cluster's own
     name may be listed (the same list can go to every cluster); it is ignored."""
-    usage_summary_ms: DurationMs = 5 * MINUTE_MS
-    """Length of one usage interval a federated cluster reports, 10 s to 1 h."""
+    usage_summary_ms: DurationMs | msgspec.UnsetType = msgspec.UNSET
+    """Length of one usage interval a federated cluster reports, 10 s to 1 h (unset:
+    5 min). The three federation fields are not encoded while unset, so a policy
+    of a single cluster encodes as before they existed."""
 
 
 class WorkloadSubmitted(Event, frozen=True, kw_only=True, tag="WorkloadSubmitted"):

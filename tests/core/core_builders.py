@@ -17,6 +17,7 @@ from __future__ import annotations
 from fractions import Fraction as F
 from typing import Any
 
+import msgspec
 from apportion.core import State, apply
 from apportion.core.budget import ancestors_of
 from apportion.schemas.events import (
@@ -207,6 +208,10 @@ class Scenario:
                 actor=actor,
             )
         )
+
+    def hear(self, event: Event) -> Scenario:
+        """Fold input ``event`` stamped at the scenario's time."""
+        return self.apply(msgspec.structs.replace(event, at_ms=self.t))
 
     def tick(self, t_ms: int | None = None) -> Scenario:
         if t_ms is not None:

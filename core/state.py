@@ -19,6 +19,7 @@ from apportion.schemas.events import (
     DAY_MS,
     HOUR_MS,
     MINUTE_MS,
+    LeafCharge,
     Slot,
 )
 from apportion.schemas.reasons import Refusal
@@ -199,10 +200,21 @@ class StateSnapshot(msgspec.Struct, kw_only=True):
     input_ids: list[tuple[str, int]] | UnsetType = UNSET
     """:attr:`State.input_ids` in the order remembered; written only while there are
     some (a state that never saw a sending time encodes as it did before)."""
-    reported_until_ms: int | UnsetType = UNSET
-    """:attr:`State.reported_until_ms`; written only while the cluster reports usage."""
-    peer_intervals: list[tuple[str, list[tuple[int, int]]]] | UnsetType = UNSET
-    """:attr:`State.peer_intervals`; written only once a usage summary was folded."""
+    federation: FederationSnapshot | UnsetType = UNSET
+    """What a federated cluster keeps (written only once it reports or has folded a
+    usage summary; one field, so that a single cluster's snapshot encodes byte for
+    byte as before: msgpack's map header grows with the number of fields)."""
+
+
+class FederationSnapshot(msgspec.Struct, kw_only=True):
+    reported_until_ms: int | None = None
+    """:attr:`State.reported_until_ms`."""
+    peer_intervals: list[tuple[str, list[tuple[int, int]]]] = msgspec.field(default_factory=list)
+    """:attr:`State.peer_intervals`, by source."""
+    peer_committed: list[tuple[str, int, tuple[LeafCharge, ...]]] = msgspec.field(
+        default_factory=list
+    )
+    """:attr:`State.peer_committed`, by source."""
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
@@ -235,6 +247,7 @@ class State:
         "input_id_expiry",
         "reported_until_ms",
         "peer_intervals",
+        "peer_committed",
     )
 
     def __init__(self) -> None:
@@ -284,6 +297,9 @@ class State:
         """Per peer cluster, the intervals ``[start, end)`` whose usage summaries were
         folded, merged, sorted and disjoint (those ended before the longest
         lookback dropped): what was heard, so a repeat or an overlap is refused."""
+        self.peer_committed: dict[str, tuple[int, tuple[LeafCharge, ...]]] = {}
+        """Per peer cluster, ``(end of the interval, committed charges)`` of the latest
+        interval folded from it: the commitments it reported then."""
 
     # -- reading -------------------------------------------------------
     def usage(self, path: str) -> int:
@@ -317,10 +333,17 @@ class State:
                 else UNSET
             ),
             input_ids=list(self.input_ids.items()) if self.input_ids else UNSET,
-            reported_until_ms=(UNSET if self.reported_until_ms is None else self.reported_until_ms),
-            peer_intervals=(
-                [(src, list(spans)) for src, spans in sorted(self.peer_intervals.items())]
-                if self.peer_intervals
+            federation=(
+                FederationSnapshot(
+                    reported_until_ms=self.reported_until_ms,
+                    peer_intervals=[
+                        (src, list(spans)) for src, spans in sorted(self.peer_intervals.items())
+                    ],
+                    peer_committed=[
+                        (src, end, c) for src, (end, c) in sorted(self.peer_committed.items())
+                    ],
+                )
+                if self.reported_until_ms is not None or self.peer_intervals
                 else UNSET
             ),
         )
@@ -365,12 +388,13 @@ class State:
         if not isinstance(snap.input_ids, UnsetType):
             state.input_ids = dict(snap.input_ids)
             state.input_id_expiry = sorted((until, ref) for ref, until in snap.input_ids)
-        if not isinstance(snap.reported_until_ms, UnsetType):
-            state.reported_until_ms = snap.reported_until_ms
-        if not isinstance(snap.peer_intervals, UnsetType):
+        fed = snap.federation
+        if not isinstance(fed, UnsetType):
+            state.reported_until_ms = fed.reported_until_ms
             state.peer_intervals = {
-                src: [(a, b) for a, b in spans] for src, spans in snap.peer_intervals
+                src: [(a, b) for a, b in spans] for src, spans in fed.peer_intervals
             }
+            state.peer_committed = {src: (end, tuple(c)) for src, end, c in fed.peer_committed}
         return state
 
     def copy(self) -> State:

@@ -312,6 +312,9 @@ class UsageSummary(Event, frozen=True, kw_only=True, tag="UsageSummary"):
     end_ms: TimeMs
     charges: LeafCharges = ()
     actor: Name = ""
+    committed: LeafCharges = ()
+    """The source's committed charges when it reported (see :class:`UsageReported`);
+    the summary of the latest interval replaces what an earlier one said."""
 
 
 # --------------------------------------------------------------------------
@@ -374,6 +377,11 @@ class UsageReported(Event, frozen=True, kw_only=True, tag="UsageReported"):
     start_ms: TimeMs
     end_ms: TimeMs
     charges: LeafCharges = ()
+    committed: LeafCharges = ()
+    """Per owner leaf, the GPU-ms its running allocated work is still committed to
+    at the report's time (GPUs x the rest of its protection): peers count it in
+    the ratio as this cluster does, so work just placed here weighs at once there
+    too, not only as its charge arrives interval by interval."""
 
 
 Input = (

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from apportion.schemas.events import UsageReported
 
-from ..rules.federation import due_intervals, interval_charges
+from ..rules.federation import due_intervals, interval_charges, leaf_commitments
 
 if TYPE_CHECKING:
     from .scratch import Scratch
@@ -19,11 +19,14 @@ if TYPE_CHECKING:
 def report_usage(s: Scratch) -> None:
     """Step 0b (module docstring)."""
     state = s.state
-    for start, end in due_intervals(state, s.t):
+    due = due_intervals(state, s.t)
+    committed = leaf_commitments(state) if due else ()
+    for start, end in due:
         s.emit(
             UsageReported,
             cluster=state.policy.cluster_name,
             start_ms=start,
             end_ms=end,
             charges=interval_charges(state, start, end),
+            committed=committed,
         )

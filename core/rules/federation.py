@@ -69,6 +69,18 @@ def interval_end(start_ms: int, summary_ms: int) -> int:
     return (start_ms // summary_ms + 1) * summary_ms
 
 
+def leaf_commitments(state: State) -> tuple[LeafCharge, ...]:
+    """This cluster's committed charges now per owner leaf (GPUs x the rest of the
+    protection of its running allocated work), by path, zeros left out."""
+    from ..ordering import committed_by_leaf
+
+    return tuple(
+        LeafCharge(leaf=leaf, gpu_ms=gpu_ms)
+        for leaf, gpu_ms in sorted(committed_by_leaf(state).items())
+        if gpu_ms > 0
+    )
+
+
 def interval_charges(state: State, start_ms: int, end_ms: int) -> tuple[LeafCharge, ...]:
     """This cluster's own charges in ``[start_ms, end_ms)`` per budget node (its
     subtree's charge minus its children's), nodes charged nothing left out, by path."""
@@ -145,6 +157,10 @@ def summary_refusal(state: State, e: UsageSummary) -> Refusal | None:
         )
     seen: set[str] = set()
     cap = span * MAX_FEDERATION_GPUS
+    for c in e.committed:
+        bad = path_error(c.leaf)
+        if bad:
+            return Refusal(R.BAD_PATH, f"usage summary from {e.source!r}: {bad}")
     for c in e.charges:
         bad = path_error(c.leaf)
         if bad:
@@ -193,6 +209,9 @@ def fold_summary(state: State, e: UsageSummary) -> None:
     _merge_around(spans, i)
     while spans and spans[0][1] <= horizon:
         del spans[0]
+    known = state.peer_committed.get(e.source)
+    if known is None or known[0] < e.end_ms:  # the latest interval's word on commitments
+        state.peer_committed[e.source] = (e.end_ms, e.committed)
     tree = state.budget
     for c in e.charges:
         if not c.gpu_ms:
@@ -211,6 +230,17 @@ def _merge_around(spans: list[tuple[int, int]], i: int) -> None:
         spans[i : i + 2] = [(spans[i][0], spans[i + 1][1])]
     if i > 0 and spans[i - 1][1] == spans[i][0]:
         spans[i - 1 : i + 1] = [(spans[i - 1][0], spans[i][1])]
+
+
+def peer_committed(state: State) -> list[tuple[str, int]]:
+    """``(node, gpu_ms)`` of what the peers last reported committed, each at the
+    deepest node of its path this tree has (by source, then as reported)."""
+    nodes = state.budget
+    return [
+        (nodes.deepest(c.leaf), c.gpu_ms)
+        for _, (_, committed) in sorted(state.peer_committed.items())
+        for c in committed
+    ]
 
 
 def heard_until(state: State, source: str) -> int | None:

@@ -11,7 +11,7 @@ import pytest
 from apportion.core.cycle import decide, step
 from apportion.core.fold import apply, fold
 from apportion.core.history import fold_item
-from apportion.core.ordering import FairShareView
+from apportion.core.ordering import FairShareView, committed_charges
 from apportion.core.rules.federation import heard_until
 from apportion.core.state import CorruptHistory, State
 from apportion.schemas.events import (
@@ -308,3 +308,22 @@ def test_summaries_fold_once_in_any_order(
         assert once.usage(leaf) == expect.get(leaf, 0)
     again = fold(history(delivered))
     assert again.digest() == shuffled.digest()
+
+
+def test_a_peer_commitment_counts_until_a_later_interval_replaces_it() -> None:
+    s = west()
+    s.at(S).hear(msgspec.structs.replace(summary(0), committed=(LeafCharge("a/x", 8 * HOUR_MS),)))
+    assert committed_charges(s.state) == {"a": 8 * HOUR_MS, "a/x": 8 * HOUR_MS}
+    s.at(3 * S).hear(msgspec.structs.replace(summary(2 * S), committed=()))
+    assert committed_charges(s.state) == {}
+    s.hear(msgspec.structs.replace(summary(S), committed=(LeafCharge("b/z", 5),)))  # older
+    assert committed_charges(s.state) == {}
+    again = State.from_bytes(s.state.to_bytes())
+    assert again.peer_committed == s.state.peer_committed
+
+
+def test_a_report_carries_the_commitments_of_its_time() -> None:
+    s = west()
+    s.submit("w", "a/x", gpus=8, min_runtime_ms=HOUR_MS).place("w", "n0")
+    (report,) = run_until(s, S)
+    assert report.committed == (LeafCharge("a/x", 8 * (HOUR_MS - S)),)

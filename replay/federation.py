@@ -15,10 +15,12 @@ history. A gang never spans clusters: each trace row runs on one.
 
 **Routing** (one rule, :func:`route`): a row naming a cluster goes there. Any
 other row goes to one of the clusters that would accept it (a pool of its GPU
-type that can hold its gang: the fold's own check), the one with the least
-live work for its capacity: the GPUs of the workloads routed there and not yet
-ended (pending or running, free work included), divided by the GPUs of that
-cluster's nodes of a type the row can use. Compared exactly (cross-multiplied
+type that can hold its gang: the fold's own check), the one that would have
+the least live work for its capacity with the row: the GPUs of the workloads
+routed there and not yet ended (pending or running, free work included) plus
+the row's, divided by the GPUs of that cluster's nodes of a type the row can
+use (counting the row itself sends a gang that is large for a small cluster
+to a larger one). Compared exactly (cross-multiplied
 integers); ties go to the cluster with the larger capacity, then to the name.
 A row no cluster accepts goes to the first cluster by name, whose fold refuses
 it with its reason. The rule reads only the states at that moment, so a run
@@ -104,6 +106,12 @@ class _Member:
             if gpus is not None:
                 self.live_gpus -= gpus
         self.ended_seen = len(ended)
+
+    def note_routed(self, row: TraceRow) -> None:
+        """Count ``row``'s GPUs here until it ends (a repeated id is refused by the fold)."""
+        if row.id not in self.routed and row.id not in self.run.state.workloads:
+            self.routed[row.id] = row.gpus
+            self.live_gpus += row.gpus
 
 
 def route(row: TraceRow, at_ms: int, members: Sequence[_Member]) -> _Member:
@@ -207,9 +215,7 @@ def run_federation(
             m = route(row, t, members)
             m.run.push_submission(row, t)
             m.rows += 1
-            if row.id not in m.routed and row.id not in m.run.state.workloads:
-                m.routed[row.id] = row.gpus
-                m.live_gpus += row.gpus
+            m.note_routed(row)
         for m in members:
             if m.run.next_ms() != t or not m.run.advance(t):
                 continue

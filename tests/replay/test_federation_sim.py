@@ -171,3 +171,21 @@ def test_a_file_of_several_clusters_names_every_peer() -> None:
 def test_a_row_naming_no_cluster_of_the_file_is_an_error() -> None:
     with pytest.raises(ValueError, match="names cluster 'north'"):
         run_federation(federation_from_dict(doc()), [row("x", "a/x", 0, 8, 1, "north")], days=1)
+
+
+def test_explain_says_how_much_of_a_team_s_usage_was_on_other_clusters() -> None:
+    from apportion.services.views import explain, replay_history
+
+    items: list[Any] = []
+    sinks = {"west": lambda item, state, rejected: items.append(item)}
+    run_federation(
+        federation_from_dict(doc()),
+        trace(),
+        days=26 / 24,
+        observers=sinks,  # type: ignore[arg-type]
+    )
+    state, history = replay_history(items)
+    out = explain(state, history, "a-west")
+    assert out is not None and out["status"] == "pending", out
+    text = " ".join(out["reasons"])
+    assert "of it on other clusters" in text, text

@@ -183,13 +183,16 @@ def margin_ppm(value: Any) -> int:
 
 def load_cluster(path: str | Path, at_ms: int = 0) -> ClusterSpec:
     """Read a cluster TOML file; raise :class:`InputFileError` on any problem."""
-    path = Path(path)
-    text = read_text(path)  # UTF-8 (a byte-order mark is dropped) or one clear error
+    return cluster_from_dict(_read_toml(path), str(path), at_ms)
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file as a document; :class:`InputFileError` if it cannot be read."""
+    text = read_text(Path(path))  # UTF-8 (a byte-order mark is dropped) or one clear error
     try:
-        doc = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputFileError(str(path), None, f"TOML syntax: {exc}") from None
-    return cluster_from_dict(doc, str(path), at_ms)
 
 
 def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int = 0) -> ClusterSpec:
@@ -405,13 +408,7 @@ class FederationSpec(msgspec.Struct, kw_only=True):
 
 def load_federation(path: str | Path, at_ms: int = 0) -> FederationSpec:
     """Read a cluster TOML file of one cluster or several; raise :class:`InputFileError`."""
-    path = Path(path)
-    text = read_text(path)
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise InputFileError(str(path), None, f"TOML syntax: {exc}") from None
-    return federation_from_dict(doc, str(path), at_ms)
+    return federation_from_dict(_read_toml(path), str(path), at_ms)
 
 
 def federation_from_dict(

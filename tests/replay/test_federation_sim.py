@@ -14,7 +14,13 @@ from apportion.core.history import fold_item
 from apportion.core.rules.federation import heard_until
 from apportion.core.state import State
 from apportion.core.usage import PeerSeries
-from apportion.replay.cluster_file import Partition, federation_from_dict
+from apportion.replay.cluster_file import (
+    Partition,
+    federation_from_dict,
+    load_cluster,
+    load_federation,
+)
+from apportion.replay.errors import InputFileError
 from apportion.replay.federation import (
     arrival_ms,
     run_federation,
@@ -189,3 +195,51 @@ def test_explain_says_how_much_of_a_team_s_usage_was_on_other_clusters() -> None
     assert out is not None and out["status"] == "pending", out
     text = " ".join(out["reasons"])
     assert "of it on other clusters" in text, text
+
+
+FILE = """
+[[clusters]]
+name = "east"
+[[clusters.pool]]
+prefix = "n"
+count = 2
+gpus_per_node = 8
+gpu_type = "h100"
+
+[[clusters]]
+name = "west"
+[[clusters.pool]]
+prefix = "n"
+start = {start}
+count = 1
+gpus_per_node = 8
+gpu_type = "b200"
+
+[policy]
+usage_summary = "1m"
+
+[federation]
+delay = "2s"
+
+[budget]
+owner = "ops"
+[budget.a]
+weight = 1
+owner = "an"
+"""
+
+
+def test_a_cluster_file_of_several_clusters(tmp_path: Any) -> None:
+    path = tmp_path / "fed.toml"
+    path.write_text(FILE.format(start=2))
+    spec = load_federation(path)
+    assert spec.delay_ms == 2_000 and [len(c.nodes) for c in spec.clusters] == [2, 1]
+    assert spec.clusters[1].events[-1].usage_summary_ms == 60_000  # type: ignore[union-attr]
+    path.write_text(FILE.format(start=1))
+    with pytest.raises(InputFileError, match="'n001' is in both 'east' and 'west'"):
+        load_federation(path)
+    with pytest.raises(InputFileError, match="read it as a federation"):
+        load_cluster(path)
+    bad = {**doc(partition=[{"cluster": "north", "from": "1h", "until": "2h"}])}
+    with pytest.raises(InputFileError, match="no cluster 'north'"):
+        federation_from_dict(bad)

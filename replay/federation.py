@@ -38,31 +38,15 @@ from typing import Any
 import duckdb
 from apportion.core.history import Observer, observe_all
 from apportion.core.refusals import submission_refusal
-from apportion.core.rules.federation import federation_of
+from apportion.core.rules.federation import summary_of
 from apportion.core.rules.gpu_types import takes
-from apportion.schemas.events import DAY_MS, Input, UsageReported, UsageSummary
+from apportion.schemas.events import DAY_MS, Input, UsageReported
 
 from .cluster_file import FederationSpec, Partition
 from .kpi import compute_kpis, served_kpis
 from .projection import Projection
 from .simulator import ClusterRun, EstimateSink, SimResult, submission
 from .trace import HealthRow, TraceRow
-
-
-def summary_of(report: UsageReported, at_ms: int) -> UsageSummary:
-    """The input a peer receives for ``report``, arriving at ``at_ms``: the same
-    interval and charges, keyed ``usage/<cluster>/<start_ms>`` (a repeat is
-    stored once by the bus and refused by the fold)."""
-    return UsageSummary(
-        id=f"usage/{report.cluster}/{report.start_ms}",
-        at_ms=at_ms,
-        source=report.cluster,
-        start_ms=report.start_ms,
-        end_ms=report.end_ms,
-        charges=report.charges,
-        actor=federation_of(report.cluster),
-        committed=report.committed,
-    )
 
 
 def arrival_ms(sent_ms: int, delay_ms: int, cuts: Sequence[Partition]) -> int:

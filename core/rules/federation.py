@@ -30,7 +30,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from apportion.schemas import reasons as R
-from apportion.schemas.events import LeafCharge, UsageSummary
+from apportion.schemas.events import LeafCharge, UsageReported, UsageSummary
 from apportion.schemas.reasons import Refusal
 
 from ..budget import ancestors_of, path_error
@@ -121,6 +121,23 @@ def next_report_ms(state: State, now_ms: int) -> int | None:
     while end <= now_ms:
         end = interval_end(end, length)
     return end
+
+
+def summary_of(report: UsageReported, at_ms: int) -> UsageSummary:
+    """The input every peer receives for ``report``, stamped ``at_ms``: the same
+    interval, charges and commitments, id ``usage/<cluster>/<start_ms>`` (one per
+    interval: the bus stores a repeat once and the fold refuses it), actor
+    ``federation:<cluster>``."""
+    return UsageSummary(
+        id=f"usage/{report.cluster}/{report.start_ms}",
+        at_ms=at_ms,
+        source=report.cluster,
+        start_ms=report.start_ms,
+        end_ms=report.end_ms,
+        charges=report.charges,
+        actor=federation_of(report.cluster),
+        committed=report.committed,
+    )
 
 
 # -- receiving -------------------------------------------------------------------

@@ -198,9 +198,9 @@ def run_policy(
     events are counted, not kept (the same KPIs, a fraction of the memory).
     ``estimate_every``: sample the start-time estimate of every N-th submission (0: none)."""
     if inp.federation is not None:
-        if out is not None or log is not None:
-            raise ValueError("--out and --log take one cluster; this file has several")
-        return run_federation_policy(inp, inp.federation, policy, progress, history)
+        if out is not None or log is not None or history:
+            raise ValueError("--out, --log and --plot take one cluster; this file has several")
+        return run_federation_policy(inp, inp.federation, policy, progress)
     con = fresh_database(out) if out is not None else None
     history = history or out is not None
     writer = open_log_writer(log, Header(policy=policy, source="simulate")) if log else None
@@ -230,14 +230,13 @@ def run_federation_policy(
     spec: FederationSpec,
     policy: str,
     progress: Callable[[int], None] | None = None,
-    history: bool = False,
 ) -> tuple[SimResult, dict[str, Any]]:
     """Simulate the clusters of ``spec`` under ``policy``: the KPIs of the whole tree
     (every cluster's runs against the whole tree's capacity), with each cluster's
     own under ``clusters`` and the routing under ``rows_routed``. The result
     returned is the first cluster's, with the tree's projection as its ``con``."""
     fed, tree = simulate_federation(
-        spec, inp.trace, inp.health, policy, inp.horizon_days(), history=history, progress=progress
+        spec, inp.trace, inp.health, policy, inp.horizon_days(), progress=progress
     )
     start = fed.start_ms + inp.warmup_days * DAY_MS
     kpis = tree_kpis(fed, tree, start)

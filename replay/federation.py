@@ -15,12 +15,15 @@ history. A gang never spans clusters: each trace row runs on one.
 
 **Routing** (one rule, :func:`route`): a row naming a cluster goes there. Any
 other row goes to one of the clusters that would accept it (a pool of its GPU
-type that can hold its gang: the fold's own check), the one that would have
-the least live work for its capacity with the row: the GPUs of the workloads
-routed there and not yet ended (pending or running, free work included) plus
-the row's, divided by the GPUs of that cluster's nodes of a type the row can
-use (counting the row itself sends a gang that is large for a small cluster
-to a larger one). Compared exactly (cross-multiplied
+type that can hold its gang: the fold's own check), the one where the least
+work stands before it for its capacity: the GPUs of the live workloads routed
+there (pending or running, free work included) of the teams that rank with or
+before the row's team (their usage over their global share, on every cluster,
+at most the team's), plus the row's own GPUs, divided by the GPUs of that
+cluster's nodes of a type the row can use. Counting the row itself sends a
+gang that is large for a small cluster to a larger one; counting only the
+work that outranks it sends an under-served team's work where it is first in
+line, and an over-served team's where the cluster is least loaded. Compared exactly (cross-multiplied
 integers); ties go to the cluster with the larger capacity, then to the name.
 A row no cluster accepts goes to the first cluster by name, whose fold refuses
 it with its reason. The rule reads only the states at that moment, so a run
@@ -32,12 +35,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from itertools import islice
 from typing import Any
 
 import duckdb
 from apportion.core.history import Observer, observe_all
+from apportion.core.ordering import FairShareView
 from apportion.core.refusals import submission_refusal
+from apportion.core.rules.classes import team_of
 from apportion.core.rules.federation import summary_of
 from apportion.core.rules.gpu_types import takes
 from apportion.schemas.events import DAY_MS, Input, UsageReported
@@ -71,10 +77,13 @@ class _Member:
     run: ClusterRun
     gpus_by_type: dict[str, int]
     live_gpus: int = 0
-    routed: dict[str, int] = field(default_factory=dict)
-    """GPUs of each workload routed here, until it ends."""
+    team_live: dict[str, int] = field(default_factory=dict)
+    """Of :attr:`live_gpus`, each team's."""
+    routed: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Team and GPUs of each workload routed here, until it ends."""
     ended_seen: int = 0
     rows: int = 0
+    _view: tuple[tuple[int, int], Callable[[str], Fraction]] | None = None
 
     def capacity(self, gpu_type: str) -> int:
         return sum(g for t, g in self.gpus_by_type.items() if takes(gpu_type, t))
@@ -86,16 +95,48 @@ class _Member:
         if new <= 0:
             return
         for wid in islice(reversed(ended), new):
-            gpus = self.routed.pop(wid, None)
-            if gpus is not None:
+            routed = self.routed.pop(wid, None)
+            if routed is not None:
+                team, gpus = routed
                 self.live_gpus -= gpus
+                self.team_live[team] -= gpus
         self.ended_seen = len(ended)
 
     def note_routed(self, row: TraceRow) -> None:
         """Count ``row``'s GPUs here until it ends (a repeated id is refused by the fold)."""
         if row.id not in self.routed and row.id not in self.run.state.workloads:
-            self.routed[row.id] = row.gpus
+            team = team_of(row.owner)
+            self.routed[row.id] = (team, row.gpus)
             self.live_gpus += row.gpus
+            self.team_live[team] = self.team_live.get(team, 0) + row.gpus
+
+    def ahead_of(self, team: str) -> int:
+        """Live GPUs here of the teams that rank with or before ``team``: whose usage
+        (charged and committed, on every cluster, as this cluster sees it) over
+        their global share is at most ``team``'s, compared exactly."""
+        served = self._served()
+        mine = served(team)
+        return sum(g for u, g in self.team_live.items() if g and served(u) <= mine)
+
+    def _served(self) -> Callable[[str], Fraction]:
+        """``usage / global share`` of a team at this cluster's state (computed once
+        per state: rows routed at one moment share it)."""
+        state = self.run.state
+        version = (state.input_seq, state.decisions_folded)
+        if self._view is None or self._view[0] != version:
+            view, tree = FairShareView(state), state.budget
+            memo: dict[str, Fraction] = {}
+
+            def served(u: str) -> Fraction:
+                out = memo.get(u)
+                if out is None:
+                    share = tree.global_share(u) if u in tree.nodes else Fraction(0)
+                    out = Fraction(view.usage.get(u, 0)) / share if share else Fraction(2**62)
+                    memo[u] = out
+                return out
+
+            self._view = (version, served)
+        return self._view[1]
 
 
 def route(row: TraceRow, at_ms: int, members: Sequence[_Member]) -> _Member:
@@ -112,8 +153,8 @@ def route(row: TraceRow, at_ms: int, members: Sequence[_Member]) -> _Member:
         if submission_refusal(state, submission(row, at_ms, state)) is not None:
             continue
         cap = m.capacity(row.gpu_type)
-        # lower (live + gpus) / cap first (cross-multiplied), then larger capacity, then name
-        load = m.live_gpus + row.gpus
+        # lower (ahead + gpus) / cap first (cross-multiplied), then larger capacity, then name
+        load = m.ahead_of(team_of(row.owner)) + row.gpus
         lhs, rhs = load * best_key[1], best_key[0] * cap
         if best is None or lhs < rhs or (lhs == rhs and cap > best_key[1]):
             best, best_key = m, (load, cap)

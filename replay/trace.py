@@ -57,9 +57,10 @@ class TraceRow(msgspec.Struct, kw_only=True):
     legacy_preemptible: bool = False
     line: int = 0
     """Line in the file it came from (0 when generated in memory)."""
-    cluster: str = ""
-    """The cluster it must run on, in a simulation of several (``""``: routed,
-    :mod:`apportion.replay.federation`)."""
+    cluster: str | msgspec.UnsetType = msgspec.UNSET
+    """The cluster it must run on, in a simulation of several (unset: routed,
+    :mod:`apportion.replay.federation`; not encoded then, so a row encodes as
+    before the field existed)."""
 
 
 class NumberedRows:
@@ -298,7 +299,7 @@ def write_trace(path: str | Path, rows: Iterable[TraceRow]) -> int:
                     r.gpu_type,
                     r.legacy_priority,
                     str(r.legacy_preemptible).lower(),
-                    *((r.cluster,) if clusters else ()),
+                    *((r.cluster or "",) if clusters else ()),
                 )
             )
             n += 1

@@ -41,7 +41,6 @@ from typing import Any
 
 import duckdb
 from apportion.core.history import Observer, observe_all
-from apportion.core.ordering import FairShareView
 from apportion.core.refusals import submission_refusal
 from apportion.core.rules.classes import team_of
 from apportion.core.rules.federation import summary_of
@@ -112,7 +111,7 @@ class _Member:
 
     def ahead_of(self, team: str) -> int:
         """Live GPUs here of the teams that rank with or before ``team``: whose usage
-        (charged and committed, on every cluster, as this cluster sees it) over
+        (charged in the window, on every cluster, as this cluster sees it) over
         their global share is at most ``team``'s, compared exactly."""
         served = self._served()
         mine = served(team)
@@ -124,14 +123,16 @@ class _Member:
         state = self.run.state
         version = (state.input_seq, state.decisions_folded)
         if self._view is None or self._view[0] != version:
-            view, tree = FairShareView(state), state.budget
+            tree, now, lookback = state.budget, state.now_ms, state.policy.lookback_ms
             memo: dict[str, Fraction] = {}
 
             def served(u: str) -> Fraction:
                 out = memo.get(u)
                 if out is None:
-                    share = tree.global_share(u) if u in tree.nodes else Fraction(0)
-                    out = Fraction(view.usage.get(u, 0)) / share if share else Fraction(2**62)
+                    node = tree.nodes.get(u)
+                    share = tree.global_share(u) if node is not None else Fraction(0)
+                    used = node.charged(now, lookback) if node is not None else 0
+                    out = Fraction(used) / share if share else Fraction(2**62)
                     memo[u] = out
                 return out
 

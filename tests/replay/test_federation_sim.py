@@ -30,6 +30,8 @@ from apportion.replay.federation import (
 from apportion.replay.trace import TraceRow
 from apportion.schemas.events import DAY_MS, HOUR_MS, UsageSummary
 from apportion.schemas.history import BatchItem
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def doc(**federation: Any) -> dict[str, Any]:
@@ -263,3 +265,32 @@ def test_every_cluster_redecides_its_history_bit_for_bit_across_a_partition() ->
                 batches += 1
             fold_item(state, item)
         assert batches > 100
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a/x", "b/y"]),
+            st.integers(0, 20),  # submit hour
+            st.sampled_from([1, 4, 8, 16]),
+            st.integers(1, 6),  # hours
+            st.sampled_from(["", "east", "west"]),
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    st.integers(0, 20),
+)
+def test_random_traces_count_each_cluster_exactly_once(
+    jobs: list[tuple[str, int, int, int, str]], cut_h: int
+) -> None:
+    """Whatever runs where, and with a partition of either cluster, each cluster
+    counts exactly the other's own charges, contiguous, none twice."""
+    rows = [
+        row(f"j{i}", owner, h, gpus, hours, cluster if gpus <= 16 else "")
+        for i, (owner, h, gpus, hours, cluster) in enumerate(jobs)
+    ]
+    part = [{"cluster": "west", "from": f"{cut_h}h", "until": f"{cut_h + 3}h"}]
+    result = run_federation(federation_from_dict(doc(partition=part)), rows, days=1.25)
+    assert_exact(result, cut_h * HOUR_MS)

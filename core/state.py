@@ -343,7 +343,7 @@ class State:
                         (src, end, c) for src, (end, c) in sorted(self.peer_committed.items())
                     ],
                 )
-                if self.reported_until_ms is not None or self.peer_intervals
+                if self.reported_until_ms is not None or self.peer_intervals or self.peer_committed
                 else UNSET
             ),
         )

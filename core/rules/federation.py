@@ -178,6 +178,10 @@ def summary_refusal(state: State, e: UsageSummary) -> Refusal | None:
         bad = path_error(c.leaf)
         if bad:
             return Refusal(R.BAD_PATH, f"usage summary from {e.source!r}: {bad}")
+        if c.gpu_ms < 0:
+            return Refusal(
+                R.BAD_USAGE, f"usage summary from {e.source!r}: negative commitment of {c.leaf!r}"
+            )
     for c in e.charges:
         bad = path_error(c.leaf)
         if bad:
@@ -187,6 +191,10 @@ def summary_refusal(state: State, e: UsageSummary) -> Refusal | None:
                 R.BAD_USAGE, f"usage summary from {e.source!r}: node {c.leaf!r} named twice"
             )
         seen.add(c.leaf)
+        if c.gpu_ms < 0:
+            return Refusal(
+                R.BAD_USAGE, f"usage summary from {e.source!r}: negative charge for {c.leaf!r}"
+            )
         if c.gpu_ms > cap:
             return Refusal(
                 R.BAD_USAGE,

@@ -136,6 +136,7 @@ def test_an_unknown_leaf_is_charged_to_its_nearest_node_here() -> None:
         ((("a/x", 1),), 0, "non-empty"),
         ((("a/x", 1),), 2 * HOUR_MS, "at most 1 h"),
         ((("a/x", S * (1 << 20) + 1),), S, "more than the interval can hold"),
+        ((("a/x", -1),), S, "negative charge"),
     ],
 )
 def test_a_summary_that_cannot_be_exact_is_refused(

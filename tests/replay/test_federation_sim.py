@@ -28,7 +28,7 @@ from apportion.replay.federation import (
     tree_kpis,
 )
 from apportion.replay.trace import TraceRow
-from apportion.schemas.events import DAY_MS, HOUR_MS, UsageSummary
+from apportion.schemas.events import DAY_MS, HOUR_MS, BudgetSet, UsageSummary
 from apportion.schemas.history import BatchItem
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -294,3 +294,10 @@ def test_random_traces_count_each_cluster_exactly_once(
     part = [{"cluster": "west", "from": f"{cut_h}h", "until": f"{cut_h + 3}h"}]
     result = run_federation(federation_from_dict(doc(partition=part)), rows, days=1.25)
     assert_exact(result, cut_h * HOUR_MS)
+
+
+def test_a_budget_edit_reaches_every_cluster_history() -> None:
+    edit = BudgetSet(id="edit", at_ms=HOUR_MS, path="a/z", weight=2, owner="az", actor="ops")
+    result = run_federation(federation_from_dict(doc()), trace(), days=0.5, timed_inputs=[edit])
+    for r in result.results.values():
+        assert r.state.budget.nodes["a/z"].weight == 2

@@ -663,15 +663,27 @@ def diagnose_cmd(log, nats_url, cluster_name, team, from_day, to_day, as_json, p
 @click.option(
     "--days", type=click.IntRange(1, 365), default=None, help="every cell for DAYS days instead"
 )
+@click.option(
+    "--federated",
+    is_flag=True,
+    help="only the cells of several clusters (clusters=2|3; --quick: one, 2 days)",
+)
 @click.option("--workers", type=click.IntRange(1, 64), default=None, help="processes [cores]")
 @click.option("--json", "as_json", is_flag=True, help="every cell's KPIs and causes as JSON")
 @_knob_option
-def outcomes_cmd(quick, big, days, workers, as_json, knobs) -> None:
+def outcomes_cmd(quick, big, federated, days, workers, as_json, knobs) -> None:
     """The family scenario over a grid of loads and seeds, budget vs baseline, one row a cell."""
     import dataclasses
     import time
 
-    from apportion.replay.outcomes import BIG_CELLS, DEFAULT_GRID, QUICK_GRID, run_grid, table
+    from apportion.replay.outcomes import (
+        BIG_CELLS,
+        DEFAULT_GRID,
+        FEDERATED_CELLS,
+        QUICK_GRID,
+        run_grid,
+        table,
+    )
 
     t0 = time.perf_counter()
     with _user_errors():
@@ -680,6 +692,8 @@ def outcomes_cmd(quick, big, days, workers, as_json, knobs) -> None:
         parse_knobs(list(knobs))  # one clear line for a bad knob, before any cell runs
     if big:  # --quick: its first cell (seed 1, margin 0) for 2 days
         cells = (dataclasses.replace(BIG_CELLS[0], days=2),) if quick else BIG_CELLS
+    elif federated:
+        cells = (dataclasses.replace(FEDERATED_CELLS[0], days=2),) if quick else FEDERATED_CELLS
     else:
         cells = QUICK_GRID if quick else DEFAULT_GRID
     if days is not None:

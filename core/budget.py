@@ -14,9 +14,10 @@ from fractions import Fraction
 from functools import lru_cache
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from .ratio import sibling_scales
-from .usage import ChargeSeries
+from .usage import ChargeSeries, PeerSeries
 
 ROOT = ""
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -29,6 +30,21 @@ class BudgetNode(msgspec.Struct, kw_only=True):
     children: list[str] = msgspec.field(default_factory=list)
     """Child paths in the order they were created."""
     series: ChargeSeries = msgspec.field(default_factory=ChargeSeries)
+    peer: PeerSeries | UnsetType = UNSET
+    """The subtree's charges on the other clusters of a federation (usage
+    summaries); unset, and then not encoded, until one charges it."""
+
+    def charged(self, now_ms: int, lookback_ms: int) -> int:
+        """GPU-ms charged to the subtree inside the window, on this cluster and,
+        from their summaries, on its peers."""
+        own = self.series.window(now_ms, lookback_ms)
+        peer = self.peer
+        return own if isinstance(peer, UnsetType) else own + peer.window(now_ms, lookback_ms)
+
+    def peer_charged(self, now_ms: int, lookback_ms: int) -> int:
+        """The part of :meth:`charged` used on other clusters."""
+        peer = self.peer
+        return 0 if isinstance(peer, UnsetType) else peer.window(now_ms, lookback_ms)
 
 
 def parent_of(path: str) -> str:
@@ -97,6 +113,13 @@ class BudgetTree:
             chain = tuple(self.nodes[p].series for p in [*ancestors_of(path), path])
             self._chains[path] = chain
         return chain
+
+    def deepest(self, path: str) -> str:
+        """``path`` if the tree has it, else its nearest ancestor that it has."""
+        nodes = self.nodes
+        while path not in nodes:
+            path = parent_of(path)
+        return path
 
     def weights_and_scales(self) -> tuple[dict[str, int], dict[str, int]]:
         """Every node's weight, and its scale among its siblings

@@ -32,6 +32,7 @@ from apportion.schemas.events import (
     NodeHealthChanged,
     NodeRegistered,
     PolicySet,
+    UsageSummary,
     WorkloadCancelled,
     WorkloadHeld,
     WorkloadReleased,
@@ -50,6 +51,7 @@ from .refusals import (
     registration_refusal,
     submission_refusal,
 )
+from .rules.federation import summary_refusal
 from .state import State
 
 __all__ = [
@@ -168,6 +170,8 @@ def check(state: State, event: Input) -> Refusal | None:
         return registration_refusal(state, event)
     if isinstance(event, PolicySet):
         return policy_refusal(state, event)
+    if isinstance(event, UsageSummary):
+        return summary_refusal(state, event)
     return _trial(state, event)
 
 

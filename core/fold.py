@@ -34,6 +34,8 @@ from apportion.schemas.events import (
     NodeHealthChanged,
     NodeRegistered,
     PolicySet,
+    UsageReported,
+    UsageSummary,
     WorkloadCancelled,
     WorkloadFinished,
     WorkloadHeld,
@@ -65,6 +67,7 @@ from .rules.authority import (
     not_operator,
 )
 from .rules.contract import is_allocated, protected_until
+from .rules.federation import first_interval_start, fold_summary, summary_refusal
 from .rules.gpu_types import takes
 from .state import (
     ClusterNode,
@@ -210,7 +213,14 @@ def _policy_set(state: State, e: PolicySet) -> None:
         max_grace_ms=e.max_grace_ms,
         heartbeat_timeout_ms=e.heartbeat_timeout_ms,
         preemption_margin_wait_ms=e.preemption_margin_wait_ms or UNSET,
+        cluster=e.cluster or UNSET,
+        peers=e.peers or UNSET,
+        usage_summary_ms=e.usage_summary_ms,
     )
+    if not state.policy.reports_usage:
+        state.reported_until_ms = None
+    elif state.reported_until_ms is None:
+        state.reported_until_ms = first_interval_start(state.now_ms, state.policy.summary_ms)
     return None
 
 
@@ -360,6 +370,16 @@ def _workload_started(state: State, e: WorkloadStarted) -> None:
                 not_operator(e.actor, f"report the start of {e.workload!r}", "its agent"),
             ),
         )
+    return None
+
+
+def _usage_summary(state: State, e: UsageSummary) -> None:
+    """A peer cluster's usage (:mod:`apportion.core.rules.federation`)."""
+    _tick(state, e)
+    problem = summary_refusal(state, e)
+    if problem is not None:
+        return _reject(state, e, problem)
+    fold_summary(state, e)
     return None
 
 
@@ -526,6 +546,21 @@ def _node_drained(state: State, e: NodeDrained) -> None:
     node.drained = True
 
 
+def _usage_reported(state: State, e: UsageReported) -> None:
+    """The cluster reported the next usage interval: reporting moves on to its end."""
+    _decision_time(state, e)
+    if state.reported_until_ms is None or e.start_ms != state.reported_until_ms:
+        raise CorruptHistory(
+            f"usage reported from {e.start_ms}, but the next interval to report starts at "
+            f"{state.reported_until_ms}"
+        )
+    if e.cluster != state.policy.cluster_name or not e.start_ms < e.end_ms <= state.now_ms:
+        raise CorruptHistory(
+            f"usage reported for {e.cluster!r} [{e.start_ms}, {e.end_ms}) at {state.now_ms}"
+        )
+    state.reported_until_ms = e.end_ms
+
+
 def _input_rejected(state: State, e: InputRejected) -> None:
     _decision_time(state, e)
     for i, (ref, _reason, _code) in enumerate(state.rejections):
@@ -549,8 +584,10 @@ _HANDLERS: dict[type, Callable[[State, Any], None]] = {
     InputsLost: _inputs_lost,
     WorkloadHeld: _workload_held,
     WorkloadReleased: _workload_released,
+    UsageSummary: _usage_summary,
     WorkloadPlaced: _workload_placed,
     WorkloadPreempted: _workload_preempted,
     NodeDrained: _node_drained,
     InputRejected: _input_rejected,
+    UsageReported: _usage_reported,
 }

@@ -46,7 +46,14 @@ from .cycle import CycleResult, decide
 from .fold import apply, refuse
 from .refusals import loss_refusal
 from .rules.identity import identity_refusal, remember
-from .rules.subjects import as_agent, host_refusal, subject_host, subject_refusal
+from .rules.subjects import (
+    as_agent,
+    as_federation,
+    host_refusal,
+    subject_host,
+    subject_refusal,
+    subject_source,
+)
 from .state import CorruptHistory, State
 
 Decider = Callable[[State], CycleResult]
@@ -155,6 +162,9 @@ def fold_item(state: State, item: HistoryItem) -> str | None:
                 if host is not None:
                     event = as_agent(event, host)  # the actor is the subject's host's agent
                     refusal = host_refusal(state, host, event)
+                source = subject_source(subject) if refusal is None else None
+                if source is not None:  # the actor is the source cluster's
+                    event, refusal = as_federation(event, source)
             if refusal is None:
                 refusal = identity_refusal(state, item)  # folded once (rules/identity.py)
                 if refusal is None:

@@ -40,6 +40,7 @@ from .budget import ROOT, ancestors_of, parent_of
 from .pendingindex import LeafKey, Shape, leaf_key, shape_of
 from .ratio import ratio
 from .rules.contract import is_allocated
+from .rules.federation import peer_committed
 from .state import State, Workload
 
 SiblingKey = tuple[int, int, str]
@@ -51,11 +52,9 @@ def sibling_key(usage: int, scale: int, weight: int, path: str) -> SiblingKey:
     return (usage * scale, -weight, path)
 
 
-def committed_charges(state: State) -> dict[str, int]:
-    """Per budget path (the owner leaf and its ancestors, not the root): GPUs x the
-    rest of the protection of its running allocated workloads (but those on a
-    ``down`` node), the charge their contract commits them to. Ranking counts it as usage, so work placed a moment
-    ago weighs on its team's ratio at once, not only as it runs."""
+def committed_by_leaf(state: State) -> dict[str, int]:
+    """Per owner leaf: GPUs x the rest of the protection of its running allocated
+    workloads on this cluster (but those on a ``down`` node, lost in the coming cycle)."""
     now = state.now_ms
     index = state.protection_index
     per_leaf = index.committed(now)  # a pass over the leaves, not the running work
@@ -67,10 +66,25 @@ def committed_charges(state: State) -> dict[str, int]:
         if entry is not None:
             leaf, gpus, until = entry
             per_leaf[leaf] -= gpus * (until - now)
+    return per_leaf
+
+
+def committed_charges(state: State) -> dict[str, int]:
+    """Per budget path (the owner leaf and its ancestors, not the root): GPUs x the
+    rest of the protection of its running allocated workloads (but those on a
+    ``down`` node), the charge their contract commits them to; on a federated
+    cluster, plus what each peer last reported committed
+    (:func:`~apportion.core.rules.federation.peer_committed`). Ranking counts it as
+    usage, so work placed a moment ago weighs on its team's ratio at once, not
+    only as it runs."""
     out: dict[str, int] = {}
-    for leaf, gpu_ms in per_leaf.items():
+    for leaf, gpu_ms in committed_by_leaf(state).items():
         for p in (*ancestors_of(leaf)[1:], leaf):
             out[p] = out.get(p, 0) + gpu_ms
+    if state.peer_committed:
+        for node, gpu_ms in peer_committed(state):
+            for p in (*ancestors_of(node)[1:], node) if node else ():
+                out[p] = out.get(p, 0) + gpu_ms
     return out
 
 
@@ -93,9 +107,9 @@ class FairShareView:
         self.tree = tree
         now, lookback = state.now_ms, state.policy.lookback_ms
         self.charged: dict[str, int] = {
-            path: node.series.window(now, lookback) for path, node in tree.nodes.items()
+            path: node.charged(now, lookback) for path, node in tree.nodes.items()
         }
-        """GPU-ms charged inside the lookback window."""
+        """GPU-ms charged inside the lookback window (on every cluster of a federation)."""
         self.committed = committed_charges(state)
         """GPU-ms that running allocated work will be charged for the rest of its protection."""
         self.usage: dict[str, int] = {

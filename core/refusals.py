@@ -19,6 +19,7 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
 )
 from apportion.schemas.reasons import Refusal
+from msgspec import UNSET, UnsetType
 
 from .budget import ROOT, parent_of, path_error
 from .rules.authority import (
@@ -28,6 +29,7 @@ from .rules.authority import (
     may_manage_node,
     not_operator,
 )
+from .rules.federation import MAX_SUMMARY_MS, MIN_SUMMARY_MS
 from .rules.gpu_types import is_any, takes
 from .state import (
     SCHEDULER,
@@ -195,6 +197,20 @@ def policy_refusal(state: State, e: PolicySet) -> Refusal | None:
             f"policy: grace ({duration_text(e.grace_ms)}) must not exceed max_grace "
             f"({duration_text(e.max_grace_ms)})",
         )
+    summary = e.usage_summary_ms
+    if summary is not UNSET and not MIN_SUMMARY_MS <= summary <= MAX_SUMMARY_MS:
+        return Refusal(
+            R.OUT_OF_RANGE,
+            f"policy: usage_summary must be between 10 s and 1 h, got {duration_text(summary)}",
+        )
+    peers = () if isinstance(e.peers, UnsetType) else e.peers
+    cluster = "" if isinstance(e.cluster, UnsetType) else e.cluster
+    if any(p != cluster for p in peers) and not cluster:
+        return Refusal(
+            R.INVALID_NAME, "policy: a cluster with peers must name itself (policy cluster)"
+        )
+    if len(set(peers)) != len(peers):
+        return Refusal(R.OUT_OF_RANGE, "policy: a peer cluster is named twice")
     return None
 
 

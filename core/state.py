@@ -19,6 +19,7 @@ from apportion.schemas.events import (
     DAY_MS,
     HOUR_MS,
     MINUTE_MS,
+    LeafCharge,
     Slot,
 )
 from apportion.schemas.reasons import Refusal
@@ -59,6 +60,28 @@ class Policy(msgspec.Struct, kw_only=True):
     (:func:`apportion.core.rules.outranking.held_to_margin`); unset while 0 (always
     held), so a state whose policy sets no wait encodes as it did before the field
     existed. Read it as :attr:`margin_wait_ms`."""
+
+    cluster: str | UnsetType = UNSET
+    """This cluster's name among its peers (unset while ``""``, as are the next two
+    fields at their defaults, so a single cluster encodes as before they existed)."""
+    peers: tuple[str, ...] | UnsetType = UNSET
+    usage_summary_ms: int | UnsetType = UNSET
+
+    @property
+    def cluster_name(self) -> str:
+        return "" if isinstance(self.cluster, UnsetType) else self.cluster
+
+    @property
+    def reports_usage(self) -> bool:
+        """A peer other than the cluster itself: the cycle reports its usage."""
+        peers = () if isinstance(self.peers, UnsetType) else self.peers
+        return any(p != self.cluster_name for p in peers)
+
+    @property
+    def summary_ms(self) -> int:
+        """Length of one reported usage interval."""
+        s = self.usage_summary_ms
+        return 5 * MINUTE_MS if isinstance(s, UnsetType) else s
 
     @property
     def margin_wait_ms(self) -> int:
@@ -177,6 +200,21 @@ class StateSnapshot(msgspec.Struct, kw_only=True):
     input_ids: list[tuple[str, int]] | UnsetType = UNSET
     """:attr:`State.input_ids` in the order remembered; written only while there are
     some (a state that never saw a sending time encodes as it did before)."""
+    federation: FederationSnapshot | UnsetType = UNSET
+    """What a federated cluster keeps (written only once it reports or has folded a
+    usage summary; one field, so that a single cluster's snapshot encodes byte for
+    byte as before: msgpack's map header grows with the number of fields)."""
+
+
+class FederationSnapshot(msgspec.Struct, kw_only=True):
+    reported_until_ms: int | None = None
+    """:attr:`State.reported_until_ms`."""
+    peer_intervals: list[tuple[str, list[tuple[int, int]]]] = msgspec.field(default_factory=list)
+    """:attr:`State.peer_intervals`, by source."""
+    peer_committed: list[tuple[str, int, tuple[LeafCharge, ...]]] = msgspec.field(
+        default_factory=list
+    )
+    """:attr:`State.peer_committed`, by source."""
 
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
@@ -207,6 +245,9 @@ class State:
         "stop_deadlines",
         "input_ids",
         "input_id_expiry",
+        "reported_until_ms",
+        "peer_intervals",
+        "peer_committed",
     )
 
     def __init__(self) -> None:
@@ -249,11 +290,22 @@ class State:
         remembered (:mod:`apportion.core.rules.identity`: an input is folded once)."""
         self.input_id_expiry: list[tuple[int, str]] = []
         """``(until, id)`` of :attr:`input_ids`, a heap (derived, rebuilt on restore)."""
+        self.reported_until_ms: int | None = None
+        """While the policy names peers: the end of the last usage interval this
+        cluster reported (``UsageReported``); the next one starts there."""
+        self.peer_intervals: dict[str, list[tuple[int, int]]] = {}
+        """Per peer cluster, the intervals ``[start, end)`` whose usage summaries were
+        folded, merged, sorted and disjoint (those ended before the longest
+        lookback dropped): what was heard, so a repeat or an overlap is refused."""
+        self.peer_committed: dict[str, tuple[int, tuple[LeafCharge, ...]]] = {}
+        """Per peer cluster, ``(end of the interval, committed charges)`` of the latest
+        interval folded from it: the commitments it reported then."""
 
     # -- reading -------------------------------------------------------
     def usage(self, path: str) -> int:
-        """GPU-ms charged to ``path``'s subtree inside ``[now - lookback, now]``."""
-        return self.budget.nodes[path].series.window(self.now_ms, self.policy.lookback_ms)
+        """GPU-ms charged to ``path``'s subtree inside ``[now - lookback, now]``, on
+        this cluster and (from their usage summaries) on its peers."""
+        return self.budget.nodes[path].charged(self.now_ms, self.policy.lookback_ms)
 
     def status_of(self, workload: str) -> str | None:
         live = self.workloads.get(workload)
@@ -281,6 +333,19 @@ class State:
                 else UNSET
             ),
             input_ids=list(self.input_ids.items()) if self.input_ids else UNSET,
+            federation=(
+                FederationSnapshot(
+                    reported_until_ms=self.reported_until_ms,
+                    peer_intervals=[
+                        (src, list(spans)) for src, spans in sorted(self.peer_intervals.items())
+                    ],
+                    peer_committed=[
+                        (src, end, c) for src, (end, c) in sorted(self.peer_committed.items())
+                    ],
+                )
+                if self.reported_until_ms is not None or self.peer_intervals or self.peer_committed
+                else UNSET
+            ),
         )
 
     def to_bytes(self) -> bytes:
@@ -323,6 +388,13 @@ class State:
         if not isinstance(snap.input_ids, UnsetType):
             state.input_ids = dict(snap.input_ids)
             state.input_id_expiry = sorted((until, ref) for ref, until in snap.input_ids)
+        fed = snap.federation
+        if not isinstance(fed, UnsetType):
+            state.reported_until_ms = fed.reported_until_ms
+            state.peer_intervals = {
+                src: [(a, b) for a, b in spans] for src, spans in fed.peer_intervals
+            }
+            state.peer_committed = {src: (end, tuple(c)) for src, end, c in fed.peer_committed}
         return state
 
     def copy(self) -> State:

@@ -13,7 +13,7 @@ Everything is an integer: GPUs, milliseconds, GPU-milliseconds.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 
 import msgspec
 
@@ -107,3 +107,40 @@ def change_rates(chain: tuple[ChargeSeries, ...], at_ms: int, delta_gpus: int) -
         n = len(times)
         if n > _PRUNE_MIN and times[n >> 1] < horizon:
             series._prune(horizon)
+
+
+class PeerSeries(msgspec.Struct, array_like=True):
+    """The cumulative charge of one budget node on the *other* clusters of its
+    federation, from their usage summaries: a step function, ``C(x) = cums[i]``
+    for the last ``times[i] <= x`` (``0`` before the first). A summary's charge
+    steps up at its interval's end, whenever it arrives: one that arrives late
+    (after a partition) is inserted at its own time, so the window is the same
+    as if it had arrived on time. Pruned like :class:`ChargeSeries`."""
+
+    times: list[int] = msgspec.field(default_factory=list)
+    cums: list[int] = msgspec.field(default_factory=list)
+
+    def add(self, at_ms: int, gpu_ms: int, horizon: int) -> None:
+        """Charge ``gpu_ms`` at ``at_ms`` (later than any breakpoint pruned at or
+        before ``horizon``: older summaries are refused)."""
+        times, cums = self.times, self.cums
+        i = bisect_left(times, at_ms)
+        if i == len(times) or times[i] != at_ms:
+            times.insert(i, at_ms)
+            cums.insert(i, cums[i - 1] if i else 0)
+        for j in range(i, len(cums)):
+            cums[j] += gpu_ms
+        n = len(times)
+        if n > _PRUNE_MIN and times[n >> 1] < horizon:
+            k = bisect_right(times, horizon) - 1
+            if k > 0:
+                del times[:k]
+                del cums[:k]
+
+    def cumulative(self, x: int) -> int:
+        i = bisect_right(self.times, x) - 1
+        return self.cums[i] if i >= 0 else 0
+
+    def window(self, now_ms: int, lookback_ms: int) -> int:
+        """Peer GPU-ms charged inside ``(now - lookback, now]`` (steps at their interval ends)."""
+        return self.cumulative(now_ms) - self.cumulative(now_ms - lookback_ms)

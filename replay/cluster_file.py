@@ -30,6 +30,40 @@
     weight = 3
     owner = "bob"
 
+**Several clusters, one budget tree** (a federation): ``[[clusters]]`` instead
+of ``[cluster]``, each with its own ``name`` and ``[[clusters.pool]]``; one
+``[policy]`` and one ``[budget]`` for all (each cluster's history gets them,
+its ``PolicySet`` naming it and every cluster as its peers)::
+
+    [[clusters]]
+    name = "east"
+    [[clusters.pool]]
+    prefix = "e-h100-"
+    count = 16
+    gpus_per_node = 8
+    gpu_type = "h100"
+
+    [[clusters]]
+    name = "west"
+    [[clusters.pool]]
+    prefix = "w-b200-"
+    count = 8
+    gpus_per_node = 8
+    gpu_type = "b200"
+
+    [policy]
+    usage_summary = "5m"       # each cluster reports its usage to the others this often
+
+    [federation]               # simulation only: how summaries travel
+    delay = "5s"               # from a report to its arrival at every peer
+    [[federation.partition]]   # the link of "west" is cut for a while:
+    cluster = "west"           # summaries to and from it wait until it heals
+    from = "2d"
+    until = "2d6h"
+
+Node names must differ across clusters. :func:`load_federation` reads either
+form (a single cluster is a federation of one).
+
 Budget children are created in file order (TOML tables keep their order).
 Every :class:`BudgetSet` and the :class:`PolicySet` are issued by the root's
 owner, who owns every ancestor. Errors raise :class:`InputFileError` naming the
@@ -45,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from apportion.core.rules.federation import MAX_SUMMARY_MS, MIN_SUMMARY_MS
 from apportion.core.rules.fence import heartbeat_timeout_problem
 from apportion.core.rules.gpu_types import is_any
 from apportion.schemas.events import (
@@ -148,13 +183,16 @@ def margin_ppm(value: Any) -> int:
 
 def load_cluster(path: str | Path, at_ms: int = 0) -> ClusterSpec:
     """Read a cluster TOML file; raise :class:`InputFileError` on any problem."""
-    path = Path(path)
-    text = read_text(path)  # UTF-8 (a byte-order mark is dropped) or one clear error
+    return cluster_from_dict(_read_toml(path), str(path), at_ms)
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file as a document; :class:`InputFileError` if it cannot be read."""
+    text = read_text(Path(path))  # UTF-8 (a byte-order mark is dropped) or one clear error
     try:
-        doc = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputFileError(str(path), None, f"TOML syntax: {exc}") from None
-    return cluster_from_dict(doc, str(path), at_ms)
 
 
 def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int = 0) -> ClusterSpec:
@@ -162,6 +200,8 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
         return InputFileError(file, key, reason)
 
     unknown = sorted(set(doc) - {"cluster", "policy", "budget"})
+    if unknown == ["clusters"] or unknown == ["clusters", "federation"]:
+        raise fail("clusters", "a file of several clusters: read it as a federation")
     if unknown:
         raise fail(unknown[0], "unknown table (expected [cluster], [policy], [budget])")
     cluster = doc.get("cluster")
@@ -280,6 +320,7 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
             "max_grace",
             "heartbeat_timeout",
             "preemption_margin_wait",
+            "usage_summary",
         }
     )
     if extra:
@@ -300,6 +341,7 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
         ("max_grace", "max_grace_ms"),
         ("heartbeat_timeout", "heartbeat_timeout_ms"),
         ("preemption_margin_wait", "preemption_margin_wait_ms"),
+        ("usage_summary", "usage_summary_ms"),
     ):
         try:
             if key in policy:
@@ -321,6 +363,9 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
         )
     except ValueError as exc:
         raise fail("policy.preemption_margin", str(exc)) from None
+    summary = kwargs.get("usage_summary_ms")
+    if summary is not None and not MIN_SUMMARY_MS <= summary <= MAX_SUMMARY_MS:
+        raise fail("policy.usage_summary", "must be between 10s and 1h")
     if kwargs["preemption_margin_ppm"]:  # a wait only means something with a margin
         kwargs.setdefault("preemption_margin_wait_ms", DEFAULT_MARGIN_WAIT_MS)
     if "reservations" in policy:
@@ -334,6 +379,109 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
         kwargs["operators"] = tuple(ops)
     events.append(PolicySet(id="cluster/policy", at_ms=at_ms, actor=root_owner, **kwargs))
     return ClusterSpec(name=name, events=events, nodes=nodes, budget=budget, root_owner=root_owner)
+
+
+DEFAULT_SUMMARY_DELAY_MS = 5_000
+"""How long a usage report takes to reach every peer in a simulation (``[federation] delay``)."""
+
+
+class Partition(msgspec.Struct, frozen=True, kw_only=True):
+    """The link of ``cluster`` to every other is cut in ``[from_ms, until_ms)``."""
+
+    cluster: str
+    from_ms: int
+    until_ms: int
+
+
+class FederationSpec(msgspec.Struct, kw_only=True):
+    """Several clusters, one budget tree and policy (a single cluster is one of one)."""
+
+    clusters: list[ClusterSpec]
+    """By name."""
+    delay_ms: int = DEFAULT_SUMMARY_DELAY_MS
+    partitions: list[Partition] = msgspec.field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.clusters]
+
+
+def load_federation(path: str | Path, at_ms: int = 0) -> FederationSpec:
+    """Read a cluster TOML file of one cluster or several; raise :class:`InputFileError`."""
+    return federation_from_dict(_read_toml(path), str(path), at_ms)
+
+
+def federation_from_dict(
+    doc: dict[str, Any], file: str = "<cluster>", at_ms: int = 0
+) -> FederationSpec:
+    """A federation from a cluster document with ``[[clusters]]`` (or a federation
+    of one from a document with ``[cluster]``)."""
+
+    def fail(key: str, reason: str) -> InputFileError:
+        return InputFileError(file, key, reason)
+
+    if "clusters" not in doc:
+        if "federation" in doc:
+            raise fail("federation", "goes with [[clusters]] (several clusters)")
+        return FederationSpec(clusters=[cluster_from_dict(doc, file, at_ms)])
+    if "cluster" in doc:
+        raise fail("cluster", "use either [cluster] or [[clusters]], not both")
+    members = doc["clusters"]
+    if not isinstance(members, list) or not members:
+        raise fail("clusters", "need at least one [[clusters]] with a name and pools")
+    fed = doc.get("federation", {})
+    if not isinstance(fed, dict):
+        raise fail("federation", "must be a table")
+    extra = sorted(set(fed) - {"delay", "partition"})
+    if extra:
+        raise fail(f"federation.{extra[0]}", "unknown key")
+    rest = {k: v for k, v in doc.items() if k not in ("clusters", "federation")}
+    specs: list[ClusterSpec] = []
+    names: list[str] = []
+    for i, member in enumerate(members):
+        if not isinstance(member, dict):
+            raise fail(f"clusters[{i}]", "must be a table")
+        name = member.get("name")
+        if not isinstance(name, str) or not name or name in names:
+            raise fail(f"clusters[{i}].name", "must be a non-empty name, unique in the file")
+        names.append(name)
+        try:
+            specs.append(cluster_from_dict({**rest, "cluster": member}, file, at_ms))
+        except InputFileError as exc:
+            raise InputFileError(file, f"clusters[{i}] ({name})", str(exc)) from None
+    seen: dict[str, str] = {}
+    for spec in specs:
+        for node, _, _ in spec.nodes:
+            if node in seen:
+                raise fail("clusters", f"node {node!r} is in both {seen[node]!r} and {spec.name!r}")
+            seen[node] = spec.name
+    peers = tuple(sorted(names))
+    for spec in specs:  # every cluster names itself and all the others
+        policy = spec.events[-1]
+        assert isinstance(policy, PolicySet)
+        spec.events[-1] = msgspec.structs.replace(policy, cluster=spec.name, peers=peers)
+    try:
+        delay = parse_duration_ms(fed["delay"]) if "delay" in fed else DEFAULT_SUMMARY_DELAY_MS
+    except ValueError as exc:
+        raise fail("federation.delay", str(exc)) from None
+    if delay <= 0:
+        raise fail("federation.delay", "must be positive (a report reaches its peers later)")
+    partitions = []
+    for i, part in enumerate(fed.get("partition", [])):
+        key = f"federation.partition[{i}]"
+        if not isinstance(part, dict) or set(part) != {"cluster", "from", "until"}:
+            raise fail(key, "needs exactly cluster, from and until")
+        if part["cluster"] not in names:
+            raise fail(f"{key}.cluster", f"no cluster {part['cluster']!r} in the file")
+        try:
+            a, b = parse_duration_ms(part["from"]), parse_duration_ms(part["until"])
+        except ValueError as exc:
+            raise fail(key, str(exc)) from None
+        if not a < b:
+            raise fail(key, "from must be before until")
+        partitions.append(Partition(cluster=part["cluster"], from_ms=at_ms + a, until_ms=at_ms + b))
+    specs.sort(key=lambda c: c.name)
+    return FederationSpec(clusters=specs, delay_ms=delay, partitions=partitions)
 
 
 def _toml_key(segment: str) -> str:
@@ -352,22 +500,28 @@ def write_cluster(
     budget: list[tuple[str, int, str]],
     policy: dict[str, Any] | None = None,
     comment: str = "",
+    clusters: list[tuple[str, list[tuple[str, int, int, str, int]]]] | None = None,
 ) -> None:
     """Write a cluster TOML: ``pools`` of ``(prefix, count, gpus_per_node, gpu_type)``,
-    ``budget`` of ``(path, weight, owner)`` with the root ``""`` first, parents before children."""
+    ``budget`` of ``(path, weight, owner)`` with the root ``""`` first, parents before
+    children; with ``clusters`` (``(name, [(prefix, count, gpus_per_node, gpu_type,
+    start)])``), the same nodes as several clusters (``[[clusters]]``) instead."""
     lines: list[str] = []
     for c in comment.splitlines():
         lines.append(f"# {c}".rstrip())
-    lines += ["[cluster]", f'name = "{name}"', ""]
-    for prefix, count, gpn, gtype in pools:
-        lines += [
-            "[[cluster.pool]]",
-            f'prefix = "{prefix}"',
-            f"count = {count}",
-            f"gpus_per_node = {gpn}",
-            f'gpu_type = "{gtype}"',
-            "",
-        ]
+    members = clusters or [(name, [(*p, 0) for p in pools])]
+    for cname, cpools in members:
+        lines += ["[[clusters]]" if clusters else "[cluster]", f'name = "{cname}"', ""]
+        for prefix, count, gpn, gtype, start in cpools:
+            lines += [
+                "[[clusters.pool]]" if clusters else "[[cluster.pool]]",
+                f'prefix = "{prefix}"',
+                f"count = {count}",
+                f"gpus_per_node = {gpn}",
+                f'gpu_type = "{gtype}"',
+                *([f"start = {start}"] if start else []),
+                "",
+            ]
     lines.append("[policy]")
     for k, v in (
         policy or {"lookback": "7d", "max_min_runtime": "8h", "preemption_margin": DEFAULT_MARGIN}

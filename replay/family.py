@@ -104,6 +104,7 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     margin: float = 0.0
     margin_wait: float = 2.0
     big_team: float = 0.0
+    clusters: int = 1
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first knob out of its range."""
@@ -120,6 +121,10 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("margin must be in [0, 1)")
         if not 0 <= self.margin_wait <= 7 * 24:
             raise ValueError("margin_wait must be between 0 and 168 hours (the lookback)")
+        if self.clusters not in (1, 2, 3):
+            raise ValueError("clusters must be 1, 2 or 3")
+        if self.clusters > 1 and not self.scarce_fraction:
+            raise ValueError("clusters 2 or 3 need a scarce type (scarce_fraction > 0)")
         if not 0 <= self.big_team < 1:
             raise ValueError("big_team must be in [0, 1) (0: no big team)")
         for name in ("load", "arrival", "gang_factor", "free", "debug", "drain_rate"):
@@ -379,6 +384,7 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
     return Scenario(
         name="family",
         pools=pools,
+        clusters=cluster_layout(pools, k.clusters),
         budget=budget,
         trace=rows,
         health=health,
@@ -395,3 +401,22 @@ def family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenari
             ),
         },
     )
+
+
+ClusterPools = list[tuple[str, list[tuple[str, int, int, str, int]]]]
+"""``(cluster name, [(prefix, count, gpus_per_node, gpu_type, first index)])``."""
+
+
+def cluster_layout(pools: list[tuple[str, int, int, str]], clusters: int) -> ClusterPools:
+    """The family's nodes as ``clusters`` clusters (``[]`` for one): ``big`` holds the
+    common pool, ``small`` the scarce one; with 3, ``mid`` takes the last third
+    of the common nodes (node names stay those of the single cluster)."""
+    if clusters == 1:
+        return []
+    (cprefix, common, gpn, ctype), (sprefix, scarce, sgpn, stype) = pools
+    mid = common // 3 if clusters == 3 else 0
+    out: ClusterPools = [("big", [(cprefix, common - mid, gpn, ctype, 0)])]
+    if mid:
+        out.append(("mid", [(cprefix, mid, gpn, ctype, common - mid)]))
+    out.append(("small", [(sprefix, scarce, sgpn, stype, 0)]))
+    return out

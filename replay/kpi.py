@@ -538,6 +538,50 @@ def compute_kpis(
     }
 
 
+OVER_SERVED_ABOVE = 1.05
+"""A team ran more than this times its global share of the capacity in a week."""
+
+
+def served_kpis(con: duckdb.DuckDBPyConnection, start_ms: int, end_ms: int) -> dict[str, Any]:
+    """Who ran above its share while another team was short, per week (after
+    :func:`compute_kpis` on ``con``, whose views it reads): :func:`served_from_hours`."""
+    hourly = [
+        TeamHour(team, int(h), float(share), float(demand), float(ran))
+        for team, h, share, demand, ran in _q(con, KPI_SQL["delivery"], start_ms, end_ms)
+    ]
+    return served_from_hours(hourly, round((end_ms - start_ms) / HOUR_MS))
+
+
+def served_from_hours(hourly: list[TeamHour], hours: int) -> dict[str, Any]:
+    """``team_served_week_max``: per team, the most it ran in a week as a multiple of
+    its global share of that week's healthy GPU-time; ``double_served_teams``: teams
+    that ran above :data:`OVER_SERVED_ABOVE` times their share in a week in which
+    another team got under 95% of what it was owed (across several clusters: served
+    twice, once by each cluster's view of its share, at another team's expense).
+    ``hourly`` sorted by team and hour, as :func:`delivery_kpis` takes it."""
+    by_team: dict[str, list[TeamHour]] = {}
+    for row in hourly:
+        by_team.setdefault(row.team, []).append(row)
+    teams = sorted(by_team)
+    served: dict[str, float | None] = dict.fromkeys(teams)
+    double: list[str] = []
+    for s0, e0 in _week_bounds(hours):
+        week = {t: by_team[t][s0:e0] for t in teams}
+        ran = {t: sum(r.ran_ms for r in week[t]) for t in teams}
+        share = {t: sum(r.share_ms for r in week[t]) for t in teams}
+        owed = {t: sum(r.owed_ms for r in week[t]) for t in teams}
+        short = [t for t in teams if owed[t] > 0 and min(ran[t], owed[t]) < STARVED_BELOW * owed[t]]
+        for t in teams:
+            if share[t] <= 0:
+                continue
+            x = ran[t] / share[t]
+            prev = served[t]
+            served[t] = _r(x) if prev is None else max(prev, _r(x))
+            if x > OVER_SERVED_ABOVE and [u for u in short if u != t] and t not in double:
+                double.append(t)
+    return {"team_served_week_max": served, "double_served_teams": sorted(double)}
+
+
 def _never_placed(row: tuple) -> dict[str, Any]:
     """The never-placed keys from the ``never_placed`` query's one row."""
     (

@@ -10,7 +10,9 @@ The default grid: loads 1.5, 2.5 and 4 with seeds 1-3 for 10 days, plus one
 30-day cell at load 4, plus the big-team cells (:data:`BIG_CELLS`): the
 ``big_team`` knob (one team with 30% of the tree whose work is gangs of a third
 to half of the cluster) at load 3.5, seeds 1-3, with margin 0 and with margin
-0.05, for 10 days. Cells run in parallel processes (one per core).
+0.05, for 10 days; and the federated cells (:data:`FEDERATED_CELLS`): the
+same family as 2 or 3 clusters sharing the tree. Cells run in parallel
+processes (one per core).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from apportion.schemas.history import HistoryItem
 
 from .diagnose import SCHEDULER_CAUSES, diagnose
 from .kpi import compute_kpis
-from .run import KPI_COMMIT_EVERY, load_inputs
+from .run import KPI_COMMIT_EVERY, load_inputs, run_policy
 from .simulator import simulate
 
 
@@ -42,7 +44,7 @@ class Cell:
 
     def label(self) -> str:
         """The cell's own knobs, short: ``big 0.3 m 0.05``; ``-`` for none."""
-        short = {"big_team": "big", "margin": "m"}
+        short = {"big_team": "big", "margin": "m", "clusters": "clusters"}
         parts = []
         for pair in self.knobs:
             key, _, value = pair.partition("=")
@@ -58,10 +60,21 @@ BIG_CELLS = tuple(
 )
 """The big-team cells: one team with 30% of the tree and gangs of a third to half
 of the cluster, at load 3.5, with margin 0 and with margin 0.05."""
+FEDERATED_CELLS = tuple(
+    Cell(load, seed, 7, (f"clusters={n}",))
+    for n in (2, 3)
+    for load in (2.5, 3.0)
+    for seed in (1, 2)
+)
+"""Several clusters sharing the tree (family knob ``clusters``: ``big`` h100,
+``small`` a100 and, with 3, ``mid`` h100; 512 GPUs in all), at loads 2.5 and 3,
+seeds 1-2, for 7 days (one week) after the warm-up: the KPIs count the whole
+tree (owed: each team's share of every cluster's GPU-time)."""
 DEFAULT_GRID = (
     tuple(Cell(load, seed, 10) for load in (1.5, 2.5, 4.0) for seed in (1, 2, 3))
     + (Cell(4.0, 1, 30),)
     + BIG_CELLS
+    + FEDERATED_CELLS
 )
 QUICK_GRID = (Cell(1.5, 1, 2), Cell(4.0, 1, 2))
 
@@ -95,6 +108,11 @@ def run_cell(cell: Cell, knobs: tuple[str, ...] = ()) -> dict[str, Any]:
         "knobs": list(cell.knobs),
         "label": cell.label(),
     }
+    if inp.federation is not None:  # several clusters: the tree's KPIs, no diagnosis
+        for policy in ("budget", "priority"):
+            out[policy] = run_policy(inp, policy)[1]
+        out["cpu_s"] = round(time.process_time() - t0, 1)
+        return out
     for policy in ("budget", "priority"):
         items: list[HistoryItem] = []
         sink = _collector(items) if policy == "budget" else None
@@ -209,6 +227,7 @@ def table(results: list[dict[str, Any]]) -> str:
         "large unplaced",
         "small unplaced",
         "lg/sm",
+        "dbl served",
         "| base deliv",
         "base worst 5d",
         "base large p90*",
@@ -245,6 +264,7 @@ def table(results: list[dict[str, Any]]) -> str:
                 _never(b, "large"),
                 _never(b, "small_allocated"),
                 _ratio_x(b["never_placed_gpu_ratio"]),
+                "-" if "double_served_teams" not in b else str(len(b["double_served_teams"])),
                 "| " + _pct(p["delivery_ratio"]),
                 _pct(_worst_window(p)),
                 _hours(p["large_wait_p90_censored_s"]),

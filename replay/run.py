@@ -25,9 +25,10 @@ from apportion.core.state import State
 from apportion.schemas.events import DAY_MS, Input
 from apportion.schemas.history import BatchItem
 
-from .cluster_file import cluster_from_dict, load_cluster
+from .cluster_file import FederationSpec, federation_from_dict, load_federation
 from .errors import InputFileError
 from .eventlog import CanonicalLog, Header, LogWriter
+from .federation import simulate_federation, tree_kpis
 from .kpi import compute_kpis
 from .projection import Projection
 from .simulator import SimResult, input_origin, simulate
@@ -57,6 +58,12 @@ class SimInputs:
     health_file: str = "<generated>"
     problems: list[str] = field(default_factory=list)
     """One line per trace or health row that could not be read (those rows are left out)."""
+    federation: FederationSpec | None = None
+    """Several clusters sharing the tree (``cluster_events`` is then the first's)."""
+
+    def set_clusters(self, spec: FederationSpec) -> None:
+        self.cluster_events = list(spec.clusters[0].events)
+        self.federation = spec if len(spec.clusters) > 1 else None
 
     def horizon_days(self) -> float:
         """``days``, or whole days up to the last submission or health change."""
@@ -89,7 +96,7 @@ def load_inputs(
         default = DEFAULT_DAYS_OF.get(scenario, DEFAULT_DAYS)
         sc = generate(scenario, int(days or default) + inp.warmup_days, seed, knobs)
         doc = scenario_cluster_doc(sc)
-        inp.cluster_events = list(cluster_from_dict(doc, f"<scenario {sc.name}>").events)
+        inp.set_clusters(federation_from_dict(doc, f"<scenario {sc.name}>"))
         inp.trace, inp.health, inp.days = sc.trace, sc.health, sc.days
         measured = sc.days - inp.warmup_days  # the days the KPI table counts
         warmup = f" (+{inp.warmup_days} warm-up)" if inp.warmup_days else ""
@@ -102,7 +109,7 @@ def load_inputs(
         raise ValueError("--set KEY=VALUE goes with a generated scenario, not with --trace")
     if cluster is None:
         raise ValueError("--trace needs --cluster FILE (nodes, budget tree and policy)")
-    inp.cluster_events = list(load_cluster(cluster).events)
+    inp.set_clusters(load_federation(cluster))
     rows, errors = read_trace(trace)
     inp.problems.extend(str(e) for e in errors)
     inp.trace, inp.trace_file = rows, str(trace)
@@ -118,7 +125,7 @@ def load_inputs(
 
 
 def scenario_cluster_doc(sc: Any) -> dict[str, Any]:
-    """A generated scenario's cluster as the TOML document a cluster file holds."""
+    """A generated scenario's cluster (or clusters) as the TOML document a cluster file holds."""
     doc: dict[str, Any] = {
         "cluster": {
             "name": sc.name,
@@ -130,6 +137,18 @@ def scenario_cluster_doc(sc: Any) -> dict[str, Any]:
         "policy": dict(sc.policy),
         "budget": {"owner": sc.budget[0][2]},
     }
+    if getattr(sc, "clusters", None):
+        del doc["cluster"]
+        doc["clusters"] = [
+            {
+                "name": name,
+                "pool": [
+                    {"prefix": p, "count": c, "gpus_per_node": g, "gpu_type": t, "start": s0}
+                    for p, c, g, t, s0 in pools
+                ],
+            }
+            for name, pools in sc.clusters
+        ]
     for path, weight, owner in sc.budget[1:]:
         table = doc["budget"]
         for seg in path.split("/"):
@@ -178,6 +197,10 @@ def run_policy(
     charts read the history's views), holds only the tables the KPIs read: the
     events are counted, not kept (the same KPIs, a fraction of the memory).
     ``estimate_every``: sample the start-time estimate of every N-th submission (0: none)."""
+    if inp.federation is not None:
+        if out is not None or log is not None or history:
+            raise ValueError("--out, --log and --plot take one cluster; this file has several")
+        return run_federation_policy(inp, inp.federation, policy, progress)
     con = fresh_database(out) if out is not None else None
     history = history or out is not None
     writer = open_log_writer(log, Header(policy=policy, source="simulate")) if log else None
@@ -200,6 +223,38 @@ def run_policy(
     start = result.start_ms + inp.warmup_days * DAY_MS
     events = None if history else result.events
     return result, compute_kpis(result.con, start, result.end_ms, result.wall_s, events)
+
+
+def run_federation_policy(
+    inp: SimInputs,
+    spec: FederationSpec,
+    policy: str,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[SimResult, dict[str, Any]]:
+    """Simulate the clusters of ``spec`` under ``policy``: the KPIs of the whole tree
+    (every cluster's runs against the whole tree's capacity), with each cluster's
+    own under ``clusters`` and the routing under ``rows_routed``. The result
+    returned is the first cluster's, with the tree's projection as its ``con``."""
+    fed, tree = simulate_federation(
+        spec, inp.trace, inp.health, policy, inp.horizon_days(), progress=progress
+    )
+    start = fed.start_ms + inp.warmup_days * DAY_MS
+    kpis = tree_kpis(fed, tree, start)
+    first = fed.results[spec.clusters[0].name]
+    merged = SimResult(
+        policy=policy,
+        start_ms=fed.start_ms,
+        end_ms=fed.end_ms,
+        wall_s=fed.wall_s,
+        inputs=sum(r.inputs for r in fed.results.values()),
+        decisions=sum(r.decisions for r in fed.results.values()),
+        cycles=sum(r.cycles for r in fed.results.values()),
+        rejected=[x for r in fed.results.values() for x in r.rejected],
+        state=first.state,
+        con=tree,
+        events=kpis["events"],
+    )
+    return merged, kpis
 
 
 def rejection_messages(inp: SimInputs, result: SimResult) -> list[str]:

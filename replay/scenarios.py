@@ -73,6 +73,11 @@ class Scenario(msgspec.Struct, kw_only=True):
             "preemption_margin": 0,
         }
     )
+    clusters: list[tuple[str, list[tuple[str, int, int, str, int]]]] = msgspec.field(
+        default_factory=list
+    )
+    """The same nodes as several clusters sharing the tree, ``(name, [(prefix,
+    count, gpus_per_node, gpu_type, first index)])``; ``[]``: one cluster."""
 
 
 AI2_PROGRAMS: list[tuple[str, int, list[tuple[str, int]]]] = [
@@ -399,5 +404,6 @@ def write_scenario(scenario: Scenario, out_dir) -> dict[str, str]:
         budget=scenario.budget,
         policy=scenario.policy,
         comment=f"apportion scenario {scenario.name}, seed {scenario.seed}, {scenario.days} days",
+        clusters=scenario.clusters,
     )
     return paths

@@ -259,81 +259,151 @@ def run_simulation(
     ``estimate_every`` > 0 with ``on_estimate``: sample start-time estimates (module docstring).
     """
     wall0 = time.perf_counter()
-    decider = decide or policy_decider(policy)
-    logic = policy_logic(policy)
-    state = State()
-
-    heap: list[tuple[int, int, int, Any]] = []
-    last_ms = start_ms
-    for row in trace_rows:
-        t = start_ms + row.submit_ms
-        heap.append((t, _SUBMIT, row.line or len(heap), row))
-        last_ms = max(last_ms, t)
-    for h in health_rows:
-        t = start_ms + h.at_ms
-        heap.append((t, _HEALTH, h.line or len(heap), h))
-        last_ms = max(last_ms, t)
-    for i, ev in enumerate(timed_inputs):
-        heap.append((ev.at_ms, _INPUT, i, ev))
-        last_ms = max(last_ms, ev.at_ms)
-    heapq.heapify(heap)
+    run = ClusterRun(
+        policy,
+        observer=observer,
+        decide=decide,
+        estimate_every=estimate_every,
+        on_estimate=on_estimate,
+    )
+    last_ms = run.add(trace_rows, health_rows, timed_inputs, start_ms)
     if end_ms is None:
         if days is None:
             days = -(-(last_ms - start_ms + 1) // DAY_MS)
         end_ms = start_ms + int(days * DAY_MS)
+    # 1. the cluster file: nodes, budget, policy, then one cycle
+    run.start(cluster_events)
+    next_progress = start_ms
+    # 2. event to event
+    while (t := run.next_ms()) is not None and t < end_ms:
+        if progress is not None and t >= next_progress:
+            progress(t - start_ms)
+            next_progress = t + 3_600_000
+        run.advance(t)
+    run.close(end_ms)
+    if progress is not None:
+        progress(end_ms - start_ms)
+    return run.result(start_ms, end_ms, time.perf_counter() - wall0)
 
-    cycles = 0
-    n_decisions = 0
-    rejected: list[tuple[str, str]] = []
-    wakeups: dict[int, bool] = {}
-    counter = len(heap)
-    sampling = estimate_every > 0 and on_estimate is not None
-    submitted = 0
-    last_wakeup: list[int | None] = [None]
 
-    def fold_input(event: Input) -> None:
+class ClusterRun:
+    """One cluster's simulation, taken a millisecond at a time: its state, the
+    heap of what happens next (submissions, finishes, health changes, inputs,
+    wake-ups) and the history shown to ``observer``. :func:`run_simulation`
+    drives one; :mod:`apportion.replay.federation` drives several in lockstep."""
+
+    def __init__(
+        self,
+        policy: str = "budget",
+        *,
+        observer: Observer | None = None,
+        decide: Decider | None = None,
+        estimate_every: int = 0,
+        on_estimate: EstimateSink | None = None,
+    ) -> None:
+        self.policy = policy
+        self.decider = decide or policy_decider(policy)
+        self.logic = policy_logic(policy)
+        self.observer = observer
+        self.state = State()
+        self.heap: list[tuple[int, int, int, Any]] = []
+        self.cycles = 0
+        self.n_decisions = 0
+        self.rejected: list[tuple[str, str]] = []
+        self.wakeups: dict[int, bool] = {}
+        self.counter = 0
+        self.estimate_every = estimate_every
+        self.on_estimate = on_estimate
+        self.sampling = estimate_every > 0 and on_estimate is not None
+        self.submitted = 0
+        self.last_wakeup: int | None = None
+        self.last_decisions: tuple[Any, ...] = ()
+        """The decisions of the latest cycle."""
+
+    def add(
+        self,
+        trace_rows: Iterable[TraceRow] = (),
+        health_rows: Iterable[HealthRow] = (),
+        timed_inputs: Iterable[Input] = (),
+        start_ms: int = 0,
+    ) -> int:
+        """Queue rows and inputs (before :meth:`start`); the time of the last one."""
+        heap = self.heap
+        last_ms = start_ms
+        for row in trace_rows:
+            t = start_ms + row.submit_ms
+            heap.append((t, _SUBMIT, row.line or len(heap), row))
+            last_ms = max(last_ms, t)
+        for h in health_rows:
+            t = start_ms + h.at_ms
+            heap.append((t, _HEALTH, h.line or len(heap), h))
+            last_ms = max(last_ms, t)
+        for i, ev in enumerate(timed_inputs):
+            heap.append((ev.at_ms, _INPUT, i, ev))
+            last_ms = max(last_ms, ev.at_ms)
+        heapq.heapify(heap)
+        self.counter = len(heap)
+        return last_ms
+
+    def push_input(self, event: Input) -> None:
+        """Publish ``event`` at its ``at_ms`` (after that millisecond's finishes and
+        health changes, before its submissions)."""
+        self.counter += 1
+        heapq.heappush(self.heap, (event.at_ms, _INPUT, self.counter, event))
+
+    def push_submission(self, row: TraceRow, at_ms: int) -> None:
+        """Submit ``row`` at ``at_ms`` (a routed row, :mod:`apportion.replay.federation`)."""
+        self.counter += 1
+        heapq.heappush(self.heap, (at_ms, _SUBMIT, self.counter, row))
+
+    def next_ms(self) -> int | None:
+        return self.heap[0][0] if self.heap else None
+
+    def fold_input(self, event: Input) -> None:
+        state = self.state
         item = input_item(state.input_seq + 1, event)
         why = fold_item(state, item)
-        if observer is not None:
-            observer(item, state, why)
+        if self.observer is not None:
+            self.observer(item, state, why)
 
-    def cycle(t: int) -> None:
-        nonlocal cycles, n_decisions, counter
-        batch, result = decide_batch(state, decider, logic)
-        cycles += 1
-        item = BatchItem(seq=cycles, batch=batch)
+    def cycle(self, t: int) -> None:
+        state = self.state
+        heap = self.heap
+        batch, result = decide_batch(state, self.decider, self.logic)
+        self.cycles += 1
+        item = BatchItem(seq=self.cycles, batch=batch)
         fold_item(state, item)
-        if observer is not None:
-            observer(item, state, None)
-        n_decisions += len(batch.decisions)
+        if self.observer is not None:
+            self.observer(item, state, None)
+        self.n_decisions += len(batch.decisions)
+        self.last_decisions = batch.decisions
         running = state.running
         for d in batch.decisions:
             if isinstance(d, WorkloadPlaced):
                 w = running.get(d.workload)
                 if w is not None and w.attempt == d.attempt and w.duration_ms is not None:
                     left = max(0, w.duration_ms - w.run_ms)
-                    counter += 1
-                    heapq.heappush(heap, (t + left, _FINISH, counter, (w.id, w.attempt)))
+                    self.counter += 1
+                    heapq.heappush(heap, (t + left, _FINISH, self.counter, (w.id, w.attempt)))
             elif isinstance(d, InputRejected):
-                rejected.append((d.ref, d.reason))
+                self.rejected.append((d.ref, d.reason))
         nxt = result.next_wakeup_ms
-        last_wakeup[0] = nxt
-        if nxt is not None and nxt > t and nxt not in wakeups:
-            wakeups[nxt] = True
-            counter += 1
-            heapq.heappush(heap, (nxt, _TICK, counter, None))
+        self.last_wakeup = nxt
+        if nxt is not None and nxt > t and nxt not in self.wakeups:
+            self.wakeups[nxt] = True
+            self.counter += 1
+            heapq.heappush(heap, (nxt, _TICK, self.counter, None))
 
-    # 1. the cluster file: nodes, budget, policy, then one cycle
-    for ev in cluster_events:
-        fold_input(ev)
-    cycle(state.now_ms)
-    next_progress = start_ms
-    # 2. event to event
-    while heap and heap[0][0] < end_ms:
-        t = heap[0][0]
-        if progress is not None and t >= next_progress:
-            progress(t - start_ms)
-            next_progress = t + 3_600_000
+    def start(self, cluster_events: Iterable[Input]) -> None:
+        """Fold the cluster file's inputs (nodes, budget, policy), then one cycle."""
+        for ev in cluster_events:
+            self.fold_input(ev)
+        self.cycle(self.state.now_ms)
+
+    def advance(self, t: int) -> bool:
+        """Publish everything due at ``t`` (the heap's next time) and run one cycle
+        (none if nothing was published); whether a cycle ran."""
+        heap, state = self.heap, self.state
         inputs: list[Input] = []
         ticked = False
         while heap and heap[0][0] == t:
@@ -350,7 +420,7 @@ def run_simulation(
             elif kind == _HEALTH:
                 inputs.append(
                     NodeHealthChanged(
-                        id=f"{_HEALTH_ID}{payload.line or counter}/{payload.node}",
+                        id=f"{_HEALTH_ID}{payload.line or self.counter}/{payload.node}",
                         at_ms=t,
                         node=payload.node,
                         state=payload.state,
@@ -358,38 +428,44 @@ def run_simulation(
                     )
                 )
             else:
-                wakeups.pop(t, None)
+                self.wakeups.pop(t, None)
                 ticked = True
         if not inputs:
             if not ticked:
-                continue
+                return False
             inputs.append(ClockTicked(id=f"{_TICK_ID}{t}", at_ms=t))
         for ev in inputs:
-            fold_input(ev)
-        cycle(t)
-        if sampling:
-            for ev in inputs:
-                if not isinstance(ev, WorkloadSubmitted):
-                    continue
-                submitted += 1
-                if (submitted - 1) % estimate_every:
-                    continue
-                w = state.pending.get(ev.workload)
-                # still pending, and this submission's (not a refused duplicate id's)
-                if w is not None and w.submitted_ms == t:
-                    sample_estimate(state, ev.workload, last_wakeup[0], on_estimate)
-    # the clock reaches the end of the horizon (no cycle: nothing after it is simulated)
-    fold_input(ClockTicked(id=f"{_TICK_ID}{end_ms}", at_ms=end_ms))
-    if progress is not None:
-        progress(end_ms - start_ms)
-    return SimResult(
-        policy=policy,
-        start_ms=start_ms,
-        end_ms=end_ms,
-        wall_s=time.perf_counter() - wall0,
-        inputs=state.input_seq,
-        decisions=n_decisions,
-        cycles=cycles,
-        rejected=rejected,
-        state=state,
-    )
+            self.fold_input(ev)
+        self.cycle(t)
+        if self.sampling:
+            self._sample(inputs, t)
+        return True
+
+    def _sample(self, inputs: list[Input], t: int) -> None:
+        for ev in inputs:
+            if not isinstance(ev, WorkloadSubmitted):
+                continue
+            self.submitted += 1
+            if (self.submitted - 1) % self.estimate_every:
+                continue
+            w = self.state.pending.get(ev.workload)
+            # still pending, and this submission's (not a refused duplicate id's)
+            if w is not None and w.submitted_ms == t:
+                sample_estimate(self.state, ev.workload, self.last_wakeup, self.on_estimate)
+
+    def close(self, end_ms: int) -> None:
+        """The clock reaches the end of the horizon (no cycle: nothing after it is simulated)."""
+        self.fold_input(ClockTicked(id=f"{_TICK_ID}{end_ms}", at_ms=end_ms))
+
+    def result(self, start_ms: int, end_ms: int, wall_s: float) -> SimResult:
+        return SimResult(
+            policy=self.policy,
+            start_ms=start_ms,
+            end_ms=end_ms,
+            wall_s=wall_s,
+            inputs=self.state.input_seq,
+            decisions=self.n_decisions,
+            cycles=self.cycles,
+            rejected=self.rejected,
+            state=self.state,
+        )

@@ -4,7 +4,8 @@
 min_runtime`` and optionally ``resumable`` (default true), ``priority``
 (default 0), ``gpu_type`` (default ``any``), ``legacy_priority``
 (``low``/``normal``/``high``, default ``high``), ``legacy_preemptible``
-(default false). Times are seconds (fractional allowed) from the start of the
+(default false), ``cluster`` (default: routed, in a simulation of several
+clusters). Times are seconds (fractional allowed) from the start of the
 simulation, rounded to the nearest millisecond, or durations with a unit as in
 the cluster file and the CLI (``90s``, ``45m``, ``1h``, ``2d``): :func:`time_to_ms`.
 
@@ -33,6 +34,8 @@ from .textfile import read_text
 
 TRACE_COLUMNS = ("id", "submit", "owner", "gpus", "duration", "min_runtime")
 TRACE_OPTIONAL = ("resumable", "priority", "gpu_type", "legacy_priority", "legacy_preemptible")
+TRACE_CLUSTER = "cluster"
+"""One more optional column, written only when a row names a cluster."""
 HEALTH_COLUMNS = ("at", "node", "state")
 _TRUE = {"true", "1", "yes", "y", "t"}
 _FALSE = {"false", "0", "no", "n", "f", ""}
@@ -54,6 +57,10 @@ class TraceRow(msgspec.Struct, kw_only=True):
     legacy_preemptible: bool = False
     line: int = 0
     """Line in the file it came from (0 when generated in memory)."""
+    cluster: str | msgspec.UnsetType = msgspec.UNSET
+    """The cluster it must run on, in a simulation of several (unset: routed,
+    :mod:`apportion.replay.federation`; not encoded then, so a row encodes as
+    before the field existed)."""
 
 
 class NumberedRows:
@@ -240,6 +247,8 @@ def read_trace(path: str | Path) -> tuple[list[TraceRow], list[InputFileError]]:
                 row.legacy_priority = lp
             if (v := rec.get("legacy_preemptible")) not in (None, ""):
                 row.legacy_preemptible = _bool(v, "legacy_preemptible")
+            if (v := rec.get(TRACE_CLUSTER)) not in (None, ""):
+                row.cluster = v.strip()
         except ValueError as exc:
             errors.append(InputFileError(str(path), line, str(exc)))
             continue
@@ -271,9 +280,11 @@ def read_health(path: str | Path) -> tuple[list[HealthRow], list[InputFileError]
 
 def write_trace(path: str | Path, rows: Iterable[TraceRow]) -> int:
     n = 0
+    rows = list(rows)
+    clusters = any(r.cluster for r in rows)
     with open(path, "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh, lineterminator="\n")
-        w.writerow(TRACE_COLUMNS + TRACE_OPTIONAL)
+        w.writerow(TRACE_COLUMNS + TRACE_OPTIONAL + ((TRACE_CLUSTER,) if clusters else ()))
         for r in rows:
             w.writerow(
                 (
@@ -288,6 +299,7 @@ def write_trace(path: str | Path, rows: Iterable[TraceRow]) -> int:
                     r.gpu_type,
                     r.legacy_priority,
                     str(r.legacy_preemptible).lower(),
+                    *((r.cluster or "",) if clusters else ()),
                 )
             )
             n += 1

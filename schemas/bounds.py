@@ -55,6 +55,8 @@ EVENT_ID_PATTERN = f"^[{NAME_CHARS}/]+{_END}"
 Name = Annotated[str, Meta(max_length=MAX_NAME_LEN, pattern=NAME_PATTERN)]
 MAX_OPERATORS = 64
 """Names in a policy's ``operators``."""
+MAX_PEERS = 64
+"""Clusters in a policy's ``peers``."""
 """An id or a person: up to 128 characters of the safe set, no ``/`` (may be
 empty where the event allows it; the fold refuses an empty one where it must not)."""
 Path = Annotated[str, Meta(max_length=MAX_PATH_LEN, pattern=PATH_PATTERN)]
@@ -101,6 +103,12 @@ MAX_TIME_MS = 10**13
 MAX_DEADLINE_MS = MAX_TIME_MS + MAX_DURATION_MS
 """A time plus a duration (``protected_until_ms``)."""
 PPM_MAX = 1_000_000
+MAX_GPU_MS = 2**53 - 1
+"""GPU-milliseconds of one charge in a usage summary: exact in every JSON reader.
+The fold also refuses a charge above the interval times
+:data:`MAX_FEDERATION_GPUS` (``core/refusals.py``)."""
+MAX_LEAF_CHARGES = 65_536
+"""Budget nodes charged in one usage interval (``UsageReported.charges``)."""
 
 Gpus = Annotated[int, Meta(ge=0, le=MAX_GPUS)]
 DurationMs = Annotated[int, Meta(ge=0, le=MAX_DURATION_MS)]
@@ -112,6 +120,8 @@ Weight = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 """Attempts, schema versions: a 32-bit count."""
 Ppm = Annotated[int, Meta(ge=0, le=PPM_MAX)]
+GpuMs = Annotated[int, Meta(ge=0, le=MAX_GPU_MS)]
+"""A charge: GPU-milliseconds, 0 to 2**53 - 1."""
 ExitCode = Annotated[int, Meta(ge=-255, le=255)]
 """A process exit status: 0-255, or minus the number of the signal that killed it."""
 """Parts per million, 0 to 1,000,000."""

@@ -197,6 +197,17 @@ def _compile(tp: Any, v: str, depth: int = 0) -> _Compiled:
             pattern,
             dict[key.fast, value.fast],  # type: ignore[name-defined]
         )
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        # a Struct inside an input (a usage summary's charges): checked field by
+        # field here; the fast decoders keep the Struct itself, with all its bounds
+        _NS.setdefault(tp.__name__, tp)
+        if _NS[tp.__name__] is not tp:
+            return _unknown(tp)
+        parts = [f"type({v}) is {tp.__name__}"]
+        parts += [
+            _compile(f.type, f"{v}.{f.name}", depth + 1).full for f in msgspec.structs.fields(tp)
+        ]
+        return _Compiled(_and(parts), None, tp)
     return _unknown(tp)
 
 

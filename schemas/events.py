@@ -27,7 +27,9 @@ from msgspec import Meta
 from .bounds import (
     MAX_ARGS,
     MAX_ENV,
+    MAX_LEAF_CHARGES,
     MAX_OPERATORS,
+    MAX_PEERS,
     Arg,
     Count,
     DeadlineMs,
@@ -35,6 +37,7 @@ from .bounds import (
     EnvName,
     EventId,
     ExitCode,
+    GpuMs,
     Gpus,
     Image,
     Name,
@@ -148,6 +151,22 @@ class PolicySet(Event, frozen=True, kw_only=True, tag="PolicySet"):
     """How long a waiting workload is held to the preemption margin: once queued
     this long, it outranks any running workload whose side's ratio is strictly
     higher than its own (no margin). ``0``: held to it however long it waits."""
+    cluster: Name | msgspec.UnsetType = msgspec.UNSET
+    """This cluster's own name among its peers (unset or ``""``: not federated). Required
+    when ``peers`` names another cluster; it is the ``cluster`` of the
+    :class:`UsageReported` decisions and a :class:`UsageSummary` from it is
+    refused (a cluster never counts its own usage twice)."""
+    peers: Annotated[tuple[Name, ...], Meta(max_length=MAX_PEERS)] | msgspec.UnsetType = (
+        msgspec.UNSET
+    )
+    """The clusters sharing this budget tree (unset or ``()``: a single cluster). While it
+    names a cluster other than ``cluster``, the cycle reports this cluster's
+    charges every ``usage_summary_ms`` (:class:`UsageReported`). The cluster's own
+    name may be listed (the same list can go to every cluster); it is ignored."""
+    usage_summary_ms: DurationMs | msgspec.UnsetType = msgspec.UNSET
+    """Length of one usage interval a federated cluster reports, 10 s to 1 h (unset:
+    5 min). The three federation fields are not encoded while unset, so a policy
+    of a single cluster encodes as before they existed."""
 
 
 class WorkloadSubmitted(Event, frozen=True, kw_only=True, tag="WorkloadSubmitted"):
@@ -264,6 +283,40 @@ class InputsLost(Event, frozen=True, kw_only=True, tag="InputsLost"):
     note: Reason = ""
 
 
+class LeafCharge(msgspec.Struct, frozen=True, array_like=True):
+    """``gpu_ms`` GPU-milliseconds charged to budget node ``leaf`` (a path as the
+    tree names it) in one usage interval, not counting its children's (a leaf's
+    own work; for an inner node, the history of a child removed meanwhile)."""
+
+    leaf: Path
+    gpu_ms: GpuMs
+
+
+LeafCharges = Annotated[tuple[LeafCharge, ...], Meta(max_length=MAX_LEAF_CHARGES)]
+
+
+class UsageSummary(Event, frozen=True, kw_only=True, tag="UsageSummary"):
+    """What cluster ``source`` charged in ``[start_ms, end_ms)``, per budget node:
+    the :class:`UsageReported` of a peer, published into this cluster's inputs.
+
+    The fold adds each charge at ``end_ms`` to the node (the deepest node of its
+    path this tree has) and to every ancestor, so ratios count the team's usage on
+    every cluster. Keyed by ``(source, start_ms)``: a repeat or an overlap of an
+    interval already folded from ``source`` is refused and changes nothing.
+    ``actor``: an operator or ``federation:<source>`` (on the subject
+    ``apportion.<cluster>.inputs.UsageSummary.<source>`` it is that, whatever
+    the payload says)."""
+
+    source: Name
+    start_ms: TimeMs
+    end_ms: TimeMs
+    charges: LeafCharges = ()
+    actor: Name = ""
+    committed: LeafCharges = ()
+    """The source's committed charges when it reported (see :class:`UsageReported`);
+    the summary of the latest interval replaces what an earlier one said."""
+
+
 # --------------------------------------------------------------------------
 # Decisions: published by the scheduler alone, computed from the inputs.
 # --------------------------------------------------------------------------
@@ -313,6 +366,24 @@ class InputRejected(Event, frozen=True, kw_only=True, tag="InputRejected"):
     code: ReasonCode | msgspec.UnsetType = msgspec.UNSET
 
 
+class UsageReported(Event, frozen=True, kw_only=True, tag="UsageReported"):
+    """This cluster's exact charges in ``[start_ms, end_ms)`` per budget node
+    (:class:`LeafCharge`; nodes charged nothing are left out, so ``()`` means
+    nothing was used). A cluster whose policy names peers reports every interval
+    in turn, none skipped, as soon as its time reaches ``end_ms``; each becomes a
+    :class:`UsageSummary` in every peer's inputs."""
+
+    cluster: Name
+    start_ms: TimeMs
+    end_ms: TimeMs
+    charges: LeafCharges = ()
+    committed: LeafCharges = ()
+    """Per owner leaf, the GPU-ms its running allocated work is still committed to
+    at the report's time (GPUs x the rest of its protection): peers count it in
+    the ratio as this cluster does, so work just placed here weighs at once there
+    too, not only as its charge arrives interval by interval."""
+
+
 Input = (
     NodeRegistered
     | NodeHealthChanged
@@ -327,8 +398,9 @@ Input = (
     | InputsLost
     | WorkloadHeld
     | WorkloadReleased
+    | UsageSummary
 )
-Decision = WorkloadPlaced | WorkloadPreempted | NodeDrained | InputRejected
+Decision = WorkloadPlaced | WorkloadPreempted | NodeDrained | InputRejected | UsageReported
 AnyEvent = Input | Decision
 
 INPUT_TYPES: tuple[type[Event], ...] = (
@@ -345,12 +417,14 @@ INPUT_TYPES: tuple[type[Event], ...] = (
     InputsLost,
     WorkloadHeld,
     WorkloadReleased,
+    UsageSummary,
 )
 DECISION_TYPES: tuple[type[Event], ...] = (
     WorkloadPlaced,
     WorkloadPreempted,
     NodeDrained,
     InputRejected,
+    UsageReported,
 )
 ALL_TYPES = INPUT_TYPES + DECISION_TYPES
 

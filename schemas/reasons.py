@@ -155,6 +155,22 @@ STALE_INPUT = _code(
     "an input sent (the time its writer stamped) longer before it was stored than the "
     "identity window: an old input appended again, or a writer whose clock is far off",
 )
+USAGE_COUNTED = _code(
+    "usage_counted",
+    "a usage summary for an interval (or part of one) already folded from the same "
+    "source cluster: a repeat or an overlap, which would count usage twice",
+)
+OWN_USAGE = _code(
+    "own_usage",
+    "a usage summary whose source is this cluster itself: its own usage is already "
+    "in its charge series",
+)
+BAD_USAGE = _code(
+    "bad_usage",
+    "a usage summary that cannot be exact: an empty or over-long interval, a node "
+    "named twice, a charge above what the interval can hold, or an interval older "
+    "than the longest lookback",
+)
 
 
 # -- the gateway's own (a request that never becomes an input) --------------------

@@ -220,6 +220,9 @@ HTTP_STATUS: dict[str, int] = {
     R.NOT_HELD: 409,
     R.DUPLICATE_INPUT: 409,
     R.STALE_INPUT: 409,
+    R.USAGE_COUNTED: 409,
+    R.OWN_USAGE: 400,
+    R.BAD_USAGE: 400,
     # the gateway's own
     R.EMPTY_REQUEST: 400,
     R.NOT_AUTHENTICATED: 401,

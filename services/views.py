@@ -734,10 +734,15 @@ def explain(
     else:
         window = span(state.policy.lookback_ms)
         parts = []
+        lookback = state.policy.lookback_ms
         for p, u, wt, _r in view.path_ratios(w.owner):
             pct = share_pct(state, view, p)
             used = f"{pct:.0f}% of its share" if pct is not None else "no capacity"
-            parts.append(f"{p} used {used} ({gpu_hours(u)} in the {window} window, weight {wt})")
+            peer = state.budget.nodes[p].peer_charged(state.now_ms, lookback)
+            elsewhere = f", {gpu_hours(peer)} of it on other clusters" if peer else ""
+            parts.append(
+                f"{p} used {used} ({gpu_hours(u)} in the {window} window{elsewhere}, weight {wt})"
+            )
         reasons.append(
             "sort key (lower share used ranks first among siblings): " + "; ".join(parts)
         )

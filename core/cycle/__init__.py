@@ -6,6 +6,8 @@ changes ``state`` (docs/cycle.md; one module each):
 
 0. **Rejections** (:mod:`.rejections`): every input the fold recorded as
    rejected becomes an ``InputRejected`` decision.
+0b. **Usage reports** (:mod:`.reports`): a cluster whose policy names peers
+   reports each usage interval that has ended (``UsageReported``).
 1. **Down nodes** (:mod:`.nodes`): every workload on a ``down`` node is lost at
    once (``node_down``; resumable ones requeue).
 2. **Draining nodes** (:mod:`.nodes`): unallocated work is preempted at once,

@@ -17,6 +17,7 @@ from .poolbound import PoolBound
 from .preemption import Preemption
 from .prune import Pruning
 from .rejections import reject_inputs
+from .reports import report_usage
 from .reservation import Reserver
 from .result import CycleResult
 from .roomy import RoomyNodes
@@ -58,6 +59,7 @@ class Cycle:
     def run(self, report_reservation: bool = False) -> CycleResult:
         s = self.scratch
         reject_inputs(s)  # 0. rejected inputs
+        report_usage(s)  # 0b. usage intervals ended, for the peers
         lose_down_nodes(s)  # 1. down nodes
         drain(s)  # 2. draining nodes
         # 3. allocated work in fair-share order: fit / preempt / reserve

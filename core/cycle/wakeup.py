@@ -6,7 +6,8 @@ a protection expiry on a draining node, or anywhere while allocated work waits
 cycle included); the reservation start; the end of a preemption notice (always:
 the fold ends the stop there); while allocated work is blocked, the moment
 the next waiting workload stops being held to the preemption margin (its rule
-changes then, :func:`~apportion.core.rules.outranking.held_to_margin`).
+changes then, :func:`~apportion.core.rules.outranking.held_to_margin`); the end
+of the usage interval being counted, while the cluster reports usage to peers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..rules.contract import is_allocated, protected, protected_until
+from ..rules.federation import next_report_ms
 from ..state import Workload
 
 if TYPE_CHECKING:
@@ -28,7 +30,9 @@ def next_wakeup(s: Scratch) -> int | None:
     waiting = s.blocked or any(
         r == "fairshare" and is_allocated(state.running[w]) for w, r in s.gone.items()
     )
-    out = s.reservation.start_ms if s.reservation else None
+    out = next_report_ms(state, t)  # the usage interval being counted ends
+    if s.reservation and (out is None or s.reservation.start_ms < out):
+        out = s.reservation.start_ms
     if waiting:
         watched: Iterable[Workload] = state.running.values()
     else:  # only protections on draining nodes can change a decision

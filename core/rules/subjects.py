@@ -11,6 +11,13 @@ the kind its subject names, and an agent input about another host; the actor
 of an agent input is ``agent:<host>`` from the subject, whatever its payload
 says. A history without subjects (simulations, files written before subjects
 were recorded) is folded as before.
+
+A peer cluster's usage summaries (:data:`FEDERATION_KINDS`) come on
+``apportion.<cluster>.inputs.UsageSummary.<source>``: the last token names the
+source cluster, the summary's ``source`` must be that cluster, and its actor is
+``federation:<source>`` from the subject (so a credential allowed to publish
+on one source's subject speaks for that cluster only). An operator may also
+send one on ``apportion.<cluster>.inputs.UsageSummary``, as itself.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ from apportion.schemas.reasons import Refusal
 
 from ..state import State
 from .authority import agent_of
+from .federation import federation_of
 
 AGENT_KINDS = ("NodeRegistered", "NodeHealthChanged", "WorkloadStarted", "WorkloadFinished")
 """The input kinds a host's agent may publish (on its host's subjects)."""
+FEDERATION_KINDS = ("UsageSummary",)
+"""The input kinds a peer cluster sends (on its own source subject)."""
 
 
 def parse_input_subject(subject: str) -> tuple[str, str | None] | None:
@@ -59,7 +69,7 @@ def subject_refusal(subject: str, kind: str) -> Refusal | None:
             f"{kind} stored on the subject of {on} ({subject!r}): an input's kind must be "
             "the kind its subject names",
         )
-    if host is not None and kind not in AGENT_KINDS:
+    if host is not None and kind not in AGENT_KINDS and kind not in FEDERATION_KINDS:
         return Refusal(
             R.WRONG_SUBJECT,
             f"{kind} stored on the subject of the agent of {host!r}: a host's agent may send "
@@ -73,7 +83,31 @@ def subject_host(subject: str | None) -> str | None:
     if subject is None:
         return None
     parsed = parse_input_subject(subject)
-    return None if parsed is None else parsed[1]
+    return None if parsed is None or parsed[0] in FEDERATION_KINDS else parsed[1]
+
+
+def subject_source(subject: str | None) -> str | None:
+    """The peer cluster whose summaries come on ``subject`` (``None``: not a
+    peer's source subject)."""
+    if subject is None:
+        return None
+    parsed = parse_input_subject(subject)
+    return parsed[1] if parsed is not None and parsed[0] in FEDERATION_KINDS else None
+
+
+def as_federation(event: Input, source: str) -> tuple[Input, Refusal | None]:
+    """``event`` with the actor its source subject gives it, ``federation:<source>``,
+    and why it may not come on that subject (it names another source), or ``None``."""
+    if getattr(event, "source", source) != source:
+        return event, Refusal(
+            R.WRONG_SUBJECT,
+            f"a usage summary of {getattr(event, 'source', '')!r} on the subject of "
+            f"cluster {source!r}: a cluster reports its own usage only",
+        )
+    actor = federation_of(source)
+    if getattr(event, "actor", actor) == actor:
+        return event, None
+    return msgspec.structs.replace(event, actor=actor), None
 
 
 def host_refusal(state: State, host: str, event: Input) -> Refusal | None:

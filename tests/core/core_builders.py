@@ -17,6 +17,7 @@ from __future__ import annotations
 from fractions import Fraction as F
 from typing import Any
 
+import msgspec
 from apportion.core import State, apply
 from apportion.core.budget import ancestors_of
 from apportion.schemas.events import (
@@ -28,6 +29,7 @@ from apportion.schemas.events import (
     HealthState,
     InputRejected,
     InputsLost,
+    LeafCharge,
     NodeDrained,
     NodeHealthChanged,
     NodeRegistered,
@@ -35,6 +37,8 @@ from apportion.schemas.events import (
     PolicySet,
     PreemptReason,
     Slot,
+    UsageReported,
+    UsageSummary,
     WorkloadCancelled,
     WorkloadFinished,
     WorkloadHeld,
@@ -205,6 +209,10 @@ class Scenario:
             )
         )
 
+    def hear(self, event: Event) -> Scenario:
+        """Fold input ``event`` stamped at the scenario's time."""
+        return self.apply(msgspec.structs.replace(event, at_ms=self.t))
+
     def tick(self, t_ms: int | None = None) -> Scenario:
         if t_ms is not None:
             self.t = t_ms
@@ -324,6 +332,23 @@ def sample_events() -> list[Event]:
         ),
         NodeDrained(id="d3", at_ms=12, node="n1"),
         InputRejected(id="d4", at_ms=13, ref="i4", reason="unknown budget node 'llm/old'"),
+        UsageSummary(
+            id="i14",
+            at_ms=13,
+            source="east",
+            start_ms=0,
+            end_ms=300_000,
+            charges=(LeafCharge("llm/pretrain", 3_600_000), LeafCharge("", 5)),
+            actor="federation:east",
+        ),
+        UsageReported(
+            id="d5",
+            at_ms=300_000,
+            cluster="west",
+            start_ms=0,
+            end_ms=300_000,
+            charges=(LeafCharge("llm/pretrain", 7),),
+        ),
     ]
 
 

@@ -21,9 +21,11 @@ from apportion.schemas.events import (
     BudgetSet,
     Input,
     InputRejected,
+    LeafCharge,
     NodeHealthChanged,
     NodeRegistered,
     PolicySet,
+    UsageSummary,
     WorkloadCancelled,
     WorkloadFinished,
     WorkloadHeld,
@@ -48,6 +50,12 @@ def world() -> State:
     s.submit("run", "llm/a", gpus=8).place("run", "n0")
     s.submit("done", "llm/a", gpus=4).place("done", "n1").finish("done", actor=ADMIN)
     s.submit("pend", "vision", gpus=8)
+    s.policy(cluster="west", peers=("east", "west"))
+    s.apply(
+        UsageSummary(
+            id="east-0", at_ms=0, source="east", start_ms=0, end_ms=300_000, actor="federation:east"
+        )
+    )
     return s.state
 
 
@@ -98,6 +106,11 @@ def started(workload: str, node: str, attempt: int = 1, actor: str = ADMIN) -> W
     return WorkloadStarted(
         id="req", at_ms=0, workload=workload, attempt=attempt, node=node, actor=actor
     )
+
+
+def usage(source: str = "east", start: int = 300_000, end: int = 600_000, **kw: object) -> Input:
+    fields: dict[str, object] = {"actor": f"federation:{source}", **kw}
+    return UsageSummary(id="req", at_ms=0, source=source, start_ms=start, end_ms=end, **fields)  # type: ignore[arg-type]
 
 
 def policy(**kw: object) -> PolicySet:
@@ -168,6 +181,21 @@ CASES: list[tuple[str, Callable[[], Input], str]] = [
     ("not_authorised", lambda: hold("pend", "mallory"), "mallory may not hold"),
     ("unknown_workload", lambda: hold("ghost", release=True), "unknown workload 'ghost'"),
     ("already_ended", lambda: hold("done"), "already ended as succeeded"),
+    ("usage_counted", lambda: usage(start=0, end=300_000), "a repeat of"),
+    ("usage_counted", lambda: usage(start=200_000, end=400_000), "overlaps"),
+    ("own_usage", lambda: usage("west"), "which is this cluster"),
+    ("bad_usage", lambda: usage(end=300_000), "non-empty and at most 1 h"),
+    (
+        "bad_usage",
+        lambda: usage(charges=(LeafCharge("llm/a", 1), LeafCharge("llm/a", 2))),
+        "named twice",
+    ),
+    ("bad_usage", lambda: usage(charges=(LeafCharge("llm/a", 2**52),)), "more than the interval"),
+    ("bad_path", lambda: usage(charges=(LeafCharge("llm/-x", 1),)), "bad budget path"),
+    ("not_authorised", lambda: usage(actor="federation:north"), "may not report usage"),
+    ("invalid_name", lambda: usage(""), "source cluster is empty"),
+    ("invalid_name", lambda: policy(peers=("east",)), "must name itself"),
+    ("out_of_range", lambda: policy(usage_summary_ms=1_000), "between 10 s and 1 h"),
 ]
 
 SUBJECT_CODES = {"wrong_subject", "wrong_host", "duplicate_input", "stale_input"}

@@ -29,11 +29,13 @@ from apportion.schemas.events import (
     Event,
     HealthState,
     InputRejected,
+    LeafCharge,
     NodeDrained,
     NodeHealthChanged,
     NodeRegistered,
     PolicySet,
     Slot,
+    UsageSummary,
     WorkloadCancelled,
     WorkloadFinished,
     WorkloadHeld,
@@ -90,6 +92,10 @@ class FoldMachine(RuleBasedStateMachine):
         """Runs preempted with notice: workload -> (deadline, requeued)."""
         self.held: dict[str, str] = {}
         """Held workloads (pending, out of scheduling) -> who held them."""
+        self.heard: dict[str, list[tuple[int, int]]] = {}
+        """Usage intervals folded per peer cluster."""
+        self.peer_steps: list[tuple[int, int, tuple[tuple[str, int], ...]]] = []
+        """Peer charges: (interval end, GPU-ms, the chain of (path, incarnation) charged)."""
 
     # -- plumbing -------------------------------------------------------------
     def _id(self) -> str:
@@ -122,7 +128,8 @@ class FoldMachine(RuleBasedStateMachine):
 
     def charged_ever(self, path: str) -> int:
         key = (path, self.incarnation[path])
-        return sum(r.overlap(0, self.now) for r in self.runs if key in r.chain)
+        own = sum(r.overlap(0, self.now) for r in self.runs if key in r.chain)
+        return own + sum(g for _, g, chain in self.peer_steps if key in chain)
 
     def sync_tree(self) -> None:
         """Follow creations and removals in the model (the fold decides validity)."""
@@ -206,6 +213,51 @@ class FoldMachine(RuleBasedStateMachine):
                 )
             )
         self.sync_tree()
+
+    @rule(
+        source=st.sampled_from(["east", "north"]),
+        k=st.integers(0, 40),
+        charges=st.lists(
+            st.tuples(st.sampled_from(["", *PATHS, "gone/leaf"]), st.integers(0, 10**7)),
+            max_size=3,
+            unique_by=lambda c: c[0],
+        ),
+        actor=st.sampled_from(["federation:east", "federation:north", ADMIN, "mallory"]),
+    )
+    def usage_summary(
+        self, source: str, k: int, charges: list[tuple[str, int]], actor: str
+    ) -> None:
+        """A peer cluster's usage: counted once, at its interval's end, on the deepest
+        node of its path the tree has and every ancestor."""
+        start, end = k * 5 * MINUTE_MS, (k + 1) * 5 * MINUTE_MS
+        heard = self.heard.setdefault(source, [])
+        expect = actor in (f"federation:{source}", ADMIN) and all(
+            b <= start or end <= a for a, b in heard
+        )
+        e = UsageSummary(
+            id=self._id(),
+            at_ms=self.stamp(),
+            source=source,
+            start_ms=start,
+            end_ms=end,
+            charges=tuple(LeafCharge(p, g) for p, g in charges),
+            actor=actor,
+        )
+        assert self.feed(e) == expect
+        hypothesis_event("usage summary folded" if expect else "usage summary refused")
+        if not expect:
+            return
+        heard.append((start, end))
+        nodes = self.state.budget.nodes
+        for path, gpu_ms in charges:
+            while path not in nodes:
+                path = path.rpartition("/")[0]
+            if not gpu_ms:
+                continue
+            chain = tuple((p, self.incarnation[p]) for p in (*ancestors_of(path), path))
+            self.peer_steps.append((end, gpu_ms, chain))
+            if nodes[path].children or path == "":
+                self.dirty.add(path)  # charged above its children
 
     @rule(
         lookback=st.sampled_from([HOUR_MS, DAY_MS, 7 * DAY_MS, 0]),
@@ -551,7 +603,9 @@ class FoldMachine(RuleBasedStateMachine):
     def model_usage(self, path: str) -> int:
         key = (path, self.incarnation[path])
         lo = self.now - self.lookback
-        return sum(r.overlap(lo, self.now) for r in self.runs if key in r.chain)
+        own = sum(r.overlap(lo, self.now) for r in self.runs if key in r.chain)
+        peer = sum(g for end, g, chain in self.peer_steps if lo < end <= self.now and key in chain)
+        return own + peer
 
     @invariant()
     def clock_matches(self) -> None:

@@ -6,7 +6,7 @@ import pytest
 from apportion.replay.cluster_file import cluster_from_dict
 from apportion.replay.diagnose import CAUSES, diagnose
 from apportion.replay.family import Knobs, family, parse_knobs
-from apportion.replay.kpi import TeamHour, delivery_kpis
+from apportion.replay.kpi import TeamHour, delivery_kpis, served_from_hours
 from apportion.replay.outcomes import QUICK_GRID, run_grid, table
 from apportion.replay.simulator import simulate
 from apportion.replay.trace import TraceRow
@@ -56,6 +56,19 @@ def test_window_kpis_on_hand_made_hours():
     first, second = k["windows_5d"]
     assert (first["start_day"], second["start_day"]) == (0, 5)
     assert first["worst_team"] == "a" and first["worst_team_ratio"] == 0.5
+
+
+def test_double_served_on_hand_made_hours():
+    # a runs twice its share while b, owed 4 an hour, gets half: a is double-served;
+    # c runs 1.5x its share, but in a week when nobody is short it is not
+    hours = 7 * 24
+    rows = [TeamHour("a", h, 4.0, 8.0, 8.0) for h in range(hours)]
+    rows += [TeamHour("b", h, 4.0, 4.0, 2.0) for h in range(hours)]
+    k = served_from_hours(sorted(rows), hours)
+    assert k == {"team_served_week_max": {"a": 2.0, "b": 0.5}, "double_served_teams": ["a"]}
+    calm = [TeamHour("c", h, 4.0, 8.0, 6.0) for h in range(hours)]
+    calm += [TeamHour("d", h, 4.0, 1.0, 1.0) for h in range(hours)]
+    assert served_from_hours(sorted(calm), hours)["double_served_teams"] == []
 
 
 def _two_teams():

@@ -10,7 +10,7 @@ messages between clusters (docs/federation.md):
 | what | where it is published | how it reaches cluster ``C`` |
 |---|---|---|
 | cluster ``S``'s usage summaries | ``apportion.S.usage``, stream ``USAGE_S`` (domain ``S``), by ``S``'s scheduler | ``INPUTS_C`` sources ``USAGE_S`` from domain ``S``, transformed to ``apportion.C.inputs.UsageSummary.S`` |
-| a budget edit, made once | ``apportion.tree.inputs.<Kind>``, stream ``TREE`` (domain ``hub``), by the tree's admin | ``INPUTS_C`` sources ``TREE`` from domain ``hub``, transformed to ``apportion.C.inputs.<Kind>`` |
+| a budget edit, made once | ``apportion.tree.inputs.<Kind>``, stream ``TREE`` (domain ``hub``), by the tree's admin | ``INPUTS_C`` sources ``TREE`` from domain ``hub``, transformed to ``apportion.C.inputs.<Kind>.tree`` |
 
 A source remembers the last sequence of the stream it sourced, so after a
 partition (a leaf link down, a server restarted) it resumes where it left off:
@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
+from apportion.core.rules.subjects import TREE_TOKEN
 
 from . import logs
 from .direct import DirectGetError, get_batch
@@ -120,7 +121,9 @@ def usage_source(cluster: str, peer: str) -> Any:
 
 def tree_source(cluster: str, hub_domain: str = HUB_DOMAIN) -> Any:
     """``INPUTS_<cluster>``'s source of the hub's ``TREE``: each kind onto the
-    cluster's own input subject of that kind."""
+    cluster's tree subject of that kind, ``apportion.<cluster>.inputs.<Kind>.tree``
+    (no user may publish there; the fold takes an edit on it however late it
+    arrives: a cluster cut off from the hub takes the edits made meanwhile)."""
     from nats.js import api
 
     return api.StreamSource(
@@ -130,7 +133,8 @@ def tree_source(cluster: str, hub_domain: str = HUB_DOMAIN) -> Any:
         ),
         subject_transforms=[
             api.SubjectTransform(
-                src=f"{TREE_PREFIX}.*", dest=f"apportion.{cluster}.inputs.{{{{wildcard(1)}}}}"
+                src=f"{TREE_PREFIX}.*",
+                dest=f"apportion.{cluster}.inputs.{{{{wildcard(1)}}}}.{TREE_TOKEN}",
             )
         ],
     )

@@ -16,6 +16,13 @@ payload, which the publisher stamps at each publish):
   off;
 - one whose id was folded within the window (``duplicate_input``).
 
+An input on a subject only stream sourcing writes (:func:`.subjects.is_sourced`:
+a budget edit made on a federation's tree) is not refused as stale: the server
+copied it, no writer re-appended it, and a cluster cut off from the hub takes
+the edits made meanwhile when it rejoins, however long after. Its id is
+remembered for the window after it is folded (a copy the source delivers again
+is a duplicate).
+
 So the fold remembers the ids of the inputs sent within the last
 :data:`WINDOW_MS` only (:attr:`~apportion.core.state.State.input_ids`): memory
 bounded by the inputs of one window, and every decision still a function of
@@ -33,6 +40,7 @@ from apportion.schemas.history import InputItem
 from apportion.schemas.reasons import Refusal
 
 from ..state import State
+from .subjects import is_sourced
 
 WINDOW_MS = 15 * MINUTE_MS
 """How long before it is stored an input may have been sent, and how long its id
@@ -49,7 +57,7 @@ def identity_refusal(state: State, item: InputItem) -> Refusal | None:
         return None
     at = max(state.now_ms, item.at_ms)
     _forget(state, at)
-    if min(sent, item.at_ms) < at - WINDOW_MS:
+    if min(sent, item.at_ms) < at - WINDOW_MS and not is_sourced(item.subject):
         return Refusal(
             R.STALE_INPUT,
             f"input {item.ref!r} was sent at {sent}, more than {WINDOW_MS // MINUTE_MS} min "
@@ -70,7 +78,10 @@ def remember(state: State, item: InputItem) -> None:
     sent = item.sent_ms
     if sent is None or item.event is None:
         return
-    until = min(sent, item.at_ms) + WINDOW_MS
+    if is_sourced(item.subject):
+        until = max(state.now_ms, item.at_ms) + WINDOW_MS
+    else:
+        until = min(sent, item.at_ms) + WINDOW_MS
     state.input_ids[item.event.id] = until
     heapq.heappush(state.input_id_expiry, (until, item.event.id))
 

@@ -42,6 +42,13 @@ AGENT_KINDS = ("NodeRegistered", "NodeHealthChanged", "WorkloadStarted", "Worklo
 FEDERATION_KINDS = ("UsageSummary",)
 """The input kinds a peer cluster sends (on its own source subject)."""
 
+TREE_TOKEN = "tree"
+"""The last token of the subject on which a cluster's INPUTS stores the budget
+edits made once on a federation's tree: ``apportion.<c>.inputs.<Kind>.tree``
+(stream sourcing writes there; no user may publish there: docs/federation.md)."""
+TREE_KINDS = ("BudgetSet", "BudgetRemoved")
+"""The kinds made on the tree."""
+
 
 def parse_input_subject(subject: str) -> tuple[str, str | None] | None:
     """``(kind, host)`` of an input subject (``host`` is ``None`` off an agent's
@@ -69,6 +76,8 @@ def subject_refusal(subject: str, kind: str) -> Refusal | None:
             f"{kind} stored on the subject of {on} ({subject!r}): an input's kind must be "
             "the kind its subject names",
         )
+    if host == TREE_TOKEN and kind in TREE_KINDS:
+        return None
     if host is not None and kind not in AGENT_KINDS and kind not in FEDERATION_KINDS:
         return Refusal(
             R.WRONG_SUBJECT,
@@ -83,7 +92,9 @@ def subject_host(subject: str | None) -> str | None:
     if subject is None:
         return None
     parsed = parse_input_subject(subject)
-    return None if parsed is None or parsed[0] in FEDERATION_KINDS else parsed[1]
+    if parsed is None or parsed[0] not in AGENT_KINDS:
+        return None
+    return parsed[1]
 
 
 def subject_source(subject: str | None) -> str | None:
@@ -108,6 +119,23 @@ def as_federation(event: Input, source: str) -> tuple[Input, Refusal | None]:
     if getattr(event, "actor", actor) == actor:
         return event, None
     return msgspec.structs.replace(event, actor=actor), None
+
+
+def is_sourced(subject: str | None) -> bool:
+    """Whether ``subject`` is one that JetStream's stream sourcing writes into a
+    cluster's INPUTS and no user may publish on: a budget edit made on the tree
+    (``<Kind>.tree``) or a peer's usage summary (``UsageSummary.<source>``). Such
+    an input is copied by the server, so the time its writer sent it says nothing
+    about a re-append: it may arrive long after (a cluster cut off for an hour
+    takes what was made meanwhile when it rejoins) and is not refused as stale
+    (:mod:`.identity`; a summary is kept once by its own key, ``usage_counted``)."""
+    if subject is None:
+        return False
+    parsed = parse_input_subject(subject)
+    if parsed is None or parsed[1] is None:
+        return False
+    kind, token = parsed
+    return (token == TREE_TOKEN and kind in TREE_KINDS) or kind in FEDERATION_KINDS
 
 
 def host_refusal(state: State, host: str, event: Input) -> Refusal | None:

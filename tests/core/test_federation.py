@@ -122,6 +122,35 @@ def test_the_subject_names_the_source_and_gives_the_actor() -> None:
     assert on(summary(2 * S), "apportion.west.inputs.ClockTicked") == "wrong_subject"
 
 
+def test_a_summary_sent_long_before_it_is_stored_counts_on_its_source_subject() -> None:
+    """After an hour cut off, a peer's summaries arrive by stream sourcing stamped
+    with the time they were sent: on the source's subject (which only sourcing
+    writes) they count; on the kind's own subject (an operator's) such a summary is
+    refused as stale, like any input sent long before it was stored."""
+    s = west()
+    state = s.state
+    base = "apportion.west.inputs.UsageSummary"
+    hour = 60 * MINUTE_MS
+
+    def stored(event: UsageSummary, subject: str, at: int, sent: int) -> str | None:
+        item = InputItem(
+            seq=state.input_seq + 1,
+            at_ms=at,
+            ref=event.id,
+            event=msgspec.structs.replace(event, at_ms=at),
+            subject=subject,
+            sent_ms=sent,
+        )
+        before = len(state.rejections)
+        fold_item(state, item)
+        return state.rejections[-1][2] if len(state.rejections) > before else None  # type: ignore[return-value]
+
+    late = summary(0, (("a/x", 5_000),))
+    assert stored(late, base, hour, S + 1) == "stale_input"
+    assert stored(late, f"{base}.east", hour + 1, S + 1) is None
+    assert state.budget.nodes["a/x"].peer is not None
+
+
 def test_an_unknown_leaf_is_charged_to_its_nearest_node_here() -> None:
     s = west()
     s.at(S).hear(summary(0, (("a/gone", 40), ("c/new/leaf", 2))))

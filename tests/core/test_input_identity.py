@@ -177,3 +177,32 @@ def test_the_file_and_the_projection_keep_when_each_input_was_sent(tmp_path) -> 
         assert [i.sent_ms for i in again] == [i.sent_ms for i in items]  # type: ignore[union-attr]
         replayed = fold_history(again)
         assert replayed.digest() == state.digest() and replayed.rejections[-1][2] == "stale_input"
+
+
+def on_tree(item: InputItem) -> InputItem:
+    """``item`` as the tree's source stores it: ``<Kind>.tree`` (docs/federation.md)."""
+    assert item.subject is not None
+    return msgspec.structs.replace(item, subject=f"{item.subject}.tree")
+
+
+def test_a_tree_edit_arriving_after_a_long_cut_is_folded_once() -> None:
+    """A budget edit made on the federation's tree while this cluster was cut off
+    from the hub for an hour: stream sourcing stores it when the link returns, sent
+    an hour before. On the tree's subject it is folded (no writer re-appended it);
+    the same bytes on the kind's own subject are refused as stale; a second copy
+    from the source is a duplicate for the window after it was folded."""
+    hour = 60 * MINUTE_MS
+    state = cluster()
+    stale = stored(state, EDIT, T0 + hour, T0 + 10)
+    assert fold(state, stale) == "stale_input"
+    assert state.budget.nodes["llm"].weight == 3
+    assert fold(state, on_tree(stored(state, EDIT, T0 + hour + 1, T0 + 10))) is None
+    assert state.budget.nodes["llm"].weight == 9
+    for after in (1, WINDOW_MS):
+        again = on_tree(stored(state, EDIT, T0 + hour + 1 + after, T0 + 10))
+        assert fold(state, again) == "duplicate_input", after
+    # only the tree's kinds may come on a tree subject
+    policy = PolicySet(id="p-tree", at_ms=0, actor="admin")
+    assert fold(state, on_tree(stored(state, policy, T0 + 2 * hour, T0 + 2 * hour))) == (
+        "wrong_subject"
+    )

@@ -267,7 +267,7 @@ def _summaries(got: list[tuple[str, dict[str, Any]]], me: str, source: str) -> l
 
 
 def _tree_ids(got: list[tuple[str, dict[str, Any]]], me: str) -> list[str]:
-    return [body["id"] for subj, body in got if subj == f"apportion.{me}.inputs.BudgetSet"]
+    return [body["id"] for subj, body in got if subj == f"apportion.{me}.inputs.BudgetSet.tree"]
 
 
 async def _check_arrived(
@@ -589,7 +589,7 @@ async def test_a_gateway_with_the_hub_edits_the_budget_once_for_every_cluster(
             await eventually(lambda: "llm/c" in gateway.state.budget.nodes, what="folded")
 
         def edits(got: list[tuple[str, dict[str, Any]]], c: str) -> list[tuple[str, str]]:
-            subject = f"apportion.{c}.inputs.BudgetSet"
+            subject = f"apportion.{c}.inputs.BudgetSet.tree"
             return [(b["path"], b["actor"]) for s, b in got if s == subject and b["path"] != ""]
 
         for c, side in sides.items():

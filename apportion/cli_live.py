@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -815,15 +816,24 @@ def share(url: str | None, timeout: float | None, token_file: Path | None, as_js
         f"{'PATH':<30} {'WEIGHT':>6} {'SHARE':>7} {'ALLOCATION':>14} {'USAGE':>14} {'USED/SHARE':>10} {'RUN GPUS':>8} {'PEND GPUS':>9}"
     )
 
-    def walk(n: dict[str, Any], depth: int) -> None:
-        name = ("  " * depth + (n["path"].rsplit("/", 1)[-1] or "(root)"))[:30]
+    def cells(n: dict[str, Any]) -> str:
         alloc = n.get("allocation_gpu_h", 0.0)
         used = f"{100 * n['usage_gpu_h'] / alloc:.0f}%" if alloc else "-"
-        click.echo(
-            f"{name:<30} {n['weight']:>6} {100 * n['global_share']:>6.1f}% "
+        return (
             f"{alloc:>8.1f} GPU-h {n['usage_gpu_h']:>8.1f} GPU-h {used:>10} "
             f"{n['running_gpus']:>8} {n['pending_gpus']:>9}"
         )
+
+    _print_share_tree(data, cells)
+
+
+def _print_share_tree(data: dict[str, Any], cells: Callable[[dict[str, Any]], str]) -> None:
+    """One line per budget node, depth first: its name indented by depth, weight,
+    global share, then ``cells(node)``."""
+
+    def walk(n: dict[str, Any], depth: int) -> None:
+        name = ("  " * depth + (n["path"].rsplit("/", 1)[-1] or "(root)"))[:30]
+        click.echo(f"{name:<30} {n['weight']:>6} {100 * n['global_share']:>6.1f}% " + cells(n))
         for c in n["children"]:
             walk(c, depth + 1)
 
@@ -843,20 +853,16 @@ def _print_federated_share(data: dict[str, Any]) -> None:
         f"{'RANKED':>14} {'OF SHARE':>8} {'RUN GPUS':>8} {'PEND GPUS':>9}"
     )
 
-    def walk(n: dict[str, Any], depth: int) -> None:
-        name = ("  " * depth + (n["path"].rsplit("/", 1)[-1] or "(root)"))[:30]
+    def cells(n: dict[str, Any]) -> str:
         pct = n.get("share_pct")
         used = f"{pct:.0f}%" if pct is not None else "-"
-        click.echo(
-            f"{name:<30} {n['weight']:>6} {100 * n['global_share']:>6.1f}% "
+        return (
             f"{n['usage_here_gpu_h']:>8.1f} GPU-h {n['usage_peers_gpu_h']:>8.1f} GPU-h "
             f"{n['ranked_gpu_h']:>8.1f} GPU-h {used:>8} {n['running_gpus']:>8} "
             f"{n['pending_gpus']:>9}"
         )
-        for c in n["children"]:
-            walk(c, depth + 1)
 
-    walk(data, 0)
+    _print_share_tree(data, cells)
     me = fed.get("cluster") or "this cluster"
     click.echo(f"OF SHARE: {fed['share_basis_text']} ({me}'s capacity alone is no measure)")
     for line in peers_words(fed["peers"], int(time.time() * 1000)):

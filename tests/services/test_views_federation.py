@@ -274,15 +274,23 @@ def test_a_single_cluster_has_no_federation_metrics() -> None:
     assert sample(text, "apportion_team_usage_of_share_ratio", team="b") == want
 
 
-def test_the_cli_table_of_a_federated_share(capsys: Any) -> None:
+def share_cli(state: State, monkeypatch: Any) -> str:
+    """``apportion share``'s text for the gateway answer of ``state``."""
     import json
 
-    from apportion.cli import main  # noqa: F401 - cli_live is imported through it
-    from apportion.cli_live import _print_federated_share
+    from click.testing import CliRunner
 
-    data = json.loads(json.dumps(budget_tree(federated().state, detail=True)))
-    _print_federated_share(data)
-    out = capsys.readouterr().out
+    from apportion import cli, cli_live
+
+    answer = json.loads(json.dumps(budget_tree(state, detail=True)))
+    monkeypatch.setattr(cli_live, "_call", lambda *a, **k: answer)
+    result = CliRunner().invoke(cli.main, ["share", "--url", "http://gateway"])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_the_cli_table_of_a_federated_share(monkeypatch: Any) -> None:
+    out = share_cli(federated().state, monkeypatch)
     assert out.splitlines()[0].split() == [
         "PATH",
         "WEIGHT",
@@ -298,9 +306,24 @@ def test_the_cli_table_of_a_federated_share(capsys: Any) -> None:
         "GPUS",
     ]
     a = next(line for line in out.splitlines() if line.startswith("  a "))
-    assert "0.0 GPU-h      8.7 GPU-h" in a, out
+    assert a.split()[3:10] == ["0.0", "GPU-h", "8.7", "GPU-h", "8.7", "GPU-h", "104%"], out
     assert "OF SHARE: of its share of what the whole tree used on every cluster" in out
     assert re.search(r"east: usage counted until \S+ \(.*\); not heard of: ", out), out
+
+
+def test_the_cli_table_of_a_single_cluster_is_as_it_was(monkeypatch: Any) -> None:
+    c = west(peers=())
+    busy_here(c, 14 * S)
+    out = share_cli(c.state, monkeypatch)
+    assert out.splitlines()[:3] == [
+        "PATH                           WEIGHT   SHARE     ALLOCATION          USAGE "
+        "USED/SHARE RUN GPUS PEND GPUS",
+        "(root)                              1  100.0%    384.0 GPU-h      0.0 GPU-h "
+        "        0%        8        32",
+        "  a                                 1   50.0%    192.0 GPU-h      0.0 GPU-h "
+        "        0%        0        16",
+    ]
+    assert "OF SHARE" not in out and "counted until" not in out
 
 
 def test_the_dashboard_shows_the_other_clusters_column_when_there_are_peers() -> None:

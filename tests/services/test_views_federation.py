@@ -336,3 +336,11 @@ def test_the_dashboard_shows_the_other_clusters_column_when_there_are_peers() ->
     busy_here(c, S)
     one = usage_html(SimpleNamespace(state=c.state, history=None))  # type: ignore[arg-type]
     assert "other clusters" not in one and ">of share</th>" not in one
+
+
+def test_the_dashboard_queue_says_when_other_clusters_rank_a_team_low() -> None:
+    from apportion.services.dashboard_views import queue_html
+
+    gw = SimpleNamespace(state=federated().state, history=None, auth=None, url=None)
+    page = queue_html(gw)  # type: ignore[arg-type]
+    assert "ranked low by usage on other clusters: a (8.67 GPU-h there)" in page

@@ -6,6 +6,8 @@ view as it was."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from types import SimpleNamespace
 from typing import Any
 
@@ -344,3 +346,14 @@ def test_the_dashboard_queue_says_when_other_clusters_rank_a_team_low() -> None:
     gw = SimpleNamespace(state=federated().state, history=None, auth=None, url=None)
     page = queue_html(gw)  # type: ignore[arg-type]
     assert "ranked low by usage on other clusters: a (8.67 GPU-h there)" in page
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (Debian: prometheus)")
+def test_federated_metrics_pass_promtool() -> None:
+    state = federated().state
+    m = GatewayMetrics()
+    m.update(state, None, now_ms=state.now_ms)
+    p = subprocess.run(
+        ["promtool", "check", "metrics"], input=m.render(), capture_output=True, timeout=60
+    )
+    assert p.returncode == 0 and not p.stdout and not p.stderr, (p.stdout + p.stderr).decode()

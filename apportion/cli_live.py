@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -700,6 +701,11 @@ def _print_queue(data: dict[str, Any]) -> None:
                 f"{row['priority']:>4} {span(row['wait_ms']):>12}  {_start(row, now):<32} "
                 f"{row.get('reason', '-'):<22} "
                 f"{_ratios(row) if row['allocated'] else 'unallocated'}"
+                + (
+                    f" [ranked low by other clusters: {oc}]"
+                    if (oc := row.get("other_clusters"))
+                    else ""
+                )
             )
         if data.get("estimate_assumption"):
             click.echo(f"START: estimated {data['estimate_assumption']}")
@@ -791,28 +797,76 @@ def share(url: str | None, timeout: float | None, token_file: Path | None, as_js
 
     USED/SHARE is the usage charged in the lookback window as a percentage of the
     node's share of it (global share x healthy GPUs x window); RUN GPUS and PEND
-    GPUS are the GPUs of its allocated work running and pending now."""
+    GPUS are the GPUs of its allocated work running and pending now.
+
+    On a cluster that shares its tree with others (docs/semantics.md, "Several
+    clusters, one budget tree"): HERE is the usage charged on this cluster, ELSEWHERE
+    on the others (from their usage summaries), RANKED what the ratios count (both,
+    plus the committed rest of running work's protections), and OF SHARE that as a
+    percentage of the node's share of what the whole tree used; then until when
+    each other cluster's usage is counted."""
     data = _call(_client(url, timeout, token_file).share)
     if as_json:
         _echo_json(data)
+        return
+    if "federation" in data:
+        _print_federated_share(data)
         return
     click.echo(
         f"{'PATH':<30} {'WEIGHT':>6} {'SHARE':>7} {'ALLOCATION':>14} {'USAGE':>14} {'USED/SHARE':>10} {'RUN GPUS':>8} {'PEND GPUS':>9}"
     )
 
-    def walk(n: dict[str, Any], depth: int) -> None:
-        name = ("  " * depth + (n["path"].rsplit("/", 1)[-1] or "(root)"))[:30]
+    def cells(n: dict[str, Any]) -> str:
         alloc = n.get("allocation_gpu_h", 0.0)
         used = f"{100 * n['usage_gpu_h'] / alloc:.0f}%" if alloc else "-"
-        click.echo(
-            f"{name:<30} {n['weight']:>6} {100 * n['global_share']:>6.1f}% "
+        return (
             f"{alloc:>8.1f} GPU-h {n['usage_gpu_h']:>8.1f} GPU-h {used:>10} "
             f"{n['running_gpus']:>8} {n['pending_gpus']:>9}"
         )
+
+    _print_share_tree(data, cells)
+
+
+def _print_share_tree(data: dict[str, Any], cells: Callable[[dict[str, Any]], str]) -> None:
+    """One line per budget node, depth first: its name indented by depth, weight,
+    global share, then ``cells(node)``."""
+
+    def walk(n: dict[str, Any], depth: int) -> None:
+        name = ("  " * depth + (n["path"].rsplit("/", 1)[-1] or "(root)"))[:30]
+        click.echo(f"{name:<30} {n['weight']:>6} {100 * n['global_share']:>6.1f}% " + cells(n))
         for c in n["children"]:
             walk(c, depth + 1)
 
     walk(data, 0)
+
+
+def _print_federated_share(data: dict[str, Any]) -> None:
+    """``apportion share`` of a federated cluster: usage here and on the other
+    clusters, what ranks, the percentage of the share of the tree's usage."""
+    import time
+
+    from apportion.services.views import peers_words
+
+    fed = data["federation"]
+    click.echo(
+        f"{'PATH':<30} {'WEIGHT':>6} {'SHARE':>7} {'HERE':>14} {'ELSEWHERE':>14} "
+        f"{'RANKED':>14} {'OF SHARE':>8} {'RUN GPUS':>8} {'PEND GPUS':>9}"
+    )
+
+    def cells(n: dict[str, Any]) -> str:
+        pct = n.get("share_pct")
+        used = f"{pct:.0f}%" if pct is not None else "-"
+        return (
+            f"{n['usage_here_gpu_h']:>8.1f} GPU-h {n['usage_peers_gpu_h']:>8.1f} GPU-h "
+            f"{n['ranked_gpu_h']:>8.1f} GPU-h {used:>8} {n['running_gpus']:>8} "
+            f"{n['pending_gpus']:>9}"
+        )
+
+    _print_share_tree(data, cells)
+    me = fed.get("cluster") or "this cluster"
+    click.echo(f"OF SHARE: {fed['share_basis_text']} ({me}'s capacity alone is no measure)")
+    for line in peers_words(fed["peers"], int(time.time() * 1000)):
+        click.echo(line)
 
 
 def _parse_at(text: str | None) -> int | None:

@@ -563,8 +563,14 @@ def usage_data(gw: Gateway, hours: int | None = None, team: str | None = None) -
         for c in n["children"]:
             walk(c)
 
-    walk(budget_tree(state, detail=True))
+    tree = budget_tree(state, detail=True)
+    walk(tree)
+    fed = tree.get("federation")
     return {
+        "federation": fed,
+        "peers": []
+        if fed is None
+        else views.peers_words(fed["peers"], max(state.now_ms, wall_ms())),
         "window": span(state.policy.lookback_ms),
         "chart": charts.usage_bars(rows),
         "rows": rows,

@@ -25,6 +25,8 @@ from apportion.schemas.history import BatchItem, HistoryItem
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+from .views import is_federated, peers_heard
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 REJECTION_CLASSES = ("malformed", "stale", "authority", "duplicate", "invalid")
@@ -122,15 +124,32 @@ class GatewayMetrics:
         )
         self.team_usage = Gauge(
             "apportion_team_usage_gpu_seconds",
-            "GPU-seconds charged to a team inside the lookback window",
+            "GPU-seconds charged to a team inside the lookback window (on every cluster "
+            "of a federation)",
             ["team"],
             registry=r,
         )
         self.team_share = Gauge(
             "apportion_team_usage_of_share_ratio",
-            "A team's charged usage / its share of the window "
-            "(global share x healthy GPUs x lookback); 1 = at share",
+            "A team's charged usage / its share of the window (one cluster: global share "
+            "x healthy GPUs x lookback; a federated one: global share x the whole tree's "
+            "charged usage on every cluster); 1 = at share",
             ["team"],
+            registry=r,
+        )
+        self.node_usage = Gauge(
+            "apportion_budget_usage_gpu_seconds",
+            "On a cluster that shares its tree with others: GPU-seconds charged to each "
+            "budget node's subtree in the lookback window, on this cluster (scope=here) "
+            "or on the others, from their usage summaries (scope=peers); path / is the root",
+            ["path", "scope"],
+            registry=r,
+        )
+        self.peer_heard = Gauge(
+            "apportion_peer_heard_until_seconds",
+            "Per peer cluster: the end (epoch seconds) of the last usage interval folded "
+            "from it (0: none yet)",
+            ["source"],
             registry=r,
         )
         self.unauthenticated = Counter(
@@ -205,11 +224,25 @@ class GatewayMetrics:
         teams = sorted({team_of(leaf) for leaf in tree.leaves() if leaf != ROOT})
         self.team_usage.clear()  # a removed team leaves no stale series
         self.team_share.clear()
+        federated = is_federated(state)
+        # one cluster: of its capacity; several: of what the tree used (share_pct)
+        window = state.usage(ROOT) if federated else healthy * lookback
         for team in teams:
             usage = state.usage(team)
             self.team_usage.labels(team).set(usage / 1000)  # GPU-ms -> GPU-seconds
-            allocation = float(tree.global_share(team)) * healthy * lookback
+            allocation = float(tree.global_share(team)) * window
             self.team_share.labels(team).set(usage / allocation if allocation > 0 else 0.0)
+        self.node_usage.clear()
+        self.peer_heard.clear()
+        if federated:
+            for path, budget_node in tree.nodes.items():
+                label = path or "/"
+                here = budget_node.series.window(state.now_ms, lookback)
+                self.node_usage.labels(label, "here").set(here / 1000)
+                self.node_usage.labels(label, "peers").set((state.usage(path) - here) / 1000)
+            for p in peers_heard(state):
+                until = p["heard_until_ms"]
+                self.peer_heard.labels(p["cluster"]).set(0 if until is None else until / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -24,12 +24,13 @@ from fractions import Fraction
 from typing import Any
 
 import msgspec
-from apportion.core.budget import ROOT
+from apportion.core.budget import ROOT, ancestors_of, parent_of
 from apportion.core.cycle import decide
 from apportion.core.estimate import ASSUMPTION, Estimates, estimate_starts
 from apportion.core.history import fold_item
-from apportion.core.ordering import FairShareView, queue_order
+from apportion.core.ordering import FairShareView, SiblingKey, queue_order, sibling_key
 from apportion.core.rules.contract import is_protected, may_use_reserved
+from apportion.core.rules.federation import heard_until, peer_committed
 from apportion.core.rules.gpu_types import is_any, overlap, takes
 from apportion.core.state import ClusterNode, State, Workload
 from apportion.schemas.bounds import MAX_NAME_LEN, MAX_PATH_LEN
@@ -43,7 +44,7 @@ from apportion.schemas.events import (
     WorkloadSubmitted,
 )
 from apportion.schemas.history import HistoryItem, InputItem
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from .job_history import JobHistory, QueryError, job_json, job_words, parse_gpu_type
 
@@ -121,15 +122,103 @@ def gpu_hours(gpu_ms: float) -> str:
     return f"{h:.3g} GPU-h" if h < 100 else f"{h:,.0f} GPU-h"
 
 
+def is_federated(state: State) -> bool:
+    """Whether usage on other clusters may count here: the policy names a peer, or a
+    peer's usage summary was folded (a summary is taken from any cluster, listed or not)."""
+    return state.policy.reports_usage or bool(state.peer_intervals) or bool(state.peer_committed)
+
+
+SHARE_BASIS_CAPACITY = "capacity"
+SHARE_BASIS_TREE_USAGE = "tree_usage"
+SHARE_BASIS_WORDS = {
+    SHARE_BASIS_CAPACITY: "of its share of this cluster's healthy GPUs over the window",
+    SHARE_BASIS_TREE_USAGE: "of its share of what the whole tree used on every cluster",
+}
+"""What :func:`share_pct` is a percentage of, by ``share_basis``."""
+
+
+def share_basis(state: State) -> str:
+    """``capacity`` on a single cluster, ``tree_usage`` on a federated one
+    (:func:`share_pct`)."""
+    return SHARE_BASIS_TREE_USAGE if is_federated(state) else SHARE_BASIS_CAPACITY
+
+
+def ranked_total(view: FairShareView, path: str) -> int:
+    """What ranks ``path``: charged + committed, on every cluster. The root has no
+    committed charge of its own in the view; its total is its children's."""
+    if path != ROOT:
+        return view.usage[path]
+    return view.charged[ROOT] + sum(view.committed.get(c, 0) for c in view.tree.root.children)
+
+
 def share_pct(state: State, view: FairShareView, path: str) -> float | None:
     """``path``'s usage (charged + committed, what ranks it) as a percentage of its
-    share of the window: global share x healthy GPUs x lookback. ``None`` without
-    capacity. Among siblings it orders exactly as the ratio usage / weight."""
-    allocation = float(state.budget.global_share(path)) * _capacity_gpus(state)
-    allocation *= state.policy.lookback_ms
+    share. On a single cluster the share is of the window's capacity: global share x
+    healthy GPUs x lookback. On a federated cluster (:func:`is_federated`) usage
+    counts every cluster's but only this cluster's capacity is known, so the share
+    is of what the whole tree used: global share x the root's usage (100: it used
+    exactly its share of what ran). ``None`` without capacity (or usage). Among
+    siblings it orders exactly as the ratio usage / weight, on either basis."""
+    gshare = float(state.budget.global_share(path))
+    if is_federated(state):
+        allocation = gshare * ranked_total(view, ROOT)
+        return 100.0 * ranked_total(view, path) / allocation if allocation > 0 else None
+    allocation = gshare * _capacity_gpus(state) * state.policy.lookback_ms
     if allocation <= 0:
         return None
     return 100.0 * view.usage[path] / allocation
+
+
+class PeerRanking:
+    """Where usage on other clusters is what ranks a leaf low: a level of its path
+    whose place among its siblings would be better were every node's usage on other
+    clusters (charged and reported committed) left out, its siblings' too. Empty on
+    a single cluster; cached per path (the queue asks it per row)."""
+
+    def __init__(self, state: State, view: FairShareView) -> None:
+        self.view = view
+        self.on = is_federated(state)
+        self.peer: dict[str, int] = {}
+        """Per node, its usage on other clusters: charged in the window plus committed."""
+        if self.on:
+            now, lookback = state.now_ms, state.policy.lookback_ms
+            for path, node in state.budget.nodes.items():
+                if (g := node.peer_charged(now, lookback)) > 0:
+                    self.peer[path] = g
+            for node_path, gpu_ms in peer_committed(state):
+                for p in (*ancestors_of(node_path)[1:], node_path) if node_path else ():
+                    self.peer[p] = self.peer.get(p, 0) + gpu_ms
+        self._lowered: dict[str, bool] = {}
+
+    def lowered(self, leaf: str) -> list[tuple[str, int]]:
+        """``(path, its usage on other clusters)`` of each level of ``leaf``'s path,
+        top down, that ranks lower among its siblings because of such usage."""
+        if not self.on:
+            return []
+        return [
+            (p, self.peer.get(p, 0)) for p in [*ancestors_of(leaf)[1:], leaf] if self._is_lowered(p)
+        ]
+
+    def _is_lowered(self, path: str) -> bool:
+        got = self._lowered.get(path)
+        if got is None:
+            v = self.view
+            siblings = v.tree.nodes[parent_of(path)].children
+
+            def key(c: str) -> SiblingKey:
+                return sibling_key(v.usage[c] - self.peer.get(c, 0), v.scale[c], v.weight[c], c)
+
+            mine = key(path)
+            without = sum(1 for c in siblings if key(c) < mine)
+            got = self._lowered[path] = without < v.rank(path)
+        return got
+
+    def words(self, leaf: str) -> str | None:
+        """``llm (12 GPU-h there)``: the levels :meth:`lowered` names, or ``None``."""
+        lowered = self.lowered(leaf)
+        if not lowered:
+            return None
+        return ", ".join(f"{p} ({gpu_hours(g)} there)" for p, g in lowered)
 
 
 def _ratio_rows(state: State, view: FairShareView, leaf: str) -> list[dict[str, Any]]:
@@ -429,12 +518,15 @@ def queue_view(
     ``only``: the workloads shown (``position`` stays the place in the whole queue;
     ``totals`` counts every pending and running workload). Each pending row has a
     ``reason`` code (:data:`WAIT_REASONS`) and its ``reason_text``; ``wait_context``
-    (made here when not given: one cycle's cost) is what they come from."""
+    (made here when not given: one cycle's cost) is what they come from. On a
+    federated cluster, a row whose team ranks low because of its usage on other
+    clusters has ``other_clusters`` (:class:`PeerRanking`)."""
     now = max(state.now_ms, now_ms if now_ms is not None else state.now_ms)
     est = estimates if estimates is not None else estimates_for(state, history)
     view = FairShareView(state)
     only = only if only is not None else QueueFilter()
     ctx = wait_context if wait_context is not None else WaitContext(state)
+    ranking = PeerRanking(state, view)
     pending = []
     for i, w in enumerate(ctx.order, start=1):
         if not only.matches(w):
@@ -445,6 +537,8 @@ def queue_view(
         row["reason_text"] = WAIT_REASONS[code]
         row["wait_ms"] = max(0, now - w.queued_ms)
         row["ratios"] = _ratio_rows(state, view, w.owner) if w.allocated else []
+        if w.allocated and (lowered := ranking.words(w.owner)) is not None:
+            row["other_clusters"] = lowered
         row.update(_estimate_fields(est, w.id, now))
         pending.append(row)
     # held work is out of the order the cycle walks: after it, by submit time
@@ -554,6 +648,8 @@ def budget_tree(state: State, detail: bool = False) -> dict[str, Any]:
     tree = state.budget
     view = FairShareView(state)
     root_usage = view.charged[ROOT]
+    federated = is_federated(state)
+    lookback = state.policy.lookback_ms
     capacity = _capacity_gpus(state)
     window_h = state.policy.lookback_ms / HOUR_MS
     running: dict[str, int] = {}
@@ -580,6 +676,14 @@ def budget_tree(state: State, detail: bool = False) -> dict[str, Any]:
             "usage_gpu_h": view.charged[path] / HOUR_MS,
             "committed_gpu_h": view.committed.get(path, 0) / HOUR_MS,
         }
+        if detail and federated:
+            here = n.series.window(state.now_ms, lookback)
+            out.update(
+                usage_here_gpu_h=here / HOUR_MS,
+                usage_peers_gpu_h=(view.charged[path] - here) / HOUR_MS,
+                ranked_gpu_h=ranked_total(view, path) / HOUR_MS,
+                share_pct=share_pct(state, view, path),
+            )
         if detail:
             effective = Fraction(view.charged[path], root_usage) if root_usage else Fraction(0)
             out.update(
@@ -594,7 +698,61 @@ def budget_tree(state: State, detail: bool = False) -> dict[str, Any]:
         out["children"] = [node(c) for c in n.children]
         return out
 
-    return node(ROOT)
+    top = node(ROOT)
+    if detail and federated:
+        top["federation"] = federation_json(state)
+    return top
+
+
+def peers_heard(state: State) -> list[dict[str, Any]]:
+    """Per peer cluster (named by the policy, or heard from), what of its usage was
+    folded: ``heard_until_ms``, the end of the last interval folded from it (``None``:
+    nothing yet), ``heard_from_ms`` where the intervals kept start, and ``gaps``,
+    the intervals between those not heard of (their usage is not counted yet)."""
+    me = state.policy.cluster_name
+    named = () if isinstance(state.policy.peers, UnsetType) else state.policy.peers
+    rows = []
+    for source in sorted({p for p in named if p != me} | set(state.peer_intervals)):
+        spans = state.peer_intervals.get(source, [])
+        rows.append(
+            {
+                "cluster": source,
+                "heard_from_ms": spans[0][0] if spans else None,
+                "heard_until_ms": heard_until(state, source),
+                "gaps": [[a[1], b[0]] for a, b in zip(spans, spans[1:], strict=False)],
+            }
+        )
+    return rows
+
+
+def federation_json(state: State) -> dict[str, Any]:
+    """The share view's word on the federation: this cluster, the peers heard from
+    (:func:`peers_heard`) and what ``share_pct`` is a percentage of."""
+    basis = share_basis(state)
+    return {
+        "cluster": state.policy.cluster_name,
+        "peers": peers_heard(state),
+        "share_basis": basis,
+        "share_basis_text": SHARE_BASIS_WORDS[basis],
+    }
+
+
+def peers_words(peers: list[dict[str, Any]], now_ms: int) -> list[str]:
+    """One line per peer cluster of :func:`peers_heard`: until when its usage is
+    counted here, and the first interval not heard of, if any."""
+    out = []
+    for p in peers:
+        until = p["heard_until_ms"]
+        if until is None:
+            out.append(f"{p['cluster']}: nothing heard yet (its usage is not counted)")
+            continue
+        line = f"{p['cluster']}: usage counted until {when(until, now_ms)}"
+        if p["gaps"]:
+            a, b = p["gaps"][0]
+            more = f" and {len(p['gaps']) - 1} more" if len(p["gaps"]) > 1 else ""
+            line += f"; not heard of: {iso(a)} to {iso(b)}{more}"
+        out.append(line)
+    return out
 
 
 def explain(
@@ -734,11 +892,12 @@ def explain(
     else:
         window = span(state.policy.lookback_ms)
         parts = []
-        lookback = state.policy.lookback_ms
+        ranking = PeerRanking(state, view)
+        of_tree = " of what the tree used" if ranking.on else ""
         for p, u, wt, _r in view.path_ratios(w.owner):
             pct = share_pct(state, view, p)
-            used = f"{pct:.0f}% of its share" if pct is not None else "no capacity"
-            peer = state.budget.nodes[p].peer_charged(state.now_ms, lookback)
+            used = f"{pct:.0f}% of its share{of_tree}" if pct is not None else "no capacity"
+            peer = ranking.peer.get(p, 0)
             elsewhere = f", {gpu_hours(peer)} of it on other clusters" if peer else ""
             parts.append(
                 f"{p} used {used} ({gpu_hours(u)} in the {window} window{elsewhere}, weight {wt})"
@@ -746,6 +905,13 @@ def explain(
         reasons.append(
             "sort key (lower share used ranks first among siblings): " + "; ".join(parts)
         )
+        lowered = ranking.words(w.owner)
+        if lowered is not None:
+            out["other_clusters"] = lowered
+            reasons.append(
+                f"ranked low by usage on other clusters: {lowered}; without that usage it "
+                "would rank ahead of a sibling it now follows"
+            )
     fits = [n for n in state.nodes.values() if n.schedulable and takes(w.gpu_type, n.gpu_type)]
     kind = "" if is_any(w.gpu_type) else f" {w.gpu_type}"
     if not fits:

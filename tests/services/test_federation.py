@@ -8,9 +8,10 @@ Each cluster's INPUTS sources its peer's ``USAGE_<peer>`` and the hub's
 ``TREE``; a forwarder publishes the ``UsageReported`` decisions of its
 cluster's batches to ``USAGE_<c>``.
 
-The decision batches are written by hand as JSON (the forwarder reads them as
-JSON and does not need the decision's schema); once the core's
-``UsageReported`` lands, the audit of each cluster can be added on top.
+Most tests write the decision batches by hand as JSON (the forwarder reads them
+as JSON and does not need the decision's schema); the end-to-end one runs a
+real scheduler, forwarder and executor emulator on each cluster, and audits
+each cluster's history after a partition.
 """
 
 from __future__ import annotations
@@ -222,7 +223,9 @@ async def _tree_admin(t: Topology) -> Any:
     return nc
 
 
-async def _publish_tree(admin: Any, path: str, weight: int) -> str:
+async def _publish_tree(
+    admin: Any, path: str, weight: int, owner: str = "alice", actor: str = "admin"
+) -> str:
     event_id = f"budget-{path}-{weight}"
     body = {
         "kind": "BudgetSet",
@@ -230,8 +233,8 @@ async def _publish_tree(admin: Any, path: str, weight: int) -> str:
         "at_ms": 1,
         "path": path,
         "weight": weight,
-        "owner": "alice",
-        "actor": "admin",
+        "owner": owner,
+        "actor": actor,
     }
     await admin.jetstream(timeout=5.0).publish(
         fed.tree_subject("BudgetSet"), json.dumps(body).encode(), headers={"Nats-Msg-Id": event_id}
@@ -239,14 +242,22 @@ async def _publish_tree(admin: Any, path: str, weight: int) -> str:
     return event_id
 
 
-async def _inputs(side: Side) -> list[tuple[str, dict[str, Any]]]:
-    """Every message of the side's INPUTS: (subject, payload)."""
-    info = await side.js.stream_info(f"INPUTS_{side.c}")
+async def _messages(side: Side, stream: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every message of the side's stream ``stream`` (``INPUTS``, ``DECISIONS``):
+    (subject, payload). INPUTS as its leader holds it; the scheduler may read
+    the others with direct gets only."""
+    name = f"{stream}_{side.c}"
+    info = await side.js.stream_info(name)
     out = []
     for seq in range(info.state.first_seq or 1, info.state.last_seq + 1):
-        m = await side.js.get_msg(f"INPUTS_{side.c}", seq)
+        m = await side.js.get_msg(name, seq, direct=stream != "INPUTS")
         out.append((m.subject, json.loads(m.data)))
     return out
+
+
+async def _inputs(side: Side) -> list[tuple[str, dict[str, Any]]]:
+    """Every message of the side's INPUTS: (subject, payload)."""
+    return await _messages(side, "INPUTS")
 
 
 async def _until(side: Side, done: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -420,6 +431,200 @@ async def test_a_partition_loses_nothing_and_counts_nothing_twice(topology: Topo
         for side in sides.values():
             await side.nc.close()
         await admin.close()
+
+
+async def _decisions(side: Side) -> list[dict[str, Any]]:
+    """Every decision of the side's DECISIONS, in order."""
+    return [d for _, batch in await _messages(side, "DECISIONS") for d in batch["decisions"]]
+
+
+def _charged(reports: list[dict[str, Any]], path: str) -> int:
+    """GPU-ms the ``UsageReported`` decisions ``reports`` charge to ``path`` and the
+    nodes under it (the root ``""``: everything)."""
+    return sum(
+        gpu_ms
+        for r in reports
+        for leaf, gpu_ms in r["charges"]
+        if path in ("", leaf) or leaf.startswith(f"{path}/")
+    )
+
+
+@pytest.mark.slow
+async def test_two_schedulers_count_each_others_usage_once_through_a_partition(
+    topology: Topology,
+) -> None:
+    """Issue 29's partition test, end to end: ``east`` and ``west`` each run a
+    scheduler with its usage forwarder (``runner.run_scheduler``) under a policy
+    naming both, with 10 s summaries; one budget tree (teams ``a`` and ``b``)
+    made on the hub; work on ``east`` only, run by the executor emulator.
+    ``west`` counts ``east``'s usage (``a`` ranks below idle ``b``). ``east`` is
+    cut off for three whole summary intervals and more while both go on
+    deciding, then rejoined: every ``UsageReported`` of each cluster is folded by the other
+    exactly once (none refused, the peer's totals equal the reported sums, the
+    intervals heard one span), and each cluster's audit reproduces every
+    decision batch its scheduler wrote."""
+    from apportion.core.ordering import FairShareView
+    from apportion.core.rules.federation import MIN_SUMMARY_MS, heard_until, interval_end
+    from apportion.core.state import State
+    from apportion.core.usage import PeerSeries
+    from apportion.schemas.events import NodeRegistered, PolicySet
+    from apportion.services.executor import Executor
+    from apportion.services.runner import run_scheduler
+    from apportion.services.scheduler import Scheduler, wall_ms
+    from services_helpers import audit_live, eventually, submit
+
+    t = topology
+    admin = await _tree_admin(t)
+    sides = {c: await _side(t, c) for c in CLUSTERS}
+    ops = {c: await connect(t.url_as(c, "operator"), name=f"op-{c}") for c in CLUSTERS}
+    exe = await connect(t.url_as("east", "executor"), name="executor-east")
+    oplog = {c: JetStreamLog(nc.jetstream(timeout=5.0), c) for c, nc in ops.items()}
+    schedulers = {c: Scheduler(JetStreamLog(sides[c].js, c), name=c) for c in CLUSTERS}
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
+
+    def state(c: str) -> State:
+        """What ``c``'s scheduler holds now (an empty state while it recovers)."""
+        return schedulers[c].state or State()
+
+    def ended(*workloads: str) -> bool:
+        return all(state("east").status_of(w) == "succeeded" for w in workloads)
+
+    def reported(c: str) -> int:
+        return state(c).reported_until_ms or 0
+
+    def heard(c: str, source: str) -> int:
+        return heard_until(state(c), source) or 0
+
+    def a_below_b() -> bool:
+        view = FairShareView(state("west"))
+        a, b = view.charged.get("a", 0), view.charged.get("b", 0)
+        return a > 0 and b == 0 and view.rank("a") > view.rank("b")
+
+    async def run_on_east(*names: str, duration_ms: int) -> None:
+        await oplog["east"].publish_inputs(
+            [
+                submit(n, owner="a", gpus=8, min_runtime_ms=2_000, duration_ms=duration_ms)
+                for n in names
+            ]
+        )
+
+    try:
+        for c, side in sides.items():
+            await fed.join(side.js, c, [p for p in CLUSTERS if p != c])
+        tasks = [asyncio.create_task(run_scheduler(s, stop)) for s in schedulers.values()]
+        executor = Executor(JetStreamLog(exe.jetstream(timeout=5.0), "east"))
+        tasks.append(asyncio.create_task(executor.run(stop)))
+        for path in ("", "a", "b"):  # one tree, made once on the hub
+            await _publish_tree(admin, path, 1, owner="ops", actor="ops")
+        for c in CLUSTERS:
+            await eventually(
+                lambda c=c: {"a", "b"} <= set(state(c).budget.nodes),
+                timeout=WAIT_S,
+                what=f"the tree in {c}",
+            )
+            hosts: list[Any] = [
+                NodeRegistered(
+                    id=f"node-{c}{i}", at_ms=0, node=f"{c}{i}", gpus=8, gpu_type="h100", actor="ops"
+                )
+                for i in range(2)
+            ]
+            policy = PolicySet(
+                id=f"policy-{c}",
+                at_ms=0,
+                actor="ops",
+                cluster=c,
+                peers=CLUSTERS,
+                usage_summary_ms=MIN_SUMMARY_MS,
+            )
+            await oplog[c].publish_inputs([*hosts, policy])
+
+        # 1. a runs on east; west counts it there: a ranks below b, which used nothing
+        await run_on_east("a1", "a2", duration_ms=6_000)
+        await eventually(a_below_b, timeout=WAIT_S, what="west counting a's usage on east")
+        west = state("west")
+        assert FairShareView(west).charged["a"] == west.budget.nodes["a"].peer_charged(
+            west.now_ms, west.policy.lookback_ms
+        )
+
+        # 2. east cut off for three whole intervals and more; both go on deciding
+        t.relink("east", linked=False)
+        await t.wait_leafs(1)
+        cut = {c: reported(c) for c in CLUSTERS}
+        rejoin_ms = interval_end(wall_ms(), MIN_SUMMARY_MS) + 3 * MIN_SUMMARY_MS
+        await run_on_east("a3", "a4", "a5", duration_ms=5_000)
+        await eventually(
+            lambda: (
+                ended("a1", "a2", "a3", "a4", "a5")
+                and all(reported(c) >= rejoin_ms for c in CLUSTERS)
+            ),
+            timeout=WAIT_S,
+            what="a1-a5 run on east, three intervals after the cut reported on each side",
+        )
+        # each side ranks on the other's usage as last heard: nothing crossed the cut
+        assert heard("west", "east") <= cut["east"] < reported("east")
+        assert heard("east", "west") <= cut["west"] < reported("west")
+        assert a_below_b()
+
+        # 3. rejoined: what each side reported meanwhile reaches the other, once
+        t.relink("east", linked=True)
+        await t.wait_leafs(2)
+        reports: dict[str, list[dict[str, Any]]] = {}
+        for c, peer in (("east", "west"), ("west", "east")):
+            reports[c] = [d for d in await _decisions(sides[c]) if d["kind"] == fed.REPORT_KIND]
+            until = reports[c][-1]["end_ms"]
+            await eventually(
+                lambda c=c, peer=peer, until=until: heard(peer, c) >= until,
+                timeout=WAIT_S,
+                what=f"{peer} hearing {c} up to {until}",
+            )
+        for c, peer in (("east", "west"), ("west", "east")):
+            mine, s = reports[c], state(peer)
+            until = mine[-1]["end_ms"]
+            # every interval in turn, none skipped; the peer holds them as one span
+            assert [r["start_ms"] for r in mine[1:]] == [r["end_ms"] for r in mine[:-1]], c
+            assert [span[0] for span in s.peer_intervals[c]] == [mine[0]["start_ms"]], c
+            # and counts exactly what was reported, for every node of the tree
+            for path in ("", "a", "b"):
+                series = s.budget.nodes[path].peer
+                counted = series.cumulative(until) if isinstance(series, PeerSeries) else 0
+                assert counted == _charged(mine, path), (c, peer, path)
+            # each summary stored once in the peer's INPUTS, in order, none refused
+            got = await _inputs(sides[peer])
+            starts = _summaries(got, peer, c)
+            assert starts[: len(mine)] == [r["start_ms"] for r in mine], (c, peer)
+            assert len(set(starts)) == len(starts), (c, peer)
+            ids = {b["id"] for subj, b in got if subj == fed.summary_subject(peer, c)}
+            refused = [d for d in await _decisions(sides[peer]) if d["kind"] == "InputRejected"]
+            assert not [d for d in refused if d["ref"] in ids], refused
+        # west counted what east charged itself over the reported span, some of it
+        # while the link was down
+        mine, own = reports["east"], state("east").budget.nodes["a"].series
+        assert _charged(mine, "a") == own.cumulative(mine[-1]["end_ms"]) - own.cumulative(
+            mine[0]["start_ms"]
+        )
+        assert _charged([r for r in mine if r["start_ms"] >= cut["east"]], "a") > 0
+        assert _charged(mine, "b") == _charged(reports["west"], "") == 0
+
+        # 4. each cluster's history audits: every decision batch reproduced
+        stop.set()
+        async with asyncio.timeout(WAIT_S):
+            await asyncio.gather(*tasks)
+        audits = await asyncio.gather(
+            *(asyncio.to_thread(audit_live, t.url_as(c, "auditor"), c) for c in CLUSTERS)
+        )
+        for c, out in zip(CLUSTERS, audits, strict=True):
+            assert out.returncode == 0 and "all reproduced" in out.stdout, (
+                c,
+                out.stdout,
+                out.stderr,
+            )
+    finally:
+        stop.set()
+        async with asyncio.timeout(WAIT_S):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for nc in (admin, exe, *ops.values(), *(s.nc for s in sides.values())):
+            await nc.close()
 
 
 async def test_a_running_forwarder_starts_when_its_cluster_joins(topology: Topology) -> None:

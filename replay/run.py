@@ -109,9 +109,11 @@ def load_inputs(
         raise ValueError("--set KEY=VALUE goes with a generated scenario, not with --trace")
     if cluster is None:
         raise ValueError("--trace needs --cluster FILE (nodes, budget tree and policy)")
-    inp.set_clusters(load_federation(cluster))
+    spec = load_federation(cluster)
+    inp.set_clusters(spec)
     rows, errors = read_trace(trace)
     inp.problems.extend(str(e) for e in errors)
+    rows = _on_known_clusters(rows, spec.names, str(trace), inp.problems)
     inp.trace, inp.trace_file = rows, str(trace)
     if health is not None:
         hrows, herrors = read_health(health)
@@ -122,6 +124,30 @@ def load_inputs(
     inp.days = days
     inp.label = f"{trace}"
     return inp
+
+
+def _on_known_clusters(
+    rows: list[TraceRow], names: list[str], path: str, problems: list[str]
+) -> list[TraceRow]:
+    """``rows`` without those whose ``cluster`` the cluster file does not have (each
+    a problem of its line, like any row that cannot run; the others run)."""
+    known = set(names)
+    kept = []
+    for r in rows:
+        if r.cluster and r.cluster not in known:
+            problems.append(
+                str(
+                    InputFileError(
+                        path,
+                        r.line,
+                        f"row {r.id!r} names cluster {r.cluster!r}; the cluster file has "
+                        + ", ".join(repr(n) for n in names),
+                    )
+                )
+            )
+        else:
+            kept.append(r)
+    return kept
 
 
 def scenario_cluster_doc(sc: Any) -> dict[str, Any]:

@@ -182,6 +182,39 @@ def test_a_row_naming_no_cluster_of_the_file_is_an_error() -> None:
         run_federation(federation_from_dict(doc()), [row("x", "a/x", 0, 8, 1, "north")], days=1)
 
 
+def test_simulate_leaves_out_a_row_naming_no_cluster_of_the_file(tmp_path) -> None:
+    """From files, such a row is a problem of its line, like a malformed one: reported,
+    left out, and the other rows run (exit 0)."""
+    from click.testing import CliRunner
+
+    from apportion.cli import main
+
+    (tmp_path / "c.toml").write_text(
+        "".join(
+            f'[[clusters]]\nname = "{name}"\n[[clusters.pool]]\nprefix = "{name[0]}"\n'
+            f'count = 2\ngpus_per_node = 8\ngpu_type = "h100"\n'
+            for name in ("east", "west")
+        )
+        + '[budget]\nowner = "ops"\n[budget.a]\nweight = 1\nowner = "an"\n'
+        + '[budget.a.x]\nweight = 1\nowner = "ax"\n'
+    )
+    (tmp_path / "t.csv").write_text(
+        "id,submit,owner,gpus,duration,min_runtime,resumable,priority,gpu_type,cluster\n"
+        "ok,0,a/x,8,3600,600,true,0,any,\n"
+        "lost,10,a/x,8,3600,600,true,0,any,north\n"
+    )
+    r = CliRunner().invoke(
+        main,
+        ["simulate", "--cluster", str(tmp_path / "c.toml"), "--trace", str(tmp_path / "t.csv")]
+        + ["-q", "--json"],
+    )
+    assert r.exit_code == 0, r.output
+    assert "t.csv:3: row 'lost' names cluster 'north'; the cluster file has 'east', 'west'" in (
+        r.stderr
+    )
+    assert msgspec.json.decode(r.stdout.splitlines()[-1])["workloads"] == 1
+
+
 def test_explain_says_how_much_of_a_team_s_usage_was_on_other_clusters() -> None:
     from apportion.services.views import explain, replay_history
 

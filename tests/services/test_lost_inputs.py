@@ -57,8 +57,9 @@ def own_server(tmp_path: Path, cluster: str):
 
 def damage_first_block(store: Path, stream: str) -> None:
     """Flip 64 bytes in the first block of ``stream`` under the JetStream store
-    ``store`` (the streams are in the account APPORTION)."""
-    folder = store / "jetstream" / "APPORTION" / "streams" / stream / "msgs"
+    ``store`` (in whichever account holds it: APPORTION on a server with the
+    accounts of production, the global account on one without users)."""
+    [folder] = store.glob(f"jetstream/*/streams/{stream}/msgs")
     blocks = sorted(folder.glob("*.blk"), key=lambda p: int(p.stem))
     assert len(blocks) >= 2, blocks
     data = bytearray(blocks[0].read_bytes())

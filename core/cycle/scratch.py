@@ -50,7 +50,7 @@ class Scratch:
         self.t = state.now_ms
         self.decisions: list[Decision] = []
         self.view = FairShareView(state)
-        self.usage = dict(self.view.usage)  # working usage, with projected charges
+        self.usage = self.view.working()  # working usage, with projected charges
         index = state.node_index
         self.gpus = FreeGPUs(state)  # free GPUs as this cycle changes them
         self.free = self.gpus.free  # per node (read only: change with set_free)

@@ -261,3 +261,27 @@ def test_leaf_positions_order_leaves_as_their_rank_tuples_do(spec) -> None:
     assert by_position == sorted(leaves, key=ranks)
     assert len({view.leaf_position(p) for p in leaves}) == len(leaves)
     assert all(view.leaf_position(p) >= 0 for p in leaves)
+
+
+def test_view_usage_is_computed_on_first_read_and_equals_the_windows() -> None:
+    """The view computes a node's usage when first read (a cycle reads a few
+    families): every node reads as its window plus its commitment, ``get`` computes
+    too, a path outside the tree gets the default, and the working copy starts
+    from the view's usage and takes charges without changing it."""
+    s = research().submit("old", "research/nlp/ann", gpus=8).place("old", "n0")
+    s.at(DAY).finish("old").submit("now", "research/cv/ben", gpus=8, min_runtime_ms=H)
+    s.place("now", "n1").tick(DAY + 10 * 60_000)
+    state = s.state
+    view = FairShareView(state)
+    assert dict(view.usage) == {}  # nothing read yet
+    now, lookback = state.now_ms, state.policy.lookback_ms
+    for path, node in state.budget.nodes.items():
+        charged = node.charged(now, lookback)
+        assert view.charged.get(path) == charged
+        assert view.usage[path] == charged + view.committed.get(path, 0)
+    assert view.committed["research/cv/ben"] == 8 * 50 * 60_000
+    assert view.usage.get("no/such", -1) == -1 and "no/such" not in view.usage
+    working = view.working()
+    working["research"] += 5
+    assert working["research"] == view.usage["research"] + 5
+    assert working["ops"] == view.usage["ops"]

@@ -1,8 +1,11 @@
 """A 3-node JetStream cluster on loopback: replicas=3 streams survive a SIGKILLed leader.
 
 Three nats-server processes, each with its own generated config (free loopback
-client and route ports) and store dir. The scheduler runs as ``apportion serve
-scheduler --replicas 3`` with a multi-server ``NATS_URL``. Inputs are published
+client and route ports, the accounts and users of production) and store dir.
+Each part connects as its production user: the scheduler runs as ``apportion
+serve scheduler --replicas 3`` with a multi-server ``NATS_URL`` of the
+``scheduler`` user, the cluster's nodes, budget and work are published by the
+operator, and the audit runs as the auditor. Inputs are published
 before and after the INPUTS stream leader is killed (retrying while a new leader
 is elected; ``Nats-Msg-Id`` makes a retried publish land once); the scheduler
 must place every submitted workload and an audit of the history must pass.
@@ -20,7 +23,9 @@ from pathlib import Path
 import pytest
 from apportion.schemas.events import Input, WorkloadPlaced
 from apportion.services.bus import JetStreamLog, connect
+from apportion.services.natsconf import accounts_conf, user_url, users_of
 from apportion.services.stack import free_port, nats_server_binary
+from conftest import TEST_HOSTS, password
 from services_helpers import (
     APPORTION_CMD,
     audit_live,
@@ -46,6 +51,7 @@ jetstream {{
 cluster {{
   name: apportion_test
   listen: 127.0.0.1:{route}
+  no_advertise: true
   routes: [
 {routes}
   ]
@@ -54,7 +60,7 @@ cluster {{
 
 
 class NatsCluster:
-    def __init__(self, root: Path, binary: str) -> None:
+    def __init__(self, root: Path, binary: str, cluster: str) -> None:
         self.names = [f"n{i}" for i in range(1, 4)]
         self.ports = {n: free_port() for n in self.names}
         route_ports = {n: free_port() for n in self.names}
@@ -67,14 +73,18 @@ class NatsCluster:
             store = root / n / "store"
             store.mkdir(parents=True)
             conf = root / n / "server.conf"
-            conf.write_text(
-                NODE_CONF.format(
-                    name=n, port=self.ports[n], store=store, route=route_ports[n], routes=routes
-                )
+            server = NODE_CONF.format(
+                name=n, port=self.ports[n], store=store, route=route_ports[n], routes=routes
             )
+            users = {u: password(u) for u in users_of(TEST_HOSTS)}
+            conf.write_text(accounts_conf(cluster, TEST_HOSTS, users, server=server))
             self.confs[n] = conf
             self.logs[n] = root / n / "server.log"
         self.url = ",".join(f"nats://127.0.0.1:{self.ports[n]}" for n in self.names)
+
+    def url_as(self, user: str, url: str | None = None) -> str:
+        """``url`` (every member by default) as ``user`` of the production accounts."""
+        return user_url(url or self.url, user, password(user))
 
     def start(self) -> None:
         for n in self.names:
@@ -101,12 +111,12 @@ class NatsCluster:
 
 
 @pytest.fixture
-def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+def nats_cluster(tmp_path: Path, cluster: str) -> Iterator[NatsCluster]:
     try:
         binary = nats_server_binary()
     except FileNotFoundError:
         pytest.skip("no nats-server binary")
-    c = NatsCluster(tmp_path / "nats", binary)
+    c = NatsCluster(tmp_path / "nats", binary, cluster)
     try:
         c.start()
         yield c
@@ -130,12 +140,14 @@ async def publish_retrying(log: JetStreamLog, event: Input, attempts: int = 120)
 async def test_replicated_streams_survive_a_sigkilled_leader(
     nats_cluster: NatsCluster, cluster: str, tmp_path: Path
 ) -> None:
-    nc = await connect(nats_cluster.url, name="test-publisher")
+    nc = await connect(nats_cluster.url_as("scheduler"), name="test-scheduler")
     log = JetStreamLog(nc.jetstream(), cluster, replicas=3)
     await log.setup(attempts=120)
+    op = await connect(nats_cluster.url_as("operator"), name="test-operator")
+    oplog = JetStreamLog(op.jetstream(), cluster, replicas=3)
     for event in small_cluster(nodes=4):
-        await publish_retrying(log, event)
-    env = {**os.environ, "NATS_URL": nats_cluster.url}
+        await publish_retrying(oplog, event)
+    env = {**os.environ, "NATS_URL": nats_cluster.url_as("scheduler")}
     err_path = tmp_path / "scheduler.err"
     with open(err_path, "w") as err:
         sched = subprocess.Popen(
@@ -155,7 +167,7 @@ async def test_replicated_streams_survive_a_sigkilled_leader(
             return set(want) <= await watcher.poll()
 
         for name in names[:10]:
-            await publish_retrying(log, submit(name, gpus=1))
+            await publish_retrying(oplog, submit(name, gpus=1))
         await eventually(lambda: placed(*names[:10]), timeout=90, what="first ten placed")
 
         info = await log.js.stream_info(log.subjects.inputs_stream)
@@ -163,7 +175,7 @@ async def test_replicated_streams_survive_a_sigkilled_leader(
         assert leader in nats_cluster.names and info.config.num_replicas == 3
         nats_cluster.kill(leader)
         for name in names[10:]:
-            await publish_retrying(log, submit(name, gpus=1))
+            await publish_retrying(oplog, submit(name, gpus=1))
         await eventually(lambda: placed(*names), timeout=120, what="every workload placed")
         info = await log.js.stream_info(log.subjects.inputs_stream)
         assert info.cluster.leader not in (None, leader)
@@ -175,6 +187,7 @@ async def test_replicated_streams_survive_a_sigkilled_leader(
 
     inputs, batches = await read_all(log)
     await nc.drain()
+    await op.close()
     assert [i.seq for i in inputs] == list(range(1, len(inputs) + 1))
     submitted = [i.event.workload for i in inputs if i.ref.startswith("submit-")]
     assert sorted(submitted) == sorted(names)  # nothing lost, nothing stored twice
@@ -185,7 +198,7 @@ async def test_replicated_streams_survive_a_sigkilled_leader(
     ]
     assert sorted(placed_all) == sorted(names)
     full_fold(inputs, batches)
-    out = audit_live(nats_cluster.url, cluster)
+    out = audit_live(nats_cluster.url_as("auditor"), cluster)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all reproduced" in out.stdout, out.stdout
     print(out.stdout)
@@ -200,17 +213,20 @@ async def test_replicated_inputs_survive_a_member_with_a_damaged_store(
     and audits."""
     from test_lost_inputs import damage_first_block, publish_filler
 
-    nc = await connect(nats_cluster.url, name="test-publisher")
+    nc = await connect(nats_cluster.url_as("scheduler"), name="test-scheduler")
     log = JetStreamLog(nc.jetstream(), cluster, replicas=3)
     await log.setup(attempts=120)
+    op = await connect(nats_cluster.url_as("operator"), name="test-operator")
+    oplog = JetStreamLog(op.jetstream(), cluster, replicas=3)
     for event in small_cluster(nodes=2):
-        await publish_retrying(log, event)
-    await publish_filler(log)
-    await publish_retrying(log, submit("after-filler", gpus=4))
+        await publish_retrying(oplog, event)
+    await publish_filler(oplog)
+    await publish_retrying(oplog, submit("after-filler", gpus=4))
     last = await log.last_input_seq()
     info = await log.js.stream_info(log.subjects.inputs_stream)
     damaged = info.cluster.leader  # the worst member to damage: it was serving reads
     await nc.close()
+    await op.close()
 
     kill_and_reap(nats_cluster.procs[damaged], signal.SIGTERM)
     store = nats_cluster.confs[damaged].parent / "store"
@@ -222,7 +238,7 @@ async def test_replicated_inputs_survive_a_member_with_a_damaged_store(
     )  # fmt: skip
     wait_port(nats_cluster.ports[damaged], nats_cluster.procs[damaged])
 
-    nc = await connect(nats_cluster.url, name="test-reader")
+    nc = await connect(nats_cluster.url_as("scheduler"), name="test-reader")
     log = JetStreamLog(nc.jetstream(), cluster, replicas=3)
 
     async def replicas_current() -> bool:
@@ -237,7 +253,8 @@ async def test_replicated_inputs_survive_a_member_with_a_damaged_store(
     # read through each member, the damaged one included (direct gets may be answered
     # by any replica): INPUTS is whole everywhere
     for name in nats_cluster.names:
-        member = await connect(f"nats://127.0.0.1:{nats_cluster.ports[name]}", name="member")
+        one = f"nats://127.0.0.1:{nats_cluster.ports[name]}"
+        member = await connect(nats_cluster.url_as("scheduler", one), name="member")
         try:
             member_log = JetStreamLog(member.jetstream(), cluster, replicas=3)
             for _ in range(3):
@@ -247,5 +264,5 @@ async def test_replicated_inputs_survive_a_member_with_a_damaged_store(
         finally:
             await member.close()
     await nc.close()
-    done = audit_live(nats_cluster.url, cluster)
+    done = audit_live(nats_cluster.url_as("auditor"), cluster)
     assert done.returncode == 0, done.stdout + done.stderr

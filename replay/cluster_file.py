@@ -201,7 +201,12 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
 
     unknown = sorted(set(doc) - {"cluster", "policy", "budget"})
     if unknown == ["clusters"] or unknown == ["clusters", "federation"]:
-        raise fail("clusters", "a file of several clusters: read it as a federation")
+        raise fail(
+            "clusters",
+            "a file of several clusters (read as a federation by simulate and outcomes); "
+            "a live cluster takes one [cluster]: give each its own file "
+            "(docs/federation.md)",
+        )
     if unknown:
         raise fail(unknown[0], "unknown table (expected [cluster], [policy], [budget])")
     cluster = doc.get("cluster")

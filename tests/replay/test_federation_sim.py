@@ -274,7 +274,10 @@ def test_a_cluster_file_of_several_clusters(tmp_path: Any) -> None:
     path.write_text(FILE.format(start=1))
     with pytest.raises(InputFileError, match="'n001' is in both 'east' and 'west'"):
         load_federation(path)
-    with pytest.raises(InputFileError, match="read it as a federation"):
+    with pytest.raises(
+        InputFileError,
+        match="read as a federation by simulate and outcomes.*give each its own file",
+    ):
         load_cluster(path)
     bad = {**doc(partition=[{"cluster": "north", "from": "1h", "until": "2h"}])}
     with pytest.raises(InputFileError, match="no cluster 'north'"):

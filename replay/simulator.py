@@ -191,6 +191,10 @@ def submission(row: TraceRow, at_ms: int, state: State) -> WorkloadSubmitted:
     )
 
 
+COMMIT_EVERY = 200_000
+"""How many events the projection of a simulation buffers between commits."""
+
+
 def simulate(
     cluster_events: Sequence[Input],
     trace_rows: Iterable[TraceRow],
@@ -200,7 +204,7 @@ def simulate(
     *,
     con: duckdb.DuckDBPyConnection | None = None,
     sink: Observer | None = None,
-    commit_every: int = 200_000,
+    commit_every: int = COMMIT_EVERY,
     estimate_every: int = DEFAULT_ESTIMATE_EVERY,
     history: bool = True,
     **kw: Any,

@@ -58,7 +58,7 @@ from .eventlog import CONFIG_TYPES, CanonicalLog
 from .kpi import compute_kpis
 from .projection import Projection
 from .run import KPI_COMMIT_EVERY
-from .simulator import SimResult, simulate
+from .simulator import COMMIT_EVERY, SimResult, simulate
 
 
 class PolicyChange(msgspec.Struct, kw_only=True):
@@ -226,7 +226,7 @@ def whatif(log: CanonicalLog, change: PolicyChange, *, keep_history: bool = Fals
         end_ms=end_ms,
         timed_inputs=timed,
         history=keep_history,
-        commit_every=200_000 if keep_history else KPI_COMMIT_EVERY,
+        commit_every=COMMIT_EVERY if keep_history else KPI_COMMIT_EVERY,
     )
     assert sim.con is not None
     events = None if keep_history else sim.events

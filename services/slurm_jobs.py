@@ -392,11 +392,10 @@ class SlurmCli:
 
     async def cluster_name(self) -> str:
         """Slurm's ``ClusterName`` (``scontrol show config``)."""
-        for line in (await self.run("scontrol", "show", "config")).splitlines():
-            key, _, value = line.partition("=")
-            if key.strip() == "ClusterName":
-                return value.strip()
-        raise SlurmError("scontrol show config: no ClusterName")
+        name = (await self.config()).get("ClusterName")
+        if name is None:
+            raise SlurmError("scontrol show config: no ClusterName")
+        return name
 
     async def config(self) -> dict[str, str]:
         """``scontrol show config`` as key -> value."""

@@ -78,10 +78,10 @@ def remember(state: State, item: InputItem) -> None:
     sent = item.sent_ms
     if sent is None or item.event is None:
         return
-    if is_sourced(item.subject):
-        until = max(state.now_ms, item.at_ms) + WINDOW_MS
-    else:
-        until = min(sent, item.at_ms) + WINDOW_MS
+    until = min(sent, item.at_ms) + WINDOW_MS
+    at = max(state.now_ms, item.at_ms)
+    if until < at:  # accepted though sent before the window: a sourced input
+        until = at + WINDOW_MS  # remembered for the window after it is folded
     state.input_ids[item.event.id] = until
     heapq.heappush(state.input_id_expiry, (until, item.event.id))
 

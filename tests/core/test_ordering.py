@@ -249,7 +249,8 @@ def test_leaf_positions_order_leaves_as_their_rank_tuples_do(spec) -> None:
     for i, (_, _, pick, gpus) in enumerate(spec):
         leaf = leaves[pick % len(leaves)]
         s.submit(f"w{i}", leaf, gpus=min(gpus, 8), min_runtime_ms=0)
-        s.place(f"w{i}", f"h{i % 2}") if s.state.nodes[f"h{i % 2}"].free >= min(gpus, 8) else None
+        if s.state.nodes[f"h{i % 2}"].free >= min(gpus, 8):
+            s.place(f"w{i}", f"h{i % 2}")
         s.after(H // 7)
     s.tick()
     view = FairShareView(s.state)

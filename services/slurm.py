@@ -286,8 +286,8 @@ class SlurmBridge:
         """Job id -> the comment written last (written again only when it changes)."""
         self.reported = 0
         self.submitted = 0
-        self._nodes_read = 0
-        """The round whose start read the nodes last."""
+        self._nodes_fresh = False
+        """This round read the nodes (at its start)."""
         self.slurm_cluster: str | None = None
         """Slurm's ``ClusterName`` (the middle of every workload id it makes)."""
 
@@ -324,10 +324,10 @@ class SlurmBridge:
         """One round: read Slurm, nodes, intake, the reconcile, reports (module doc)."""
         # 1. read Slurm
         jobs = await self.cli.jobs(self.partitions)
-        if self._rounds % NODES_EVERY == 0 or self.nodes_dirty:
+        self._nodes_fresh = self._rounds % NODES_EVERY == 0 or self.nodes_dirty
+        if self._nodes_fresh:
             self.nodes = await self.cli.nodes(self.partitions)
             self.nodes_dirty = False
-            self._nodes_read = self._rounds + 1
         self._rounds += 1
         by_workload = {workload_id(j): j for j in jobs}
         self.runtime.jobs = by_workload
@@ -514,7 +514,7 @@ class SlurmBridge:
         Slurm lost because its node failed is not reported as a failure: the
         node's ``down`` goes in (:meth:`_nodes`) and the scheduler requeues the
         run as ``node_down`` (a resumable workload runs again)."""
-        if self._nodes_read != self._rounds:
+        if not self._nodes_fresh:
             self.nodes_dirty = True
             return False
         down = {n.name for n in self.nodes if n.health == "down"}

@@ -52,7 +52,9 @@ Definitions (choices of our own are marked *):
   (the ``NodeDrained`` decision), p90 over the drains that completed.
 
 Extra keys beyond the core set: ``debug_allocated_wait_p90_s`` (debug with
-``min_runtime > 0``), ``open_waits``, ``open_large_waits``, ``demand_ratio``
+``min_runtime > 0``) and the same per request size
+(``debug_allocated_wait_p90_by_gpus_s``: a whole-node debug job waits for a
+whole node, which a full cluster frees far less often than a GPU), ``open_waits``, ``open_large_waits``, ``demand_ratio``
 (mean allocated demand in GPUs, pending or running, / healthy GPUs),
 ``rejected``.
 
@@ -174,6 +176,13 @@ SELECT quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.5),
        quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.9) FILTER (WHERE {allocated_debug_sql("x.gpus", "x.min_runtime_ms")})
 FROM waits w JOIN workloads x USING (workload)
 WHERE w.placed_ms IS NOT NULL AND w.placed_ms >= $start AND w.placed_ms < $end
+""",
+    "debug_allocated_by_gpus": f"""
+SELECT x.gpus, quantile_cont((w.placed_ms - w.queued_ms) / 1000.0, 0.9), COUNT(*)
+FROM waits w JOIN workloads x USING (workload)
+WHERE w.placed_ms IS NOT NULL AND w.placed_ms >= $start AND w.placed_ms < $end
+  AND {allocated_debug_sql("x.gpus", "x.min_runtime_ms")}
+GROUP BY x.gpus ORDER BY x.gpus
 """,
     "large_waits_censored": f"""
 SELECT quantile_cont((LEAST(COALESCE(w.placed_ms, $end), $end) - w.queued_ms) / 1000.0, 0.9)
@@ -481,6 +490,7 @@ def compute_kpis(
     never = _never_placed(_q(con, KPI_SQL["never_placed"], start_ms, end_ms)[0])
     unalloc = _q(con, KPI_SQL["unallocated_fraction"], start_ms, end_ms)[0][0]
     p50, p90, dbg, large, dbg_alloc = _q(con, KPI_SQL["waits"], start_ms, end_ms)[0]
+    dbg_by_gpus = _q(con, KPI_SQL["debug_allocated_by_gpus"], start_ms, end_ms)
     large_censored = _q(con, KPI_SQL["large_waits_censored"], start_ms, end_ms)[0][0]
     open_all, open_large = _q(con, KPI_SQL["open_waits"], start_ms, end_ms)[0]
     pre = _q(con, KPI_SQL["preemptions"], start_ms, end_ms)[0][0]
@@ -513,6 +523,9 @@ def compute_kpis(
         "events": n_events,
         "wall_s": round(wall_s, 2),
         "debug_allocated_wait_p90_s": _r(dbg_alloc, 1),
+        "debug_allocated_wait_p90_by_gpus_s": {
+            str(gpus): {"p90_s": _r(q, 1), "placed": n} for gpus, q, n in dbg_by_gpus
+        },
         "open_waits": open_all,
         "open_large_waits": open_large,
         "demand_ratio": _r(demand, 3),

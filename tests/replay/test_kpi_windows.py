@@ -193,4 +193,9 @@ def test_never_placed_and_allocated_debug_wait_on_a_hand_built_history():
     assert k["small_allocated_never_placed_gpu_fraction"] == round(40 / 164, 4)
     assert k["never_placed_gpu_ratio"] == 4.1
     assert k["debug_allocated_wait_p90_s"] == 5400.0
+    # per size: d2 (4 GPUs) waited 0 s, a2 (8 GPUs) 6,000 s
+    assert k["debug_allocated_wait_p90_by_gpus_s"] == {
+        "4": {"p90_s": 0.0, "placed": 1},
+        "8": {"p90_s": 6000.0, "placed": 1},
+    }
     assert k["largest_team"]["team"] == "a" and k["largest_team"]["global_share"] == 0.5

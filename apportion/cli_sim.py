@@ -261,6 +261,14 @@ def simulate(
         _warn(
             f"{bad_rows + rejected} input rows rejected ({bad_rows} malformed, {rejected} refused by the scheduler); the valid rows ran"
         )
+    if log is not None and inp.federation is not None:
+        from apportion.replay.run import cluster_log_path
+
+        for p in policies:
+            path = _policy_path(log, p, compare, ".jsonl")
+            assert path is not None
+            for c in inp.federation.clusters:
+                click.echo(f"wrote {cluster_log_path(path, c.name)}", err=True)
     if plot is not None:
         from apportion.replay.plots import write_plots
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from apportion.replay.diagnose import diagnose, diagnose_federation
-from apportion.replay.eventlog import Header, write_log
+from apportion.replay.eventlog import Header, open_log, write_log
 from apportion.schemas.events import HOUR_MS
 from click.testing import CliRunner
 from test_diagnose import T1, Run, split
@@ -191,3 +191,47 @@ def test_the_cli_prints_the_tree_and_each_cluster(tmp_path: Path):
     assert r.output.strip().splitlines() == [
         f"apportion: {logs[0]}: cluster 'east' again (also {logs[0]})"
     ]
+
+
+CLUSTERS = "".join(
+    f'[[clusters]]\nname = "{name}"\n[[clusters.pool]]\nprefix = "{name[0]}"\n'
+    f'count = 2\ngpus_per_node = 8\ngpu_type = "h100"\n'
+    for name in ("east", "west")
+) + "".join(
+    f'[budget.{t}]\nweight = 1\nowner = "{t}o"\n[budget.{t}.u]\nweight = 1\nowner = "{t}u"\n'
+    for t in ("a", "b")
+)
+
+
+def test_a_federated_simulation_writes_a_log_per_cluster_that_diagnose_reads(tmp_path: Path):
+    """``simulate --log run.jsonl`` of two clusters writes ``run.east.jsonl`` and
+    ``run.west.jsonl``; ``diagnose`` of both gives the tree's rows and each
+    cluster's, which are that cluster's log diagnosed alone (``--out`` still takes
+    one cluster: one line, exit 2)."""
+    (tmp_path / "c.toml").write_text('[budget]\nowner = "ops"\n' + CLUSTERS)
+    rows = [f"a{i},{i * 600},a/u,8,7200,3600,true,0,any," for i in range(8)]
+    rows += [f"b{i},{i * 900},b/u,8,5400,1800,true,0,any," for i in range(8)]
+    (tmp_path / "t.csv").write_text(
+        "id,submit,owner,gpus,duration,min_runtime,resumable,priority,gpu_type,cluster\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+    files = ["--cluster", str(tmp_path / "c.toml"), "--trace", str(tmp_path / "t.csv"), "-q"]
+    r = CliRunner().invoke(
+        main, ["simulate", *files, "--json", "--log", str(tmp_path / "run.jsonl")]
+    )
+    assert r.exit_code == 0, r.output
+    kpis = json.loads(r.stdout.splitlines()[-1])
+    logs = [str(tmp_path / f"run.{c}.jsonl") for c in ("east", "west")]
+    assert all(Path(p).exists() for p in logs)
+    r = CliRunner().invoke(main, ["diagnose", *logs, "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    assert [t["team"] for t in got["tree"]["teams"]] == ["a", "b"]
+    assert sum(t["owed_gpu_h"] for t in got["tree"]["teams"]) > 0
+    for c, path in zip(("east", "west"), logs, strict=True):
+        assert got["clusters"][c]["teams"] == diagnose(open_log(path)).rows()
+    assert kpis["workloads"] == 16
+    r = CliRunner().invoke(main, ["simulate", *files, "--out", str(tmp_path / "x.duckdb")])
+    assert r.exit_code == 2
+    assert r.output.strip().startswith("apportion: --out and --plot take one cluster")

@@ -114,6 +114,44 @@ KPI counts (owed and delivered per hour, delivered capped at owed), so the
 table adds up to the KPI; holders ("who had it", per team, the team's own work
 left out) are scaled the same way, so they add up to the GPU-hours explained by
 levels 1-5.
+
+**Several clusters** (:func:`diagnose_federation`: the histories of a federated
+run, each cluster's own, sharing one budget tree). The histories are refolded
+in lockstep on event time: at each millisecond where some cluster decides a
+batch, every cluster folds its inputs and batches up to that time (a cluster's
+state is the one right after its last batch, as above), then the whole tree is
+looked at:
+
+- **owed** = min(global share x the healthy GPUs of *every* cluster, the team's
+  allocated demand on every cluster); **ran** = its allocated runs on every
+  cluster; **shortfall** = owed - ran, when positive. A team short on one
+  cluster while served on another is therefore not short over the tree, and
+  a team short over the tree can be waiting on a cluster where it runs its
+  own share of that cluster: what the tree owes is the tree's, wherever it
+  runs. (The shares come from the first cluster's tree by name: one tree.)
+- **per workload**: the shortfall is split over the team's pending allocated
+  workloads on every cluster, each cluster's in its own scheduling order, the
+  clusters taking turns in name order, one explaining workload per turn (the
+  team's first on ``a``, its first on ``b``, its second on ``a``, ...), each
+  explaining at most its own GPUs until the shortfall is used up. A cluster's
+  order already counts the peers' usage (the ``UsageSummary`` inputs folded
+  into its state); the turns are a convention (nothing ranks a workload on
+  one cluster against one on another) and are written down so the split is
+  deterministic.
+- each part gets its causes **on its own cluster**, by the rules above: that
+  cluster's levels and holders, its reservation, its admission ledger, and
+  its own ledger of idle GPUs (every cluster's parts, of all teams, in that
+  cluster's scheduling order).
+- the rows of the tree's diagnosis also say **where** the shortfall waited
+  (``clusters``: GPU-hours by the cluster of the explaining workloads, scaled
+  like the causes).
+
+Beside it, each cluster on its own is diagnosed exactly as one cluster (owed =
+global share x *its* healthy GPUs, capped by the team's demand on it; ran = on
+it): the same rows as :func:`diagnose` of that cluster's history. Those rows
+do not add up to the tree's: a team served on another cluster shows short on
+this one. The tree's is the one the tree's KPIs count (``ctrl loss`` of the
+federated cells of ``make outcomes``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Each cell simulates the family scenario (:mod:`apportion.replay.family`) with
 one ``load`` and one seed under the budget scheduler and under the priority
 baseline, computes the KPIs of both, and diagnoses the budget run
-(:mod:`apportion.replay.diagnose`). :func:`table` prints one row per cell,
+(:mod:`apportion.replay.diagnose`; a cell of several clusters: the whole
+tree's diagnosis, :func:`~apportion.replay.diagnose.diagnose_federation`). :func:`table` prints one row per cell,
 the worst cell (lowest 7-day delivery of the worst team) last.
 
 The default grid: loads 1.5, 2.5 and 4 with seeds 1-3 for 10 days, plus one
@@ -68,8 +69,8 @@ FEDERATED_CELLS = tuple(
 )
 """Several clusters sharing the tree (family knob ``clusters``: ``big`` h100,
 ``small`` a100 and, with 3, ``mid`` h100; 512 GPUs in all), at loads 2.5 and 3,
-seeds 1-2, for 7 days (one week) after the warm-up: the KPIs count the whole
-tree (owed: each team's share of every cluster's GPU-time)."""
+seeds 1-2, for 7 days (one week) after the warm-up: the KPIs and the diagnosis
+count the whole tree (owed: each team's share of every cluster's GPU-time)."""
 DEFAULT_GRID = (
     tuple(Cell(load, seed, 10) for load in (1.5, 2.5, 4.0) for seed in (1, 2, 3))
     + (Cell(4.0, 1, 30),)

@@ -900,6 +900,7 @@ class _ClusterFold:
         self.tail: list[HistoryItem] = []
         """Inputs after the last batch."""
         self._moment: _Moment | None = None
+        self._allocated: tuple[int, dict[str, int], dict[str, int]] | None = None
         self.own: tuple[int, dict[str, Figures]] | None = None
         """The cluster's own figures at its last batch (per-cluster diagnosis)."""
         self._read()
@@ -937,7 +938,7 @@ class _ClusterFold:
         for item in self.segment:
             refold(self.state, self.ledger, item, self.index)
             self.index += 1
-        self._moment = None
+        self._moment = self._allocated = None
         self._read()
 
     def finish(self) -> None:
@@ -946,6 +947,12 @@ class _ClusterFold:
             refold(self.state, self.ledger, item, self.index)
             self.index += 1
         self.tail = []
+
+    def allocated(self) -> tuple[int, dict[str, int], dict[str, int]]:
+        """:func:`_allocated` of the state (computed once per state)."""
+        if self._allocated is None:
+            self._allocated = _allocated(self.state)
+        return self._allocated
 
     def moment(self) -> _Moment:
         """The state's :class:`_Moment` (made once per state), with every idle GPU
@@ -985,7 +992,7 @@ def _tree_now(folds: list[_ClusterFold]) -> dict[str, tuple[Figures, dict[str, f
     demand: dict[str, int] = {}
     ran: dict[str, int] = {}
     for f in folds:
-        h, d, r = _allocated(f.state)
+        h, d, r = f.allocated()
         healthy += h
         for team, g in d.items():
             demand[team] = demand.get(team, 0) + g
@@ -1060,10 +1067,10 @@ def diagnose_federation(
             for f in moved:
                 hold_own(f, f.state.now_ms)
                 f.own = (f.state.now_ms, _teams_now(f.state, f.ledger, f.moment))
-    if not checked:
-        _check_peers(folds)
     for f in folds:
         f.finish()
+    if not checked:
+        _check_peers(folds)
     if tree is None:
         return TreeDiagnosis(Diagnosis(0, 0, clusters=names), {}, labels)
     end = max(f.state.now_ms for f in folds)

@@ -131,8 +131,8 @@ looked at:
   runs. (The shares come from the first cluster's tree by name: one tree.)
 - **per workload**: the shortfall is split over the team's pending allocated
   workloads on every cluster, each cluster's in its own scheduling order, the
-  clusters taking turns in name order, one explaining workload per turn (the
-  team's first on ``a``, its first on ``b``, its second on ``a``, ...), each
+  clusters taking turns in name order, one of the team's workloads per turn
+  (its first on ``a``, its first on ``b``, its second on ``a``, ...), each
   explaining at most its own GPUs until the shortfall is used up. A cluster's
   order already counts the peers' usage (the ``UsageSummary`` inputs folded
   into its state); the turns are a convention (nothing ranks a workload on
@@ -817,45 +817,64 @@ def _split_over(
     where: dict[str, dict[str, float]],
 ) -> None:
     """Split each team's shortfall ``left`` over its pending allocated workloads on
-    ``clusters`` (name, state, its moment): each cluster's in its scheduling order,
-    the clusters taking turns in the order given, one explaining workload each
-    (module docstring, "Several clusters"); each part explained on its own
-    cluster. Adds to ``splits``, ``holders`` and ``where`` (GPUs by cluster)."""
-    turns = []
+    ``clusters`` (name, state, its moment), in the team's order: its first on the
+    first cluster, its first on the second, ..., its second on the first, ...
+    (each cluster's in its scheduling order), each at most its own GPUs until the
+    shortfall is used up (module docstring, "Several clusters"; with one cluster,
+    scheduling order). Each part is then explained on its own cluster, every
+    cluster's parts in its scheduling order (the order its idle GPUs are taken
+    in). Adds to ``splits``, ``holders`` and ``where`` (GPUs by cluster)."""
+    walked: list[tuple[str, _Moment, list[Workload]]] = []
     for name, state, make in clusters:
-        waiting: dict[str, int] = {}  # short teams' pending allocated workloads not yet walked
+        waiting: dict[str, int] = {}  # short teams' pending allocated workloads not walked yet
         for leaf, keys in state.pending_index.by_leaf.items():
             team = team_of(leaf)
             if keys and left.get(team, 0.0) > 0:
                 waiting[team] = waiting.get(team, 0) + len(keys)
-        if waiting:
-            moment = make()
-            turns.append((name, moment, iter(FairShareWalk(state, moment.view)), waiting))
-
-    def useful(waiting: dict[str, int]) -> bool:
-        return any(n > 0 and left.get(t, 0.0) > 0 for t, n in waiting.items())
-
-    todo = sum(1 for v in left.values() if v > 0)
-    while todo and turns:
-        for turn in list(turns):
-            name, moment, walk, waiting = turn
-            w: Workload | None = None
-            while useful(waiting):
-                cand = next(walk, None)
-                if cand is None:
-                    break
-                team = team_of(cand.owner)
-                if team in waiting:
-                    waiting[team] -= 1
-                if left.get(team, 0.0) > 0:
-                    w = cand
-                    break
+        if not waiting:
+            continue
+        moment = make()
+        seen: dict[str, float] = {}  # GPUs walked per short team: no team takes more than ``left``
+        order: list[Workload] = []
+        walk = FairShareWalk(state, moment.view)
+        while any(n > 0 and seen.get(t, 0.0) < left[t] for t, n in waiting.items()):
+            w = next(walk, None)
             if w is None:
-                turns.remove(turn)
+                break
+            team = team_of(w.owner)
+            if team not in waiting:
+                continue
+            waiting[team] -= 1
+            if seen.get(team, 0.0) < left[team]:
+                seen[team] = seen.get(team, 0.0) + w.gpus
+                order.append(w)
+        walked.append((name, moment, order))
+    # each team's parts: the clusters take turns, one of its workloads each
+    queues: dict[str, list[list[Workload]]] = {t: [] for t in left}
+    for _, _, order in walked:
+        mine: dict[str, list[Workload]] = {}
+        for w in order:
+            mine.setdefault(team_of(w.owner), []).append(w)
+        for team, ws in queues.items():
+            ws.append(mine.get(team, []))
+    parts: dict[str, float] = {}
+    for team, per in queues.items():
+        rest = left[team]
+        turn = 0
+        while rest > 0 and any(turn < len(ws) for ws in per):
+            for ws in per:
+                if turn < len(ws) and rest > 0:
+                    part = min(float(ws[turn].gpus), rest)
+                    parts[id(ws[turn])] = part
+                    rest -= part
+            turn += 1
+        left[team] = rest
+    for name, moment, order in walked:
+        for w in order:
+            part = parts.get(id(w), 0.0)
+            if part <= 0:
                 continue
             team = team_of(w.owner)
-            rest = left[team]
-            part = min(float(w.gpus), rest)
             causes, held = moment.explain(w, team, part)
             split, hold = splits[team], holders[team]
             for c, v in causes.items():
@@ -863,11 +882,6 @@ def _split_over(
             for who, v in held.items():
                 hold[who] = hold.get(who, 0.0) + v
             where[team][name] = where[team].get(name, 0.0) + part
-            left[team] = rest - part
-            if left[team] <= 0:
-                todo -= 1
-                if not todo:
-                    break
     for team, rest in left.items():
         if rest > 0:  # no pending work left to explain it (cannot happen: owed <= demand)
             splits[team]["other"] = splits[team].get("other", 0.0) + rest

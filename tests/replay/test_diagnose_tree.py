@@ -6,7 +6,7 @@ cluster and its peer. The whole tree's figures: a team is owed its global share
 of both clusters' healthy GPUs (capped by its allocated demand on both), ran is
 what it runs on both, and the shortfall is split over its pending allocated
 workloads on both, the clusters taking turns by name (``east`` first), one
-explaining workload each, every part explained on its own cluster by the
+of the team's workloads each, every part explained on its own cluster by the
 single-cluster rules (docs/simulator.md, "Several clusters: the whole tree").
 """
 

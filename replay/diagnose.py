@@ -855,9 +855,9 @@ def _split_over(
         mine: dict[str, list[Workload]] = {}
         for w in order:
             mine.setdefault(team_of(w.owner), []).append(w)
-        for team, ws in queues.items():
-            ws.append(mine.get(team, []))
-    parts: dict[str, float] = {}
+        for team, per_cluster in queues.items():
+            per_cluster.append(mine.get(team, []))
+    parts: dict[int, float] = {}  # by id(): a workload id may repeat on two clusters
     for team, per in queues.items():
         rest = left[team]
         turn = 0

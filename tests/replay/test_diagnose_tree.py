@@ -235,3 +235,32 @@ def test_a_federated_simulation_writes_a_log_per_cluster_that_diagnose_reads(tmp
     r = CliRunner().invoke(main, ["simulate", *files, "--out", str(tmp_path / "x.duckdb")])
     assert r.exit_code == 2
     assert r.output.strip().startswith("apportion: --out and --plot take one cluster")
+
+
+def test_a_team_takes_turns_with_its_own_workloads_not_with_other_teams():
+    """a, b (weight 1) and c (weight 2) on east 3 x 8 and west 1 x 8 GPUs: a and b
+    are owed 8 each, c 16. c runs every node (4 h contracts, placed at 0); at
+    1 min a1 and b1 (8 GPUs each) wait on east, b2 on west. east's scheduling
+    order tries a1 first (a and b stand equal; a by name). b is short 8: its own
+    first workload on east, b1, explains it (``where`` east), though a1 took
+    east's first place in its walk; b2 on west explains nothing. Both are
+    ``contracts`` (c's runs were placed before they were pending), held by c."""
+    teams = {"a": 1, "b": 1, "c": 2}
+    east, west = cluster("east", "n", 3, teams), cluster("west", "m", 1, teams)
+    for i, run in enumerate((east, west)):
+        nodes = ["n1", "n2", "n3"] if i == 0 else ["m1"]
+        for j, _ in enumerate(nodes):
+            run.submit(f"c{i}{j}", "c", 8, 4 * HOUR_MS)
+        run.batch()
+        for j, node in enumerate(nodes):
+            run.place(f"c{i}{j}", node)
+    east.at(T1).submit("a1", "a", 8, HOUR_MS).submit("b1", "b", 8, HOUR_MS).batch()
+    west.at(T1).submit("b2", "b", 8, HOUR_MS).batch()
+    for run in (east, west):
+        run.at(T1 + HOUR_MS).batch()
+    tree, _ = tree_rows(east, west)
+    assert tree["a"]["clusters"] == {"east": pytest.approx(8.0), "west": 0}
+    assert tree["b"]["shortfall_gpu_h"] == pytest.approx(8.0)
+    assert tree["b"]["clusters"] == {"east": pytest.approx(8.0), "west": 0}
+    assert split(tree["b"]) == {"contracts": pytest.approx(8.0)}
+    assert tree["b"]["holders"] == {"c": pytest.approx(8.0)}

@@ -261,6 +261,14 @@ def simulate(
         _warn(
             f"{bad_rows + rejected} input rows rejected ({bad_rows} malformed, {rejected} refused by the scheduler); the valid rows ran"
         )
+    if log is not None and inp.federation is not None:
+        from apportion.replay.run import cluster_log_path
+
+        for p in policies:
+            path = _policy_path(log, p, compare, ".jsonl")
+            assert path is not None
+            for c in inp.federation.clusters:
+                click.echo(f"wrote {cluster_log_path(path, c.name)}", err=True)
     if plot is not None:
         from apportion.replay.plots import write_plots
 
@@ -606,7 +614,20 @@ def whatif_cmd(
 
 
 @main.command("diagnose")
-@_source_options
+@click.argument("logs", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--cluster",
+    "cluster_name",
+    default=None,
+    help="read a live cluster's INPUTS and DECISIONS streams instead of LOG",
+)
+@click.option(
+    "--nats",
+    "nats_url",
+    default=None,
+    envvar="NATS_URL",
+    help="NATS server(s) for --cluster [env NATS_URL]",
+)
 @click.option(
     "--team", default=None, help="only this team (a budget path one level above the leaves)"
 )
@@ -622,19 +643,61 @@ def whatif_cmd(
     type=click.Path(dir_okay=False, path_type=Path),
     help="write a PNG chart of the shortfall by cause per day (needs the plot extra: pip install 'apportion[plot]')",
 )
-def diagnose_cmd(log, nats_url, cluster_name, team, from_day, to_day, as_json, plot) -> None:
-    """Why teams did not get their owed GPU time: the shortfall by cause, and who held it."""
-    from apportion.replay.diagnose import controlled_share, diagnose, table
+def diagnose_cmd(logs, nats_url, cluster_name, team, from_day, to_day, as_json, plot) -> None:
+    """Why teams did not get their owed GPU time: the shortfall by cause, and who held it.
 
-    source = _open_source(log, nats_url, cluster_name)
+    LOG is one cluster's history (a log file or a projection). Several LOGs are
+    the clusters of one federated run (``simulate --log run.jsonl`` of several
+    clusters writes ``run.<cluster>.jsonl``): the whole tree, then each cluster."""
+    from apportion.replay.diagnose import (
+        Diagnosis,
+        diagnose,
+        diagnose_federation,
+    )
+
+    if len(logs) > 1:
+        if cluster_name is not None:
+            raise UserError("give LOGs or --cluster NAME (a live cluster), not both")
+        sources = [_open_source(path, None, None) for path in logs]
+        with _user_errors():
+            fed = diagnose_federation([(s.name, s) for s in sources])
+        _diagnosis_out(
+            fed.tree,
+            fed.clusters,
+            ", ".join(s.name for s in sources),
+            team,
+            from_day,
+            to_day,
+            as_json,
+            plot,
+        )
+        return
+    source = _open_source(logs[0] if logs else None, nats_url, cluster_name)
     with _user_errors():
         diag = diagnose(source)
+    clusters: dict[str, Diagnosis] = {}
+    _diagnosis_out(diag, clusters, source.name, team, from_day, to_day, as_json, plot)
+
+
+def _diagnosis_out(
+    diag: Any,
+    clusters: dict[str, Any],
+    name: str,
+    team: str | None,
+    from_day: float | None,
+    to_day: float | None,
+    as_json: bool,
+    plot: Path | None,
+) -> None:
+    """Print ``diag`` (one cluster's, or the whole tree's with each of ``clusters``)."""
+    from apportion.replay.diagnose import controlled_share, table
+
     day = 86_400_000
     start = None if from_day is None else diag.start_ms + int(from_day * day)
     end = None if to_day is None else diag.start_ms + int(to_day * day)
     rows = diag.rows(team, start, end)
     if team is not None and not rows:
-        raise UserError(f"no team {team!r} in {source.name} (teams: {', '.join(diag.teams())})")
+        raise UserError(f"no team {team!r} in {name} (teams: {', '.join(diag.teams())})")
     if plot is not None:
         from apportion.replay.plots import write_diagnosis_plot
 
@@ -644,15 +707,63 @@ def diagnose_cmd(log, nats_url, cluster_name, team, from_day, to_day, as_json, p
             raise UserError(f"{plot}: cannot write the chart: {exc.strerror}") from None
         click.echo(f"wrote {plot}", err=True)
     share = controlled_share(rows)
+    per = {c: d.rows(team, start, end) for c, d in clusters.items()}
     if as_json:
+        if not diag.clusters:
+            echo_json(
+                {"teams": rows, "scheduler_controlled_share": share}, indent=None, sort_keys=False
+            )
+            return
         echo_json(
-            {"teams": rows, "scheduler_controlled_share": share}, indent=None, sort_keys=False
+            {
+                "tree": {"teams": rows, "scheduler_controlled_share": share},
+                "clusters": {
+                    c: {"teams": r, "scheduler_controlled_share": controlled_share(r)}
+                    for c, r in per.items()
+                },
+            },
+            indent=None,
+            sort_keys=False,
         )
         return
-    click.echo(f"apportion diagnose: {source.name}")
+    click.echo(f"apportion diagnose: {name}")
+    if diag.clusters:
+        click.echo(
+            f"the whole tree ({', '.join(diag.clusters)}): owed = global share x every "
+            "cluster's healthy GPUs, ran = on every cluster"
+        )
     click.echo(table(rows))
     if share is not None:
         click.echo(f"lost to causes the scheduler controls: {100 * share:.2f}% of owed GPU-hours")
+    if diag.clusters:
+        click.echo("")
+        click.echo("where the tree's shortfall waited (GPU-h):")
+        click.echo(_where_table(rows, diag.clusters))
+    for c, r in per.items():
+        click.echo("")
+        click.echo(f"cluster {c} on its own (owed = global share x its healthy GPUs, ran = on it):")
+        click.echo(table(r))
+        s = controlled_share(r)
+        if s is not None:
+            click.echo(f"lost to causes the scheduler controls: {100 * s:.2f}% of owed GPU-hours")
+
+
+def _where_table(rows: list[dict[str, Any]], clusters: tuple[str, ...]) -> str:
+    """Per team, the tree's shortfall GPU-hours by the cluster its workloads waited on."""
+    lines = [["team", "short", *clusters]]
+    for r in rows:
+        lines.append(
+            [
+                r["team"],
+                f"{r['shortfall_gpu_h']:,.0f}",
+                *(f"{r['clusters'][c]:,.0f}" for c in clusters),
+            ]
+        )
+    widths = [max(len(x[i]) for x in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(x))
+        for x in lines
+    )
 
 
 @main.command("outcomes")

@@ -114,11 +114,49 @@ KPI counts (owed and delivered per hour, delivered capped at owed), so the
 table adds up to the KPI; holders ("who had it", per team, the team's own work
 left out) are scaled the same way, so they add up to the GPU-hours explained by
 levels 1-5.
+
+**Several clusters** (:func:`diagnose_federation`: the histories of a federated
+run, each cluster's own, sharing one budget tree). The histories are refolded
+in lockstep on event time: at each millisecond where some cluster decides a
+batch, every cluster folds its inputs and batches up to that time (a cluster's
+state is the one right after its last batch, as above), then the whole tree is
+looked at:
+
+- **owed** = min(global share x the healthy GPUs of *every* cluster, the team's
+  allocated demand on every cluster); **ran** = its allocated runs on every
+  cluster; **shortfall** = owed - ran, when positive. A team short on one
+  cluster while served on another is therefore not short over the tree, and
+  a team short over the tree can be waiting on a cluster where it runs its
+  own share of that cluster: what the tree owes is the tree's, wherever it
+  runs. (The shares come from the first cluster's tree by name: one tree.)
+- **per workload**: the shortfall is split over the team's pending allocated
+  workloads on every cluster, each cluster's in its own scheduling order, the
+  clusters taking turns in name order, one of the team's workloads per turn
+  (its first on ``a``, its first on ``b``, its second on ``a``, ...), each
+  explaining at most its own GPUs until the shortfall is used up. A cluster's
+  order already counts the peers' usage (the ``UsageSummary`` inputs folded
+  into its state); the turns are a convention (nothing ranks a workload on
+  one cluster against one on another) and are written down so the split is
+  deterministic.
+- each part gets its causes **on its own cluster**, by the rules above: that
+  cluster's levels and holders, its reservation, its admission ledger, and
+  its own ledger of idle GPUs (every cluster's parts, of all teams, in that
+  cluster's scheduling order).
+- the rows of the tree's diagnosis also say **where** the shortfall waited
+  (``clusters``: GPU-hours by the cluster of the explaining workloads, scaled
+  like the causes).
+
+Beside it, each cluster on its own is diagnosed exactly as one cluster (owed =
+global share x *its* healthy GPUs, capped by the team's demand on it; ran = on
+it): the same rows as :func:`diagnose` of that cluster's history. Those rows
+do not add up to the tree's: a team served on another cluster shows short on
+this one. The tree's is the one the tree's KPIs count (``ctrl loss`` of the
+federated cells of ``make outcomes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,8 +171,9 @@ from apportion.core.rules.contract import is_allocated, is_protected, may_use_re
 from apportion.core.rules.gpu_types import is_any
 from apportion.core.rules.outranking import Outranking, Standing, held_to_margin
 from apportion.core.state import State, Workload
-from apportion.schemas.events import HOUR_MS, WorkloadPlaced, WorkloadPreempted
+from apportion.schemas.events import HOUR_MS, PolicySet, WorkloadPlaced, WorkloadPreempted
 from apportion.schemas.history import BatchItem, HistoryItem, InputItem
+from msgspec import UnsetType
 
 CAUSES = (
     "fragmentation",
@@ -171,6 +210,9 @@ class TeamHour:
     ran: float = 0.0
     causes: dict[str, float] = field(default_factory=dict)
     holders: dict[str, float] = field(default_factory=dict)
+    where: dict[str, float] = field(default_factory=dict)
+    """Of the explained shortfall, the GPU-ms whose workloads waited on each cluster
+    (the whole tree's diagnosis only)."""
 
     @property
     def shortfall(self) -> float:
@@ -182,6 +224,9 @@ class Diagnosis:
     start_ms: int
     end_ms: int
     hours: dict[tuple[str, int], TeamHour] = field(default_factory=dict)
+    clusters: tuple[str, ...] = ()
+    """The clusters of a whole tree's diagnosis (:func:`diagnose_federation`): its rows
+    then say where the shortfall waited (``clusters``); ``()`` for one cluster."""
 
     def add(
         self,
@@ -192,8 +237,10 @@ class Diagnosis:
         ran: float,
         split: dict[str, float],
         holders: dict[str, float],
+        where: dict[str, float] | None = None,
     ) -> None:
-        """``owed``/``ran`` GPUs and the shortfall split (GPUs by cause) held over ``[a, b)``."""
+        """``owed``/``ran`` GPUs and the shortfall split (GPUs by cause) held over ``[a, b)``;
+        ``where``: the same shortfall's GPUs by the cluster its workloads waited on."""
         while a < b:
             h = (a - self.start_ms) // HOUR_MS
             end = min(b, self.start_ms + (h + 1) * HOUR_MS)
@@ -205,6 +252,8 @@ class Diagnosis:
                 th.causes[cause] = th.causes.get(cause, 0.0) + gpus * ms
             for who, gpus in holders.items():
                 th.holders[who] = th.holders.get(who, 0.0) + gpus * ms
+            for name, gpus in (where or {}).items():
+                th.where[name] = th.where.get(name, 0.0) + gpus * ms
             a = end
 
     def teams(self) -> list[str]:
@@ -247,6 +296,7 @@ class Diagnosis:
                     "shortfall_gpu_h": 0.0,
                     "causes": dict.fromkeys(CAUSES, 0.0),
                     "holders": {},
+                    **({"clusters": dict.fromkeys(self.clusters, 0.0)} if self.clusters else {}),
                 },
             )
             row["owed_gpu_h"] += th.owed / HOUR_MS
@@ -262,6 +312,8 @@ class Diagnosis:
                     row["causes"][cause] += v * scale / HOUR_MS
                 for who, v in th.holders.items():
                     row["holders"][who] = row["holders"].get(who, 0.0) + v * scale / HOUR_MS
+                for name, v in th.where.items():  # its parts' GPUs: they add up to ``raw``
+                    row["clusters"][name] += v * scale / HOUR_MS
         out = []
         for t in sorted(per):
             row = per[t]
@@ -273,6 +325,8 @@ class Diagnosis:
             row["causes"] = {c: round(v, 1) for c, v in row["causes"].items()}
             top = sorted(row["holders"].items(), key=lambda kv: (-kv[1], kv[0]))[:5]
             row["holders"] = {who: round(v, 1) for who, v in top}
+            if self.clusters:
+                row["clusters"] = {name: round(v, 1) for name, v in row["clusters"].items()}
             out.append(row)
         return out
 
@@ -657,14 +711,26 @@ class _Moment:
         return _NEVER, held, taken
 
 
+Figures = tuple[float, float, dict[str, float], dict[str, float]]
+"""A team at one moment: owed GPUs, ran GPUs, its shortfall's GPUs by cause, by holder team."""
+
+
+def refold(state: State, ledger: Ledger, item: HistoryItem, index: int) -> None:
+    """Fold ``item`` (number ``index`` of its history) into ``state``, noting in
+    ``ledger`` what the diagnosis needs (placements before a batch folds, queue
+    episodes after)."""
+    if isinstance(item, BatchItem):
+        record_placements(state, item, index, ledger)
+    fold_item(state, item)
+    record_episodes(state, item, index, ledger)
+
+
 def diagnose(items: Iterable[HistoryItem], start_ms: int | None = None) -> Diagnosis:
     """Refold ``items`` and attribute every team's shortfall to causes (module docstring)."""
     state = State()
     ledger = Ledger()
     diag: Diagnosis | None = None
-    pending_moment: (
-        tuple[int, dict[str, tuple[float, float, dict[str, float], dict[str, float]]]] | None
-    ) = None
+    pending_moment: tuple[int, dict[str, Figures]] | None = None
 
     def hold_until(diag: Diagnosis, end: int) -> None:
         """The teams' figures of the last batch held from its time until ``end``."""
@@ -674,10 +740,7 @@ def diagnose(items: Iterable[HistoryItem], start_ms: int | None = None) -> Diagn
                 diag.add(team, at, end, owed, ran, split, holders)
 
     for index, item in enumerate(items):
-        if isinstance(item, BatchItem):
-            record_placements(state, item, index, ledger)
-        fold_item(state, item)
-        record_episodes(state, item, index, ledger)
+        refold(state, ledger, item, index)
         if not isinstance(item, BatchItem):
             continue
         if diag is None:
@@ -691,12 +754,9 @@ def diagnose(items: Iterable[HistoryItem], start_ms: int | None = None) -> Diagn
     return diag
 
 
-def _teams_now(
-    state: State, ledger: Ledger | None = None
-) -> dict[str, tuple[float, float, dict[str, float], dict[str, float]]]:
-    """Per team: owed and ran GPUs now, and its shortfall split by cause (GPUs) with
-    holders: the teams' pending allocated workloads in scheduling order, each
-    explaining at most its own GPUs of its team's shortfall."""
+def _allocated(state: State) -> tuple[int, dict[str, int], dict[str, int]]:
+    """Healthy GPUs, and per team the GPUs of its allocated workloads (pending or
+    running) and of its running ones."""
     healthy = sum(n.gpus for n in state.nodes.values() if n.health == "healthy")
     demand: dict[str, int] = {}
     ran: dict[str, int] = {}
@@ -706,6 +766,13 @@ def _teams_now(
             demand[team] = demand.get(team, 0) + w.gpus
             if w.status == "running":
                 ran[team] = ran.get(team, 0) + w.gpus
+    return healthy, demand, ran
+
+
+def _owed(
+    state: State, healthy: int, demand: dict[str, int], ran: dict[str, int]
+) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """Per team of ``state``'s budget tree: (owed, ran) GPUs, and the shortfalls."""
     figures: dict[str, tuple[float, float]] = {}
     left: dict[str, float] = {}
     tree = state.budget
@@ -720,35 +787,314 @@ def _teams_now(
         short = owed - min(got, owed)
         if short > 0:
             left[team] = short
+    return figures, left
+
+
+def _teams_now(
+    state: State, ledger: Ledger | None = None, moment: Callable[[], _Moment] | None = None
+) -> dict[str, Figures]:
+    """Per team: owed and ran GPUs now, and its shortfall split by cause (GPUs) with
+    holders: the teams' pending allocated workloads in scheduling order, each
+    explaining at most its own GPUs of its team's shortfall. ``moment``: the
+    state's :class:`_Moment` (made here if not given)."""
+    figures, left = _owed(state, *_allocated(state))
     splits: dict[str, dict[str, float]] = {t: {} for t in left}
     holders: dict[str, dict[str, float]] = {t: {} for t in left}
     if left:
-        moment = _Moment(state, ledger or Ledger())
-        todo = len(left)
-        for w in FairShareWalk(state, moment.view):
+        make = moment or (lambda: _Moment(state, ledger or Ledger()))
+        _split_over(left, [("", state, make)], splits, holders, {t: {} for t in left})
+    return {
+        team: (owed, got, splits.get(team, {}), holders.get(team, {}))
+        for team, (owed, got) in figures.items()
+    }
+
+
+def _split_over(
+    left: dict[str, float],
+    clusters: list[tuple[str, State, Callable[[], _Moment]]],
+    splits: dict[str, dict[str, float]],
+    holders: dict[str, dict[str, float]],
+    where: dict[str, dict[str, float]],
+) -> None:
+    """Split each team's shortfall ``left`` over its pending allocated workloads on
+    ``clusters`` (name, state, its moment), in the team's order: its first on the
+    first cluster, its first on the second, ..., its second on the first, ...
+    (each cluster's in its scheduling order), each at most its own GPUs until the
+    shortfall is used up (module docstring, "Several clusters"; with one cluster,
+    scheduling order). Each part is then explained on its own cluster, every
+    cluster's parts in its scheduling order (the order its idle GPUs are taken
+    in). Adds to ``splits``, ``holders`` and ``where`` (GPUs by cluster)."""
+    walked: list[tuple[str, _Moment, list[Workload]]] = []
+    for name, state, make in clusters:
+        waiting: dict[str, int] = {}  # short teams' pending allocated workloads not walked yet
+        for leaf, keys in state.pending_index.by_leaf.items():
+            team = team_of(leaf)
+            if keys and left.get(team, 0.0) > 0:
+                waiting[team] = waiting.get(team, 0) + len(keys)
+        if not waiting:
+            continue
+        moment = make()
+        seen: dict[str, float] = {}  # GPUs walked per short team: no team takes more than ``left``
+        order: list[Workload] = []
+        walk = FairShareWalk(state, moment.view)
+        while any(n > 0 and seen.get(t, 0.0) < left[t] for t, n in waiting.items()):
+            w = next(walk, None)
+            if w is None:
+                break
             team = team_of(w.owner)
-            rest = left.get(team, 0.0)
-            if rest <= 0:
+            if team not in waiting:
                 continue
-            part = min(float(w.gpus), rest)
+            waiting[team] -= 1
+            if seen.get(team, 0.0) < left[team]:
+                seen[team] = seen.get(team, 0.0) + w.gpus
+                order.append(w)
+        walked.append((name, moment, order))
+    # each team's parts: the clusters take turns, one of its workloads each
+    queues: dict[str, list[list[Workload]]] = {t: [] for t in left}
+    for _, _, order in walked:
+        mine: dict[str, list[Workload]] = {}
+        for w in order:
+            mine.setdefault(team_of(w.owner), []).append(w)
+        for team, per_cluster in queues.items():
+            per_cluster.append(mine.get(team, []))
+    parts: dict[int, float] = {}  # by id(): a workload id may repeat on two clusters
+    for team, per in queues.items():
+        rest = left[team]
+        turn = 0
+        while rest > 0 and any(turn < len(ws) for ws in per):
+            for ws in per:
+                if turn < len(ws) and rest > 0:
+                    part = min(float(ws[turn].gpus), rest)
+                    parts[id(ws[turn])] = part
+                    rest -= part
+            turn += 1
+        left[team] = rest
+    for name, moment, order in walked:
+        for w in order:
+            part = parts.get(id(w), 0.0)
+            if part <= 0:
+                continue
+            team = team_of(w.owner)
             causes, held = moment.explain(w, team, part)
             split, hold = splits[team], holders[team]
             for c, v in causes.items():
                 split[c] = split.get(c, 0.0) + v
             for who, v in held.items():
                 hold[who] = hold.get(who, 0.0) + v
-            left[team] = rest - part
-            if left[team] <= 0:
-                todo -= 1
-                if not todo:
-                    break
-        for team, rest in left.items():
-            if rest > 0:  # no pending work left to explain it (cannot happen: owed <= demand)
-                splits[team]["other"] = splits[team].get("other", 0.0) + rest
+            where[team][name] = where[team].get(name, 0.0) + part
+    for team, rest in left.items():
+        if rest > 0:  # no pending work left to explain it (cannot happen: owed <= demand)
+            splits[team]["other"] = splits[team].get("other", 0.0) + rest
+
+
+@dataclass
+class TreeDiagnosis:
+    """A federated run's diagnosis: the whole tree's, and each cluster's own."""
+
+    tree: Diagnosis
+    clusters: dict[str, Diagnosis]
+    """Each cluster's own diagnosis, by name (empty when not asked for)."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Each cluster's history by name, as the caller named it (a file)."""
+
+
+class _ClusterFold:
+    """One cluster's history refolded a segment at a time: the inputs up to and
+    including the next decision batch."""
+
+    def __init__(self, label: str, items: Iterable[HistoryItem]) -> None:
+        self.label = label
+        self.items = iter(items)
+        self.state = State()
+        self.ledger = Ledger()
+        self.index = 0
+        self.segment: list[HistoryItem] = []
+        self.time: int | None = None
+        """When the next segment's batch is decided (``None``: no batch left)."""
+        self.tail: list[HistoryItem] = []
+        """Inputs after the last batch."""
+        self._moment: _Moment | None = None
+        self._allocated: tuple[int, dict[str, int], dict[str, int]] | None = None
+        self.own: tuple[int, dict[str, Figures]] | None = None
+        """The cluster's own figures at its last batch (per-cluster diagnosis)."""
+        self._read()
+        self.name = self._named()
+
+    def _read(self) -> None:
+        """Read the next segment and the time its batch is decided (the fold's clock:
+        the latest input time so far, as the fold sets it; nothing is folded)."""
+        seg: list[HistoryItem] = []
+        t = self.state.now_ms
+        for item in self.items:
+            seg.append(item)
+            if isinstance(item, BatchItem):
+                self.segment, self.time = seg, t
+                return
+            at = item.event.at_ms if item.event is not None else item.at_ms
+            t = max(t, at)
+        self.segment, self.time, self.tail = [], None, seg
+
+    def _named(self) -> str:
+        """The cluster's name, from the policy its first segment sets."""
+        name = ""
+        for item in self.segment or self.tail:
+            event = item.event if isinstance(item, InputItem) else None
+            if isinstance(event, PolicySet) and isinstance(event.cluster, str):
+                name = event.cluster
+        if not name:
+            raise ValueError(
+                f"{self.label}: its policy names no cluster: not a cluster of a federated run"
+            )
+        return name
+
+    def advance(self) -> None:
+        """Fold the next segment (its inputs and its batch)."""
+        for item in self.segment:
+            refold(self.state, self.ledger, item, self.index)
+            self.index += 1
+        self._moment = self._allocated = None
+        self._read()
+
+    def finish(self) -> None:
+        """Fold the inputs after the last batch (they move the clock to the end)."""
+        for item in self.tail:
+            refold(self.state, self.ledger, item, self.index)
+            self.index += 1
+        self.tail = []
+
+    def allocated(self) -> tuple[int, dict[str, int], dict[str, int]]:
+        """:func:`_allocated` of the state (computed once per state)."""
+        if self._allocated is None:
+            self._allocated = _allocated(self.state)
+        return self._allocated
+
+    def moment(self) -> _Moment:
+        """The state's :class:`_Moment` (made once per state), with every idle GPU
+        free to explain again."""
+        if self._moment is None:
+            self._moment = _Moment(self.state, self.ledger)
+        else:
+            self._moment.idle = _Idle(self._moment.free)
+        return self._moment
+
+
+def _check_peers(folds: list[_ClusterFold]) -> None:
+    """The histories are the clusters of one federated run: one each, and each
+    counts every other as a peer."""
+    seen: dict[str, str] = {}
+    for f in folds:
+        if f.name in seen:
+            raise ValueError(f"{f.label}: cluster {f.name!r} again (also {seen[f.name]})")
+        seen[f.name] = f.label
+    for f in folds:
+        policy = f.state.policy
+        peers = () if isinstance(policy.peers, UnsetType) else policy.peers
+        for other in folds:
+            if other is not f and other.name not in peers:
+                raise ValueError(
+                    f"{f.label}: cluster {f.name!r} does not count {other.name!r} as a peer: "
+                    "not the clusters of one federated run"
+                )
+
+
+def _tree_now(folds: list[_ClusterFold]) -> dict[str, tuple[Figures, dict[str, float]]]:
+    """Per team, over the whole tree now (``folds``: the clusters that have begun): owed (its global share of every cluster's
+    healthy GPUs, capped by its allocated demand on all of them), ran (on all of
+    them), its shortfall split by cause with holders (:func:`_split_over`), and
+    where (GPUs by cluster)."""
+    healthy = 0
+    demand: dict[str, int] = {}
+    ran: dict[str, int] = {}
+    for f in folds:
+        h, d, r = f.allocated()
+        healthy += h
+        for team, g in d.items():
+            demand[team] = demand.get(team, 0) + g
+        for team, g in r.items():
+            ran[team] = ran.get(team, 0) + g
+    figures, left = _owed(folds[0].state, healthy, demand, ran)  # the first's tree: one tree
+    splits: dict[str, dict[str, float]] = {t: {} for t in left}
+    holders: dict[str, dict[str, float]] = {t: {} for t in left}
+    where: dict[str, dict[str, float]] = {t: {} for t in left}
+    if left:
+        _split_over(left, [(f.name, f.state, f.moment) for f in folds], splits, holders, where)
     return {
-        team: (owed, got, splits.get(team, {}), holders.get(team, {}))
+        team: ((owed, got, splits.get(team, {}), holders.get(team, {})), where.get(team, {}))
         for team, (owed, got) in figures.items()
     }
+
+
+def diagnose_federation(
+    histories: Iterable[tuple[str, Iterable[HistoryItem]]],
+    start_ms: int | None = None,
+    per_cluster: bool = True,
+) -> TreeDiagnosis:
+    """Refold the histories of a federated run's clusters (each ``(label, items)``,
+    the label naming it in errors) in lockstep on event time and diagnose the
+    whole tree, and each cluster on its own if ``per_cluster`` (module docstring,
+    "Several clusters")."""
+    folds = [_ClusterFold(label, items) for label, items in histories]
+    if not folds:
+        raise ValueError("no cluster history to diagnose")
+    folds.sort(key=lambda f: f.name)
+    labels = {f.name: f.label for f in folds}
+    names = tuple(f.name for f in folds)
+    tree: Diagnosis | None = None
+    own: dict[str, Diagnosis] = {}
+    held: tuple[int, dict[str, tuple[Figures, dict[str, float]]]] | None = None
+    checked = False
+
+    def hold_tree(end: int) -> None:
+        if held is not None and tree is not None:
+            at, teams = held
+            for team, ((owed, got, split, holders), where) in teams.items():
+                tree.add(team, at, end, owed, got, split, holders, where)
+
+    def hold_own(f: _ClusterFold, end: int) -> None:
+        if f.own is not None:
+            at, teams = f.own
+            for team, (owed, got, split, holders) in teams.items():
+                own[f.name].add(team, at, end, owed, got, split, holders)
+
+    while True:
+        times = [f.time for f in folds if f.time is not None]
+        if not times:
+            break
+        t = min(times)
+        moved = []
+        for f in folds:
+            while f.time is not None and f.time <= t:
+                f.advance()
+                if f not in moved:
+                    moved.append(f)
+        if not checked and all(f.index for f in folds):
+            _check_peers(folds)  # once every cluster folded its policy
+            checked = True
+        if tree is None:
+            first = t if start_ms is None else start_ms
+            tree = Diagnosis(start_ms=first, end_ms=0, clusters=names)
+            if per_cluster:
+                own = {name: Diagnosis(start_ms=first, end_ms=0) for name in names}
+        hold_tree(t)
+        held = (t, _tree_now([f for f in folds if f.index]))
+        if per_cluster:
+            for f in moved:
+                hold_own(f, f.state.now_ms)
+                f.own = (f.state.now_ms, _teams_now(f.state, f.ledger, f.moment))
+    for f in folds:
+        f.finish()
+    if not checked:
+        _check_peers(folds)
+    if tree is None:
+        return TreeDiagnosis(Diagnosis(0, 0, clusters=names), {}, labels)
+    end = max(f.state.now_ms for f in folds)
+    hold_tree(end)
+    tree.end_ms = end
+    for f in folds:
+        if per_cluster:
+            hold_own(f, f.state.now_ms)
+            own[f.name].end_ms = f.state.now_ms
+    return TreeDiagnosis(tree, own, labels)
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -3,7 +3,8 @@
 Each cell simulates the family scenario (:mod:`apportion.replay.family`) with
 one ``load`` and one seed under the budget scheduler and under the priority
 baseline, computes the KPIs of both, and diagnoses the budget run
-(:mod:`apportion.replay.diagnose`). :func:`table` prints one row per cell,
+(:mod:`apportion.replay.diagnose`; a cell of several clusters: the whole
+tree's diagnosis, :func:`~apportion.replay.diagnose.diagnose_federation`). :func:`table` prints one row per cell,
 the worst cell (lowest 7-day delivery of the worst team) last.
 
 The default grid: loads 1.5, 2.5 and 4 with seeds 1-3 for 10 days, plus one
@@ -28,9 +29,9 @@ from apportion.core.state import State
 from apportion.schemas.events import DAY_MS
 from apportion.schemas.history import HistoryItem
 
-from .diagnose import SCHEDULER_CAUSES, diagnose
+from .diagnose import SCHEDULER_CAUSES, diagnose, diagnose_federation
 from .kpi import compute_kpis
-from .run import KPI_COMMIT_EVERY, load_inputs, run_policy
+from .run import KPI_COMMIT_EVERY, load_inputs, run_federation_policy, run_policy
 from .simulator import simulate
 
 
@@ -68,8 +69,8 @@ FEDERATED_CELLS = tuple(
 )
 """Several clusters sharing the tree (family knob ``clusters``: ``big`` h100,
 ``small`` a100 and, with 3, ``mid`` h100; 512 GPUs in all), at loads 2.5 and 3,
-seeds 1-2, for 7 days (one week) after the warm-up: the KPIs count the whole
-tree (owed: each team's share of every cluster's GPU-time)."""
+seeds 1-2, for 7 days (one week) after the warm-up: the KPIs and the diagnosis
+count the whole tree (owed: each team's share of every cluster's GPU-time)."""
 DEFAULT_GRID = (
     tuple(Cell(load, seed, 10) for load in (1.5, 2.5, 4.0) for seed in (1, 2, 3))
     + (Cell(4.0, 1, 30),)
@@ -108,9 +109,15 @@ def run_cell(cell: Cell, knobs: tuple[str, ...] = ()) -> dict[str, Any]:
         "knobs": list(cell.knobs),
         "label": cell.label(),
     }
-    if inp.federation is not None:  # several clusters: the tree's KPIs, no diagnosis
-        for policy in ("budget", "priority"):
-            out[policy] = run_policy(inp, policy)[1]
+    start = inp.warmup_days * DAY_MS  # the warm-up days are not measured
+    if inp.federation is not None:  # several clusters: the tree's KPIs and its diagnosis
+        histories: dict[str, list[HistoryItem]] = {c.name: [] for c in inp.federation.clusters}
+        sinks = {name: _collector(items) for name, items in histories.items()}
+        res, out["budget"] = run_federation_policy(inp, inp.federation, "budget", sinks=sinks)
+        out["priority"] = run_policy(inp, "priority")[1]
+        diag = diagnose_federation(histories.items(), res.start_ms, per_cluster=False)
+        del histories, sinks
+        out.update(_loss(diag.tree.rows(from_ms=res.start_ms + start)))
         out["cpu_s"] = round(time.process_time() - t0, 1)
         return out
     for policy in ("budget", "priority"):
@@ -127,19 +134,35 @@ def run_cell(cell: Cell, knobs: tuple[str, ...] = ()) -> dict[str, Any]:
             commit_every=KPI_COMMIT_EVERY,
         )
         assert sim.con is not None
-        start = sim.start_ms + inp.warmup_days * DAY_MS  # the warm-up days are not measured
-        out[policy] = compute_kpis(sim.con, start, sim.end_ms, sim.wall_s, sim.events)
+        out[policy] = compute_kpis(
+            sim.con, sim.start_ms + start, sim.end_ms, sim.wall_s, sim.events
+        )
         sim.con.close()
         if items:
-            rows = diagnose(items).rows(from_ms=start)
-            owed = sum(r["owed_gpu_h"] for r in rows)
-            causes: dict[str, float] = {}
-            for r in rows:
-                for c, v in r["causes"].items():
-                    causes[c] = causes.get(c, 0.0) + v
-            out["causes"] = {c: (v / owed if owed else 0.0) for c, v in causes.items()}
-            out["controlled_loss"] = sum(out["causes"].get(c, 0.0) for c in SCHEDULER_CAUSES)
+            out.update(_loss(diagnose(items).rows(from_ms=sim.start_ms + start)))
     out["cpu_s"] = round(time.process_time() - t0, 1)
+    return out
+
+
+def _loss(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``causes`` (each cause's share of the owed GPU-hours), ``controlled_loss``
+    (the scheduler's causes together) and ``worst_team`` (the team with the lowest
+    delivery, its shortfall's causes in GPU-hours) of a diagnosis's rows."""
+    owed = sum(r["owed_gpu_h"] for r in rows)
+    causes: dict[str, float] = {}
+    for r in rows:
+        for c, v in r["causes"].items():
+            causes[c] = causes.get(c, 0.0) + v
+    out: dict[str, Any] = {"causes": {c: (v / owed if owed else 0.0) for c, v in causes.items()}}
+    out["controlled_loss"] = sum(out["causes"].get(c, 0.0) for c in SCHEDULER_CAUSES)
+    served = [r for r in rows if r["delivery"] is not None]
+    if served:
+        worst = min(served, key=lambda r: (r["delivery"], r["team"]))
+        out["worst_team"] = {
+            k: worst[k]
+            for k in ("team", "delivery", "owed_gpu_h", "shortfall_gpu_h", "causes", "clusters")
+            if k in worst
+        }
     return out
 
 

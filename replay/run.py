@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-from apportion.core.history import fold_item
+from apportion.core.history import Observer, fold_item, observe_all
 from apportion.core.state import State
 from apportion.schemas.events import DAY_MS, Input
 from apportion.schemas.history import BatchItem
@@ -224,9 +224,12 @@ def run_policy(
     events are counted, not kept (the same KPIs, a fraction of the memory).
     ``estimate_every``: sample the start-time estimate of every N-th submission (0: none)."""
     if inp.federation is not None:
-        if out is not None or log is not None or history:
-            raise ValueError("--out, --log and --plot take one cluster; this file has several")
-        return run_federation_policy(inp, inp.federation, policy, progress)
+        if out is not None or history:
+            raise ValueError(
+                "--out and --plot take one cluster; this file has several "
+                "(--log FILE writes one log per cluster: FILE.<cluster>.jsonl)"
+            )
+        return run_federation_policy(inp, inp.federation, policy, progress, log=log)
     con = fresh_database(out) if out is not None else None
     history = history or out is not None
     writer = open_log_writer(log, Header(policy=policy, source="simulate")) if log else None
@@ -251,19 +254,41 @@ def run_policy(
     return result, compute_kpis(result.con, start, result.end_ms, result.wall_s, events)
 
 
+def cluster_log_path(path: Path, cluster: str) -> Path:
+    """Where a federated run writes ``cluster``'s log when asked for ``path``:
+    ``run.jsonl`` -> ``run.<cluster>.jsonl``."""
+    return path.with_name(f"{path.stem}.{cluster}{path.suffix or '.jsonl'}")
+
+
 def run_federation_policy(
     inp: SimInputs,
     spec: FederationSpec,
     policy: str,
     progress: Callable[[int], None] | None = None,
+    log: Path | None = None,
+    sinks: dict[str, Observer] | None = None,
 ) -> tuple[SimResult, dict[str, Any]]:
     """Simulate the clusters of ``spec`` under ``policy``: the KPIs of the whole tree
     (every cluster's runs against the whole tree's capacity), with each cluster's
     own under ``clusters`` and the routing under ``rows_routed``. The result
-    returned is the first cluster's, with the tree's projection as its ``con``."""
+    returned is the first cluster's, with the tree's projection as its ``con``.
+    ``log``: write each cluster's event log to :func:`cluster_log_path`;
+    ``sinks``: an observer of each cluster's history, by name."""
+    writers: dict[str, LogWriter] = {}
+    if log is not None:
+        for c in spec.clusters:
+            header = Header(policy=policy, source="simulate", cluster=c.name)
+            writers[c.name] = open_log_writer(cluster_log_path(log, c.name), header)
+    observers = dict(sinks or {})
+    for name, writer in writers.items():
+        both = observe_all(writer, observers.get(name))
+        assert both is not None
+        observers[name] = both
     fed, tree = simulate_federation(
-        spec, inp.trace, inp.health, policy, inp.horizon_days(), progress=progress
+        spec, inp.trace, inp.health, policy, inp.horizon_days(), progress=progress, sinks=observers
     )
+    for name, writer in writers.items():
+        writer.close(fed.results[name].state.digest())
     start = fed.start_ms + inp.warmup_days * DAY_MS
     kpis = tree_kpis(fed, tree, start)
     first = fed.results[spec.clusters[0].name]

@@ -51,18 +51,23 @@ class Run:
         reservations: bool = False,
         extra_nodes: tuple[tuple[str, int, str], ...] = (),
         margin_wait_ms: int = 0,
+        node_prefix: str = "n",
+        **policy: object,
     ) -> None:
+        """``policy``: more fields of the policy (a federated cluster's ``cluster`` and
+        ``peers``)."""
         s = self.s = Scenario()
         s.policy(
             preemption_margin_ppm=margin_ppm,
             reservations=reservations,
             preemption_margin_wait_ms=margin_wait_ms,
+            **policy,
         )
         for team, weight in teams.items():
             s.budget(team, weight, owner=f"{team}-owner")
             s.budget(f"{team}/u", owner=f"{team}-user")
         for i in range(1, nodes + 1):
-            s.node(f"n{i}", gpus, gpu_type)
+            s.node(f"{node_prefix}{i}", gpus, gpu_type)
         for name, size, kind in extra_nodes:
             s.node(name, size, kind)
         self.parts: list[object] = []

@@ -40,7 +40,7 @@ from .budget import ROOT, ancestors_of, parent_of
 from .pendingindex import LeafKey, Shape, leaf_key, shape_of
 from .ratio import ratio
 from .rules.contract import is_allocated
-from .rules.federation import peer_committed
+from .rules.federation import peer_committed_paths
 from .state import State, Workload
 
 SiblingKey = tuple[int, int, str]
@@ -82,9 +82,8 @@ def committed_charges(state: State) -> dict[str, int]:
         for p in (*ancestors_of(leaf)[1:], leaf):
             out[p] = out.get(p, 0) + gpu_ms
     if state.peer_committed:
-        for node, gpu_ms in peer_committed(state):
-            for p in (*ancestors_of(node)[1:], node) if node else ():
-                out[p] = out.get(p, 0) + gpu_ms
+        for p, gpu_ms in peer_committed_paths(state).items():
+            out[p] = out.get(p, 0) + gpu_ms
     return out
 
 

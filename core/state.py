@@ -248,6 +248,7 @@ class State:
         "reported_until_ms",
         "peer_intervals",
         "peer_committed",
+        "peer_committed_paths",
     )
 
     def __init__(self) -> None:
@@ -300,6 +301,12 @@ class State:
         self.peer_committed: dict[str, tuple[int, tuple[LeafCharge, ...]]] = {}
         """Per peer cluster, ``(end of the interval, committed charges)`` of the latest
         interval folded from it: the commitments it reported then."""
+        self.peer_committed_paths: tuple[object, dict[str, int]] | None = None
+        """Derived, never stored: :attr:`peer_committed` summed per budget path (each
+        node and its ancestors but the root), with the version of the tree it was
+        summed on (the object :meth:`~apportion.core.budget.BudgetTree.weights_and_scales`
+        returns, new after every change of the tree); cleared when a summary
+        changes :attr:`peer_committed` (:func:`~apportion.core.rules.federation.peer_committed_paths`)."""
 
     # -- reading -------------------------------------------------------
     def usage(self, path: str) -> int:

@@ -237,16 +237,22 @@ def fold_summary(state: State, e: UsageSummary) -> None:
     known = state.peer_committed.get(e.source)
     if known is None or known[0] < e.end_ms:  # the latest interval's word on commitments
         state.peer_committed[e.source] = (e.end_ms, e.committed)
+        state.peer_committed_paths = None
     tree = state.budget
+    # each node's charge summed over the summary first: one step of its series per
+    # summary (the series is the same as adding the parts one by one at one time)
+    per_node: dict[str, int] = {}
     for c in e.charges:
         if not c.gpu_ms:
             continue
         path = tree.deepest(c.leaf)
         for p in (*ancestors_of(path), path):
-            node = tree.nodes[p]
-            if not isinstance(node.peer, PeerSeries):
-                node.peer = PeerSeries()
-            node.peer.add(e.end_ms, c.gpu_ms, horizon)
+            per_node[p] = per_node.get(p, 0) + c.gpu_ms
+    for p, gpu_ms in per_node.items():
+        node = tree.nodes[p]
+        if not isinstance(node.peer, PeerSeries):
+            node.peer = PeerSeries()
+        node.peer.add(e.end_ms, gpu_ms, horizon)
 
 
 def _merge_around(spans: list[tuple[int, int]], i: int) -> None:
@@ -266,6 +272,22 @@ def peer_committed(state: State) -> list[tuple[str, int]]:
         for _, (_, committed) in sorted(state.peer_committed.items())
         for c in committed
     ]
+
+
+def peer_committed_paths(state: State) -> dict[str, int]:
+    """:func:`peer_committed` summed per budget path: each node and its ancestors
+    but the root. Kept by the state (read only) until a summary changes what a
+    peer committed or the tree changes."""
+    version = state.budget.weights_and_scales()
+    cached = state.peer_committed_paths
+    if cached is not None and cached[0] is version:
+        return cached[1]
+    out: dict[str, int] = {}
+    for node, gpu_ms in peer_committed(state):
+        for p in (*ancestors_of(node)[1:], node) if node else ():
+            out[p] = out.get(p, 0) + gpu_ms
+    state.peer_committed_paths = (version, out)
+    return out
 
 
 def heard_until(state: State, source: str) -> int | None:

@@ -105,6 +105,24 @@ def build_state(pending: int = 10_000, seed: int = 1):
     return state
 
 
+def steady_inputs(state, rng: random.Random, leaves: list[str], i: int, now: int) -> list:
+    """The steady loop's inputs at ``now``: a random running workload finishes, a
+    1-8 GPU workload with a 10-minute or 1-hour contract arrives."""
+    finished = sorted(state.running)[rng.randrange(len(state.running))]
+    return [
+        WorkloadFinished(actor="root", id=f"sf{i}", at_ms=now, workload=finished),
+        WorkloadSubmitted(
+            submitted_by="root",
+            id=f"ss{i}",
+            at_ms=now,
+            workload=f"steady{i}",
+            owner=rng.choice(leaves),
+            gpus=rng.choice([1, 2, 4, 8]),
+            min_runtime_ms=rng.choice([10 * MIN, HOUR]),
+        ),
+    ]
+
+
 def _percentiles(times: list[float]) -> tuple[float, float]:
     times = sorted(times)
     return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))]
@@ -141,22 +159,7 @@ def main(quick: bool = False) -> None:
     cycles = 20 if quick else 200
     for i in range(cycles):
         now = state.now_ms + MIN
-        finished = sorted(state.running)[rng.randrange(len(state.running))]
-        fold(
-            [
-                WorkloadFinished(actor="root", id=f"sf{i}", at_ms=now, workload=finished),
-                WorkloadSubmitted(
-                    submitted_by="root",
-                    id=f"ss{i}",
-                    at_ms=now,
-                    workload=f"steady{i}",
-                    owner=rng.choice(leaves),
-                    gpus=rng.choice([1, 2, 4, 8]),
-                    min_runtime_ms=rng.choice([10 * MIN, HOUR]),
-                ),
-            ],
-            state,
-        )
+        fold(steady_inputs(state, rng, leaves, i, now), state)
         t0 = time.perf_counter()
         result = decide(state)
         times.append((time.perf_counter() - t0) * 1000)

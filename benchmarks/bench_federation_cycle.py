@@ -39,10 +39,8 @@ from apportion.schemas.events import (
     PolicySet,
     UsageReported,
     UsageSummary,
-    WorkloadFinished,
-    WorkloadSubmitted,
 )
-from bench_cycle import HOUR, MIN, build_state
+from bench_cycle import HOUR, MIN, build_state, steady_inputs
 
 INTERVAL = 5 * MIN
 
@@ -96,19 +94,7 @@ class Steady:
             while self.next_summary + INTERVAL <= now:
                 inputs.append(summary(state, self.next_summary, self.charges, self.committed))
                 self.next_summary += INTERVAL
-        finished = sorted(state.running)[rng.randrange(len(state.running))]
-        inputs += [
-            WorkloadFinished(actor="root", id=f"sf{i}", at_ms=now, workload=finished),
-            WorkloadSubmitted(
-                submitted_by="root",
-                id=f"ss{i}",
-                at_ms=now,
-                workload=f"steady{i}",
-                owner=rng.choice(self.leaves),
-                gpus=rng.choice([1, 2, 4, 8]),
-                min_runtime_ms=rng.choice([10 * MIN, 60 * MIN]),
-            ),
-        ]
+        inputs += steady_inputs(state, rng, self.leaves, i, now)
         fold(inputs, state)
         t0 = time.perf_counter()
         result = decide(state)

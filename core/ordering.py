@@ -141,9 +141,10 @@ class _Lazy(dict[str, int]):
 class FairShareView:
     """Usage, ratio and sibling rank of every budget node at ``state.now_ms``.
 
-    ``charged`` and ``usage`` are computed per node on first read (by key:
-    ``view.usage[path]``), so a cycle pays only for the nodes it looks at: a view
-    is of one moment, read it before ``state`` folds anything more."""
+    ``charged``, ``committed`` and ``usage`` are computed per node on first read
+    (by key: ``view.usage[path]``), so a cycle pays only for the nodes it looks at:
+    a view is of one moment, read it before ``state`` folds anything more (the
+    charge series and the protection index it reads change with the fold)."""
 
     __slots__ = (
         "tree",

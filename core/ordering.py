@@ -190,7 +190,12 @@ class FairShareView:
         return value + self._extra[path] if path in self._extra else value
 
     def _usage(self, path: str) -> int:
-        return self.charged[path] + self.committed[path]
+        # ``charged[path] + committed[path]``, spelled without their dicts: a cycle
+        # reads usage only (the fill is its hot path), other readers fill them
+        now = self._now
+        value = self.tree.nodes[path].charged(now, self._lookback)
+        value += self._index.committed_under(path, now)
+        return value + self._extra[path] if path in self._extra else value
 
     def working(self) -> dict[str, int]:
         """A working copy of ``usage`` to add projected charges to (filled from

@@ -13,7 +13,7 @@ no protection expiry and no margin wait can change a decision.
 :func:`idle` gives that result without building the cycle's scratch (the
 fair-share view, the free GPUs, the victim index and the shortcuts' caches). A
 lightly loaded cluster spends half its cycles there: on Philly Oct-Nov 2017,
-62,697 of 125,118 cycles follow a finish with nothing waiting.
+62,697 of 125,118 cycles start with nothing pending.
 
 Guarded by ``tests/cycle/test_cycle_properties.py``: every cycle of its random
 histories (submissions, finishes, cancels, notices, drains, nodes down, late

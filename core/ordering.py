@@ -87,6 +87,32 @@ def committed_charges(state: State) -> dict[str, int]:
     return out
 
 
+def _committed_extra(state: State) -> dict[str, int]:
+    """What :func:`committed_charges` adds to the protection index's sums per path
+    (:meth:`~apportion.core.protectionindex.ProtectionIndex.committed_under`): minus
+    the work on ``down`` nodes, plus what peers last reported committed. Empty on a
+    single cluster with no node down. Expires the index to ``state.now_ms``."""
+    now = state.now_ms
+    index = state.protection_index
+    out: dict[str, int] = {}
+    if state.node_index.down:
+        index.expire(now)
+        lost: dict[str, None] = {}
+        for name in state.node_index.down:
+            lost.update(dict.fromkeys(state.nodes[name].workloads))
+        for wid in lost:
+            entry = index.entry(wid)
+            if entry is not None:
+                leaf, gpus, until = entry
+                for p in (*ancestors_of(leaf)[1:], leaf):
+                    out[p] = out.get(p, 0) - gpus * (until - now)
+    if state.peer_committed:
+        for node, gpu_ms in peer_committed(state):
+            for p in (*ancestors_of(node)[1:], node) if node else ():
+                out[p] = out.get(p, 0) + gpu_ms
+    return out
+
+
 class _Lazy(dict[str, int]):
     """A budget node's value computed on its first read (``[]`` or ``get``) by
     ``fill``, then kept: a cycle reads a few families of a large tree (on a 10-day
@@ -95,7 +121,8 @@ class _Lazy(dict[str, int]):
 
     __slots__ = ("fill", "nodes")
 
-    def __init__(self, fill: Callable[[str], int], nodes: Mapping[str, object]) -> None:
+    def __init__(self, fill: Callable[[str], int], nodes: Mapping[str, object] | None) -> None:
+        """``nodes``: the paths ``get`` fills (``None``: every path)."""
         super().__init__()
         self.fill = fill
         self.nodes = nodes
@@ -105,7 +132,7 @@ class _Lazy(dict[str, int]):
         return value
 
     def get(self, path: str, default: int | None = None) -> int | None:  # type: ignore[override]
-        if path in self or path in self.nodes:
+        if path in self or self.nodes is None or path in self.nodes:
             return self[path]
         return default
 
@@ -113,9 +140,10 @@ class _Lazy(dict[str, int]):
 class FairShareView:
     """Usage, ratio and sibling rank of every budget node at ``state.now_ms``.
 
-    ``charged`` and ``usage`` are computed per node on first read (by key:
-    ``view.usage[path]``), so a cycle pays only for the nodes it looks at: a view
-    is of one moment, read it before ``state`` folds anything more."""
+    ``charged``, ``committed`` and ``usage`` are computed per node on first read
+    (by key: ``view.usage[path]``), so a cycle pays only for the nodes it looks at:
+    a view is of one moment, read it before ``state`` folds anything more (the
+    charge series and the protection index it reads change with the fold)."""
 
     __slots__ = (
         "tree",
@@ -128,6 +156,8 @@ class FairShareView:
         "_leaf_pos",
         "_now",
         "_lookback",
+        "_index",
+        "_extra",
     )
 
     def __init__(self, state: State) -> None:
@@ -136,8 +166,12 @@ class FairShareView:
         self._now, self._lookback = state.now_ms, state.policy.lookback_ms
         self.charged: dict[str, int] = _Lazy(self._charged, tree.nodes)
         """GPU-ms charged inside the lookback window (on every cluster of a federation)."""
-        self.committed = committed_charges(state)
-        """GPU-ms that running allocated work will be charged for the rest of its protection."""
+        self._index = state.protection_index
+        self._index.expire(self._now)
+        self._extra = _committed_extra(state)
+        self.committed: dict[str, int] = _Lazy(self._committed, None)
+        """GPU-ms that running allocated work will be charged for the rest of its
+        protection (:func:`committed_charges`, per path on first read)."""
         self.usage: dict[str, int] = _Lazy(self._usage, tree.nodes)
         """What ratios are computed from: charged + committed."""
         self.weight, self.scale = tree.weights_and_scales()
@@ -150,8 +184,17 @@ class FairShareView:
     def _charged(self, path: str) -> int:
         return self.tree.nodes[path].charged(self._now, self._lookback)
 
+    def _committed(self, path: str) -> int:
+        value = self._index.committed_under(path, self._now)
+        return value + self._extra[path] if path in self._extra else value
+
     def _usage(self, path: str) -> int:
-        return self.charged[path] + self.committed.get(path, 0)
+        # ``charged[path] + committed[path]``, spelled without their dicts: a cycle
+        # reads usage only (the fill is its hot path), other readers fill them
+        now = self._now
+        value = self.tree.nodes[path].charged(now, self._lookback)
+        value += self._index.committed_under(path, now)
+        return value + self._extra[path] if path in self._extra else value
 
     def working(self) -> dict[str, int]:
         """A working copy of ``usage`` to add projected charges to (filled from
@@ -231,9 +274,10 @@ class FairShareWalk:
         self.scale = view.scale
         self.workloads = state.pending
         # each leaf's keys in order (the fold's lists, read only) and a cursor
-        self.queues: dict[str, list[LeafKey]] = dict(state.pending_index.by_leaf)
+        self.queues: dict[str, list[LeafKey]] = state.pending_index.by_leaf
         back = [w for w in requeued if is_allocated(w)]
         if back:
+            self.queues = dict(self.queues)
             self.workloads = {**state.pending, **{w.id: w for w in back}}
             for w in back:
                 self.queues[w.owner] = sorted([*self.queues.get(w.owner, ()), leaf_key(w)])
@@ -252,13 +296,22 @@ class FairShareWalk:
         """If set, asked before the walk enters a budget node: True passes over
         everything under it, as if exhausted (the cycle's ``Pruning.prunable``, core/cycle/prune.py)."""
         self.current: str | None = None  # the leaf being walked
-        self.version: dict[str, int] = {}
         self.heaps: dict[str, list[tuple[SiblingKey, int]]] = {}
         """Per budget node the walk entered: its children with pending work below, by
         :func:`sibling_key` (built on entry, :meth:`_heap`)."""
-        self.live: dict[str, list[str]] = {}
-        """Per budget node: its children with pending allocated work below."""
-        version, live = self.version, self.live
+        self.version: dict[str, int]
+        """Per budget path with pending work below: bumps with each charge (stale heap
+        entries are skipped), -1 once passed over or exhausted."""
+        self.live: dict[str, list[str]]
+        """Per budget node: its children with pending allocated work below (read only:
+        the pending index's, kept across cycles, unless work was requeued)."""
+        if not back:
+            paths, self.live = state.pending_index.live_paths()
+            self.version = dict(paths)
+            return
+        version: dict[str, int] = {}
+        live: dict[str, list[str]] = {}
+        self.version, self.live = version, live
         for leaf in self.queues:
             path = leaf
             while path not in version:  # up to the first ancestor already seen

@@ -38,6 +38,7 @@ from typing import Protocol
 
 from msgspec import UNSET, UnsetType
 
+from .budget import ROOT, parent_of
 from .rules.contract import is_allocated
 
 
@@ -81,7 +82,7 @@ class PendingIndex:
     :meth:`add` and :meth:`remove` are the fold's hot path: :func:`leaf_key`,
     :func:`shape_of` and :func:`free_key` are spelled inline."""
 
-    __slots__ = ("_by_leaf", "_by_shape", "_free", "_pending", "kept")
+    __slots__ = ("_by_leaf", "_by_shape", "_free", "_pending", "kept", "_paths")
 
     def __init__(self, pending: Mapping[str, _Pending]) -> None:
         self._pending = pending
@@ -90,6 +91,8 @@ class PendingIndex:
         self._by_leaf: dict[str, list[LeafKey]] = {}
         self._by_shape: dict[str, dict[Shape, list[LeafKey]]] = {}
         self._free: dict[FreeShape, list[FreeKey]] = {}
+        self._paths: tuple[dict[str, int], dict[str, list[str]]] | None = None
+        """:meth:`live_paths`, until a leaf's queue appears or empties."""
 
     @property
     def by_leaf(self) -> dict[str, list[LeafKey]]:
@@ -151,7 +154,29 @@ class PendingIndex:
         for sized in free.values():
             sized.sort()
         self._by_leaf, self._by_shape, self._free = by_leaf, by_shape, free
+        self._paths = None
         self.kept = True
+
+    def live_paths(self) -> tuple[dict[str, int], dict[str, list[str]]]:
+        """The budget paths (the root excepted) with pending allocated work at or
+        below them, each mapped to 0, and per budget node its children among them:
+        what :class:`~apportion.core.ordering.FairShareWalk` starts from. Kept until
+        a leaf's queue appears or empties; read only (the walk copies the first)."""
+        paths = self._paths
+        if paths is None:
+            seen: dict[str, int] = {}
+            live: dict[str, list[str]] = {}
+            for leaf in self.by_leaf:
+                path = leaf
+                while path not in seen:  # up to the first ancestor already seen
+                    seen[path] = 0
+                    parent = parent_of(path)
+                    live.setdefault(parent, []).append(path)
+                    if parent == ROOT:
+                        break
+                    path = parent
+            paths = self._paths = (seen, live)
+        return paths
 
     def add(self, w: _Pending) -> None:
         if not self.kept:
@@ -163,6 +188,7 @@ class PendingIndex:
             if keys is None:
                 self._by_leaf[owner] = [key]
                 self._by_shape[owner] = {(w.gpu_type, w.gpus, w.min_runtime_ms): [key]}
+                self._paths = None
                 return
             insort(keys, key)
             shapes = self._by_shape[owner]
@@ -189,6 +215,7 @@ class PendingIndex:
             del keys[bisect_left(keys, key)]
             if not keys:  # the leaf's last: its one shape list is empty too
                 del self._by_leaf[owner], self._by_shape[owner]
+                self._paths = None
                 return
             shapes = self._by_shape[owner]
             shape = (w.gpu_type, w.gpus, w.min_runtime_ms)

@@ -109,6 +109,8 @@ class HealthRow(msgspec.Struct, kw_only=True):
 def seconds_to_ms(text: str) -> int:
     """``"12.5"`` -> ``12500``: exact decimal, rounded to the nearest ms (half to even)."""
     text = text.strip()
+    if text.isascii() and text.isdigit():  # whole seconds, the usual cell: what Fraction gives
+        return int(text) * 1000
     try:
         value = Fraction(text)
     except (ValueError, ZeroDivisionError):

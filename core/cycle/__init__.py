@@ -42,8 +42,8 @@ again. Stopping runs are never victims; a draining node with one is not drained.
 
 The shortcuts that make it fast, each exact and guarded by a test that runs
 cycles with and without it: :mod:`.memo`, :mod:`.doomed`, :mod:`.prune`,
-:mod:`.poolbound`, :mod:`.roomy`, :mod:`.floors`, and the caches of
-:mod:`.subtrees`.
+:mod:`.poolbound`, :mod:`.roomy`, :mod:`.floors`, the caches of
+:mod:`.subtrees`, and :mod:`.idle` (a cycle with nothing to decide).
 
 The contract (allocated, protected, the reservation gate) is
 :mod:`apportion.core.rules.contract`. Requeued work from steps 1-2 joins the walk of
@@ -59,6 +59,7 @@ from __future__ import annotations
 
 from ..fold import apply
 from ..state import State
+from .idle import idle
 from .result import CycleResult, Reservation
 from .run import Cycle
 
@@ -73,7 +74,8 @@ def decide(state: State, *, report_reservation: bool = False) -> CycleResult:
     also computes it when it did not, so that :attr:`CycleResult.reservation`
     always tells (for ``explain`` and tests). The decisions are the same either way.
     """
-    return Cycle(state).run(report_reservation)
+    result = idle(state)  # nothing to decide: the cycle is not assembled (.idle)
+    return result if result is not None else Cycle(state).run(report_reservation)
 
 
 def step(state: State, *, report_reservation: bool = False) -> CycleResult:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from apportion.core import State, apply, fold, queue_order
 from apportion.core.budget import ancestors_of
 from apportion.core.cycle import decide
+from apportion.core.ordering import FairShareView, committed_charges
 from apportion.schemas.events import (
     DAY_MS,
     HOUR_MS,
@@ -667,6 +668,16 @@ class FoldMachine(RuleBasedStateMachine):
         assert [w.id for w in queue_order(self.state)] == reference_order(self.state)
 
     @invariant()
+    def committed_per_path_is_the_sum(self) -> None:
+        # the view reads each path's committed charge from the protection index's
+        # per-path sums; committed_charges sums the leaves up the tree
+        whole = committed_charges(self.state)
+        view = FairShareView(self.state)
+        for path in sorted({*whole, *self.state.budget.nodes}):
+            assert view.committed[path] == whole.get(path, 0), path
+            assert view.committed.get(path, 0) == whole.get(path, 0), path
+
+    @invariant()
     def replay_and_snapshot_agree(self) -> None:
         digest = self.state.digest()
         assert fold(self.events).digest() == digest
@@ -699,10 +710,21 @@ class FoldMachine(RuleBasedStateMachine):
             keys.sort()
         refolded = fold(self.events).pending_index
         restored = State.from_bytes(self.state.to_bytes()).pending_index
+        paths: dict[str, int] = {}
+        live: dict[str, set[str]] = {}
+        for leaf in by_leaf:
+            for p in (*ancestors_of(leaf)[1:], leaf):
+                paths[p] = 0
+                live.setdefault(ancestors_of(p)[-1], set()).add(p)
         for other in (index, refolded, restored):
             assert other.by_leaf == by_leaf
             assert other.free == free
             assert other.by_shape == by_shape
+            # the walk's start, kept until a leaf's queue appears or empties
+            kept_paths, kept_live = other.live_paths()
+            assert kept_paths == paths
+            assert {p: set(c) for p, c in kept_live.items()} == live
+            assert all(len(c) == len(set(c)) for c in kept_live.values())
 
 
 FoldMachine.TestCase.settings = settings(

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from apportion.core import State, apply, fold
-from apportion.core.cycle import step
+from apportion.core.cycle import Cycle, step
+from apportion.core.cycle.idle import idle
 from apportion.schemas import encode
 from apportion.schemas.events import (
     BudgetSet,
@@ -86,7 +87,14 @@ class CycleMachine(RuleBasedStateMachine):
         waiting = {w.stopping.for_workload for w in running.values() if w.stopping is not None} - {
             None
         }
+        # the whole cycle, assembled: the same result as decide's (which takes the
+        # shortcut of a cycle with nothing to decide, core/cycle/idle.py, when it may)
+        whole = Cycle(self.state).run()
+        short = idle(self.state)
+        if short is not None:
+            assert short == whole == Cycle(self.state).run(report_reservation=True)
         result = step(self.state)
+        assert result == whole
         self.log.extend(result.decisions)
         placed = {d.workload for d in result.decisions if isinstance(d, WorkloadPlaced)}
         waits = {  # beneficiaries of a preemption with notice: placed once it stops

@@ -4,11 +4,14 @@ a duration by the cluster file's and the CLI's rule (``parse_duration_ms``)."""
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 
 import duckdb
 import pytest
-from apportion.replay.trace import read_health, read_trace, time_to_ms
+from apportion.replay.trace import read_health, read_trace, seconds_to_ms, time_to_ms
 from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
 
 from apportion.cli import main
 
@@ -31,6 +34,24 @@ from apportion.cli import main
 )
 def test_time_cells(text, ms):
     assert time_to_ms(text, "duration") == ms
+
+
+@given(
+    st.one_of(
+        st.integers(0, 10**12).map(str),
+        st.text(alphabet="0123456789", min_size=1, max_size=25),
+        st.text(alphabet="0123456789.\u00b2\u0663 _", min_size=1, max_size=8),
+    )
+)
+def test_whole_seconds_read_as_the_exact_decimal_does(text):
+    # whole seconds take a shortcut past Fraction: the same milliseconds, the same errors
+    try:
+        value = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        with pytest.raises(ValueError):
+            seconds_to_ms(text)
+        return
+    assert seconds_to_ms(text) == round(value * 1000)
 
 
 @pytest.mark.parametrize(

@@ -107,9 +107,8 @@ def _committed_extra(state: State) -> dict[str, int]:
                 for p in (*ancestors_of(leaf)[1:], leaf):
                     out[p] = out.get(p, 0) - gpus * (until - now)
     if state.peer_committed:
-        for node, gpu_ms in peer_committed(state):
-            for p in (*ancestors_of(node)[1:], node) if node else ():
-                out[p] = out.get(p, 0) + gpu_ms
+        for p, gpu_ms in peer_committed_paths(state).items():
+            out[p] = out.get(p, 0) + gpu_ms
     return out
 
 

@@ -12,8 +12,10 @@ moves by the same amount, so with no margin (both runs) the order, and every
 placement and preemption, is the same as alone (checked), and the difference is the cost of the federation
 itself: the peers' series read with the usage window, the summaries folded, the
 reports made. Both runs see the same finishes and submissions, one minute apart,
-and the cycle's decisions are applied. Printed: p50 and p99 of the cycle
-(``decide``), and the CPU of the whole steady loop (folds included), as
+and the cycle's decisions are applied. Each loop runs in its own process,
+alternating (the garbage collector walks the whole heap: two states in one
+process would share its cost). Printed: medians of p50 and p99 of the cycle
+(``decide``) and of the CPU of the whole steady loop (folds included), and
 federated / alone.
 
     .venv/bin/python benchmarks/bench_federation_cycle.py [--quick]
@@ -21,9 +23,12 @@ federated / alone.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -140,39 +145,70 @@ def _p(times: list[float], q: float) -> float:
     return statistics.median(times) if q == 0.5 else times[min(len(times) - 1, int(len(times) * q))]
 
 
-def main(quick: bool = False) -> None:
+def run_one(federated: bool, quick: bool) -> dict:
+    """One loop in this process: its cycle times, CPU and decisions' digest."""
     pending = 2_000 if quick else 10_000
     cycles = 60 if quick else 300
-    loops = {}
-    for federated in (False, True):
-        state = build_state(pending=pending)
-        decide(state)  # the first cycle builds the pending index
-        if federated:
-            federate(state)
-        else:  # a margin multiplies ratios: with one, a shift of all of them could matter
-            fold(
-                [PolicySet(id="alone", at_ms=state.now_ms, actor="root", preemption_margin_ppm=0)],
-                state,
-            )
-        loops[federated] = Steady(state, federated)
-    for i in range(cycles):  # alternating, so both see the same machine
-        for federated in (False, True) if i % 2 else (True, False):
-            loops[federated].cycle(i)
-    assert loops[True].made == loops[False].made, "the proportional charges changed a decision"
-    rows = {}
-    for federated, loop in loops.items():
-        rows[federated] = (_p(loop.times, 0.5), _p(loop.times, 0.99), loop.cpu)
+    state = build_state(pending=pending)
+    decide(state)  # the first cycle builds the pending index
+    if federated:
+        federate(state)
+    else:  # a margin multiplies ratios: with one, a shift of all of them could matter
+        fold(
+            [PolicySet(id="alone", at_ms=state.now_ms, actor="root", preemption_margin_ppm=0)],
+            state,
+        )
+    loop = Steady(state, federated)
+    for i in range(cycles):
+        loop.cycle(i)
+    return {
+        "p50": _p(loop.times, 0.5),
+        "p99": _p(loop.times, 0.99),
+        "cpu": loop.cpu,
+        "cycles": cycles,
+        "reports": loop.reports,
+        "decisions": hashlib.sha256(b"".join(loop.made)).hexdigest(),
+    }
+
+
+def main(quick: bool = False) -> None:
+    """Each loop in its own process (the garbage collector walks the whole heap, so
+    two states in one process would share its cost), alternating A B A B."""
+    pairs = 1 if quick else 3
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(pairs):
+        for federated in (False, True):
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", "fed" if federated else "alone"]
+                + (["--quick"] if quick else []),
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            runs[federated].append(json.loads(out))
+    digests = {r["decisions"] for rs in runs.values() for r in rs}
+    assert len(digests) == 1, "the proportional charges changed a decision"
+    med = {
+        f: {k: statistics.median(r[k] for r in rs) for k in ("p50", "p99", "cpu")}
+        for f, rs in runs.items()
+    }
+    for federated, m in med.items():
         name = "two clusters (a of a+b)" if federated else "one cluster"
         print(
-            f"steady cycle, {name}: p50 {rows[federated][0]:.2f} ms, "
-            f"p99 {rows[federated][1]:.1f} ms, CPU {loop.cpu:.2f} s for {cycles} cycles "
-            f"(folds included), {loop.reports} usage reports"
+            f"steady cycle, {name}: p50 {m['p50']:.2f} ms, p99 {m['p99']:.1f} ms, "
+            f"CPU {m['cpu']:.2f} s for {runs[federated][0]['cycles']} cycles (folds included), "
+            f"{runs[federated][0]['reports']} usage reports (median of {pairs} processes)"
         )
-    (p50a, p99a, cpua), (p50f, p99f, cpuf) = rows[False], rows[True]
+    a, f = med[False], med[True]
     print(
-        f"federated / alone: p50 {p50f / p50a:.2f}x, p99 {p99f / p99a:.2f}x, CPU {cpuf / cpua:.2f}x"
+        f"federated / alone: p50 {f['p50'] / a['p50']:.2f}x, p99 {f['p99'] / a['p99']:.2f}x, "
+        f"CPU {f['cpu'] / a['cpu']:.2f}x"
     )
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    if "--child" in sys.argv:
+        which = sys.argv[sys.argv.index("--child") + 1]
+        print(json.dumps(run_one(which == "fed", "--quick" in sys.argv)))
+    else:
+        main(quick="--quick" in sys.argv)

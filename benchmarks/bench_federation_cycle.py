@@ -73,8 +73,7 @@ def summary(state: State, start: int, charges: tuple, committed: tuple) -> Usage
 
 
 class Steady:
-    """The steady loop of one state, a cycle at a time (so the two runs can alternate
-    and share whatever else the machine is doing)."""
+    """The steady loop of one state, a cycle at a time."""
 
     def __init__(self, state: State, federated: bool) -> None:
         self.state, self.federated = state, federated

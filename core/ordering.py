@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from fractions import Fraction
 
 from .budget import ROOT, ancestors_of, parent_of
-from .pendingindex import LeafKey, Shape, leaf_key, shape_of
+from .pendingindex import LeafKey, Shape, leaf_key, paths_above, shape_of
 from .ratio import ratio
 from .rules.contract import is_allocated
 from .rules.federation import peer_committed_paths
@@ -55,18 +55,29 @@ def sibling_key(usage: int, scale: int, weight: int, path: str) -> SiblingKey:
 def committed_by_leaf(state: State) -> dict[str, int]:
     """Per owner leaf: GPUs x the rest of the protection of its running allocated
     workloads on this cluster (but those on a ``down`` node, lost in the coming cycle)."""
+    per_leaf = state.protection_index.committed(state.now_ms)  # a pass over the leaves
+    for leaf, gpu_ms in _lost_commitments(state):
+        per_leaf[leaf] -= gpu_ms
+    return per_leaf
+
+
+def _lost_commitments(state: State) -> list[tuple[str, int]]:
+    """``(owner leaf, rest of its commitment)`` of the protected runs on ``down``
+    nodes, lost in the coming cycle (each run once, a gang on several down nodes
+    too). Expires the protection index to ``state.now_ms``."""
     now = state.now_ms
     index = state.protection_index
-    per_leaf = index.committed(now)  # a pass over the leaves, not the running work
-    lost: dict[str, None] = {}  # work on a down node is lost in the coming cycle
+    index.expire(now)
+    lost: dict[str, None] = {}
     for name in state.node_index.down:
         lost.update(dict.fromkeys(state.nodes[name].workloads))
+    out = []
     for wid in lost:
         entry = index.entry(wid)
         if entry is not None:
             leaf, gpus, until = entry
-            per_leaf[leaf] -= gpus * (until - now)
-    return per_leaf
+            out.append((leaf, gpus * (until - now)))
+    return out
 
 
 def committed_charges(state: State) -> dict[str, int]:
@@ -92,20 +103,11 @@ def _committed_extra(state: State) -> dict[str, int]:
     (:meth:`~apportion.core.protectionindex.ProtectionIndex.committed_under`): minus
     the work on ``down`` nodes, plus what peers last reported committed. Empty on a
     single cluster with no node down. Expires the index to ``state.now_ms``."""
-    now = state.now_ms
-    index = state.protection_index
     out: dict[str, int] = {}
     if state.node_index.down:
-        index.expire(now)
-        lost: dict[str, None] = {}
-        for name in state.node_index.down:
-            lost.update(dict.fromkeys(state.nodes[name].workloads))
-        for wid in lost:
-            entry = index.entry(wid)
-            if entry is not None:
-                leaf, gpus, until = entry
-                for p in (*ancestors_of(leaf)[1:], leaf):
-                    out[p] = out.get(p, 0) - gpus * (until - now)
+        for leaf, gpu_ms in _lost_commitments(state):
+            for p in (*ancestors_of(leaf)[1:], leaf):
+                out[p] = out.get(p, 0) - gpu_ms
     if state.peer_committed:
         for p, gpu_ms in peer_committed_paths(state).items():
             out[p] = out.get(p, 0) + gpu_ms
@@ -308,18 +310,7 @@ class FairShareWalk:
             paths, self.live = state.pending_index.live_paths()
             self.version = dict(paths)
             return
-        version: dict[str, int] = {}
-        live: dict[str, list[str]] = {}
-        self.version, self.live = version, live
-        for leaf in self.queues:
-            path = leaf
-            while path not in version:  # up to the first ancestor already seen
-                version[path] = 0
-                parent = parent_of(path)
-                live.setdefault(parent, []).append(path)
-                if parent == ROOT:
-                    break
-                path = parent
+        self.version, self.live = paths_above(self.queues)
 
     def _heap(self, path: str) -> list[tuple[SiblingKey, int]] | None:
         """The heap of ``path``'s children with pending work below, built from their

@@ -33,7 +33,7 @@ long lists of tuples.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from msgspec import UNSET, UnsetType
@@ -164,18 +164,7 @@ class PendingIndex:
         a leaf's queue appears or empties; read only (the walk copies the first)."""
         paths = self._paths
         if paths is None:
-            seen: dict[str, int] = {}
-            live: dict[str, list[str]] = {}
-            for leaf in self.by_leaf:
-                path = leaf
-                while path not in seen:  # up to the first ancestor already seen
-                    seen[path] = 0
-                    parent = parent_of(path)
-                    live.setdefault(parent, []).append(path)
-                    if parent == ROOT:
-                        break
-                    path = parent
-            paths = self._paths = (seen, live)
+            paths = self._paths = paths_above(self.by_leaf)
         return paths
 
     def add(self, w: _Pending) -> None:
@@ -228,3 +217,20 @@ class PendingIndex:
             del size[bisect_left(size, (w.submitted_ms, w.id))]
             if not size:
                 del self._free[(w.gpu_type, w.gpus)]
+
+
+def paths_above(leaves: Iterable[str]) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """The budget paths (the root excepted) at or above ``leaves``, each mapped to 0,
+    and per budget node its children among them (in the order first met)."""
+    seen: dict[str, int] = {}
+    live: dict[str, list[str]] = {}
+    for leaf in leaves:
+        path = leaf
+        while path not in seen:  # up to the first ancestor already seen
+            seen[path] = 0
+            parent = parent_of(path)
+            live.setdefault(parent, []).append(path)
+            if parent == ROOT:
+                break
+            path = parent
+    return seen, live

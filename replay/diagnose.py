@@ -791,13 +791,17 @@ def _owed(
 
 
 def _teams_now(
-    state: State, ledger: Ledger | None = None, moment: Callable[[], _Moment] | None = None
+    state: State,
+    ledger: Ledger | None = None,
+    moment: Callable[[], _Moment] | None = None,
+    allocated: tuple[int, dict[str, int], dict[str, int]] | None = None,
 ) -> dict[str, Figures]:
     """Per team: owed and ran GPUs now, and its shortfall split by cause (GPUs) with
     holders: the teams' pending allocated workloads in scheduling order, each
     explaining at most its own GPUs of its team's shortfall. ``moment``: the
-    state's :class:`_Moment` (made here if not given)."""
-    figures, left = _owed(state, *_allocated(state))
+    state's :class:`_Moment` (made here if not given); ``allocated``: the state's
+    :func:`_allocated` (computed here if not given)."""
+    figures, left = _owed(state, *(allocated or _allocated(state)))
     splits: dict[str, dict[str, float]] = {t: {} for t in left}
     holders: dict[str, dict[str, float]] = {t: {} for t in left}
     if left:
@@ -1080,7 +1084,10 @@ def diagnose_federation(
         if per_cluster:
             for f in moved:
                 hold_own(f, f.state.now_ms)
-                f.own = (f.state.now_ms, _teams_now(f.state, f.ledger, f.moment))
+                f.own = (
+                    f.state.now_ms,
+                    _teams_now(f.state, f.ledger, f.moment, f.allocated()),
+                )
     for f in folds:
         f.finish()
     if not checked:

@@ -30,7 +30,7 @@ from apportion.core.estimate import ASSUMPTION, Estimates, estimate_starts
 from apportion.core.history import fold_item
 from apportion.core.ordering import FairShareView, SiblingKey, queue_order, sibling_key
 from apportion.core.rules.contract import is_protected, may_use_reserved
-from apportion.core.rules.federation import heard_until, peer_committed
+from apportion.core.rules.federation import heard_until, peer_committed_paths
 from apportion.core.rules.gpu_types import is_any, overlap, takes
 from apportion.core.state import ClusterNode, State, Workload
 from apportion.schemas.bounds import MAX_NAME_LEN, MAX_PATH_LEN
@@ -185,9 +185,8 @@ class PeerRanking:
             for path, node in state.budget.nodes.items():
                 if (g := node.peer_charged(now, lookback)) > 0:
                     self.peer[path] = g
-            for node_path, gpu_ms in peer_committed(state):
-                for p in (*ancestors_of(node_path)[1:], node_path) if node_path else ():
-                    self.peer[p] = self.peer.get(p, 0) + gpu_ms
+            for p, gpu_ms in peer_committed_paths(state).items():
+                self.peer[p] = self.peer.get(p, 0) + gpu_ms
         self._lowered: dict[str, bool] = {}
 
     def lowered(self, leaf: str) -> list[tuple[str, int]]:

@@ -504,6 +504,29 @@ def _convert_batch(m: StoredMessage) -> BatchItem | None:
         return None
 
 
+def append_only_config(
+    name: str, subjects: list[str], replicas: int, duplicate_window_s: float = 0
+) -> Any:
+    """A stream that keeps every message: file storage, nothing deleted or purged by
+    anyone, new messages refused when full, direct gets for the readers
+    (services/direct.py); ``duplicate_window_s``: an id stored once within it (``0``:
+    the server's default)."""
+    from nats.js import api
+
+    return api.StreamConfig(
+        name=name,
+        subjects=subjects,
+        storage=api.StorageType.FILE,
+        num_replicas=replicas,
+        duplicate_window=duplicate_window_s,
+        retention=api.RetentionPolicy.LIMITS,
+        discard=api.DiscardPolicy.NEW,
+        allow_direct=True,  # readers use batched direct gets (services/direct.py)
+        deny_delete=True,  # no message is ever deleted ...
+        deny_purge=True,  # ... or purged, by anyone
+    )
+
+
 class JetStreamLog:
     """An :class:`EventLog` on a JetStream context ``js`` (nats-py)."""
 
@@ -530,34 +553,14 @@ class JetStreamLog:
 
     async def setup(self, attempts: int = 30) -> None:
         """Create (or update) both streams; retries while a cluster elects a leader."""
-        from nats.js import api
         from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
         s = self.subjects
         configs = [
-            api.StreamConfig(
-                name=s.inputs_stream,
-                subjects=[s.inputs_all],
-                storage=api.StorageType.FILE,
-                num_replicas=self.replicas,
-                duplicate_window=self.duplicate_window_s,
-                retention=api.RetentionPolicy.LIMITS,
-                discard=api.DiscardPolicy.NEW,
-                allow_direct=True,  # readers use batched direct gets (services/direct.py)
-                deny_delete=True,  # no message is ever deleted ...
-                deny_purge=True,  # ... or purged, by anyone
+            append_only_config(
+                s.inputs_stream, [s.inputs_all], self.replicas, self.duplicate_window_s
             ),
-            api.StreamConfig(
-                name=s.decisions_stream,
-                subjects=[s.decisions],
-                storage=api.StorageType.FILE,
-                num_replicas=self.replicas,
-                retention=api.RetentionPolicy.LIMITS,
-                discard=api.DiscardPolicy.NEW,
-                allow_direct=True,
-                deny_delete=True,
-                deny_purge=True,
-            ),
+            append_only_config(s.decisions_stream, [s.decisions], self.replicas),
         ]
         infos = []
         for config in configs:

@@ -40,6 +40,7 @@ import msgspec
 from apportion.core.rules.subjects import TREE_TOKEN
 
 from . import logs
+from .bus import append_only_config
 from .direct import DirectGetError, get_batch
 
 HUB_DOMAIN = "hub"
@@ -179,29 +180,16 @@ async def _retrying(call: Callable[[], Any], timeout_s: float) -> Any:
 async def _ensure_stream(
     js: Any, name: str, subjects: list[str], replicas: int, timeout_s: float
 ) -> None:
-    """Create stream ``name`` if it does not exist: file storage, direct gets,
-    nothing deleted or purged, an id stored once within two minutes."""
-    from nats.js import api
+    """Create stream ``name`` if it does not exist: append-only
+    (:func:`~apportion.services.bus.append_only_config`), an id stored once within
+    two minutes."""
     from nats.js.errors import NotFoundError
 
     async def make() -> None:
         try:
             await js.stream_info(name)
         except NotFoundError:
-            await js.add_stream(
-                api.StreamConfig(
-                    name=name,
-                    subjects=subjects,
-                    storage=api.StorageType.FILE,
-                    num_replicas=replicas,
-                    duplicate_window=120.0,
-                    retention=api.RetentionPolicy.LIMITS,
-                    discard=api.DiscardPolicy.NEW,
-                    allow_direct=True,
-                    deny_delete=True,
-                    deny_purge=True,
-                )
-            )
+            await js.add_stream(append_only_config(name, subjects, replicas, 120.0))
 
     await _retrying(make, timeout_s)
 

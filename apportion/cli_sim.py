@@ -306,13 +306,12 @@ def trace() -> None:
 def trace_generate(scenario, days, seed, knobs, out_dir) -> None:
     """Write trace.csv, health.csv and cluster.toml for a synthetic scenario."""
     from apportion.replay.run import DEFAULT_DAYS_OF
-    from apportion.replay.scenarios import generate, write_scenario
+    from apportion.replay.scenarios import check_scenario_days, generate, write_scenario
 
     if days is None:
         days = DEFAULT_DAYS_OF.get(scenario, DEFAULT_DAYS)
-    if days <= 0:
-        raise UserError("--days must be positive")
     with _user_errors():
+        check_scenario_days(days)
         sc = generate(scenario, days, seed, list(knobs))
     try:
         paths = write_scenario(sc, out_dir)

@@ -13,7 +13,7 @@ Knobs (:class:`Knobs`; ``apportion trace generate --scenario family --set KEY=VA
 ==================  ========  ====================================================
 knob                default   meaning
 ==================  ========  ====================================================
-``gpus``            512       cluster size (whole 8-GPU nodes)
+``gpus``            512       cluster size (whole 8-GPU nodes, 16 to 65,536)
 ``scarce_fraction`` 0.25      share of nodes of the scarce type (``a100``; the rest ``h100``)
 ``programs``        3         programs under the root (weights 1-5)
 ``teams``           8         teams, spread over the programs (weights 1-4)
@@ -73,6 +73,8 @@ if TYPE_CHECKING:
     from .scenarios import Scenario
 
 NODE_GPUS = 8
+MAX_GPUS = 65_536
+"""Four times the largest cluster measured (16,384 GPUs, README "At scale")."""
 TYPES = ("h100", "a100")  # common, scarce
 BIG_TEAM = "big/team"
 """The team the ``big_team`` knob adds (program ``big``, users ``big/team/u<j>``)."""
@@ -108,8 +110,8 @@ class Knobs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first knob out of its range."""
-        if self.gpus < 2 * NODE_GPUS or self.gpus % NODE_GPUS:
-            raise ValueError(f"gpus must be a multiple of {NODE_GPUS}, at least 16")
+        if not 2 * NODE_GPUS <= self.gpus <= MAX_GPUS or self.gpus % NODE_GPUS:
+            raise ValueError(f"gpus must be a multiple of {NODE_GPUS} from 16 to {MAX_GPUS:,}")
         if not 1 <= self.programs <= self.teams <= 64:
             raise ValueError("need 1 <= programs <= teams <= 64")
         if not 1 <= self.users <= 32:

@@ -38,6 +38,9 @@ DEFAULT_SCENARIO = "ai2"
 DEFAULT_DAYS = 30
 DEFAULT_DAYS_OF = {"family": 10, "debug": 3}
 WARMUP_DAYS = {"ai2": 2, "family": 2}
+MAX_TRACE_DAYS = 3_650
+"""The longest simulation of a trace (ten years): its hourly KPIs are tables of
+that many hours."""
 """The ai2 and family scenarios start from an empty cluster and a backlog; their
 first two days are simulated and left out of the KPIs, as simulation studies do
 with a warm-up period (``simulated_days`` counts the measured days)."""
@@ -90,8 +93,10 @@ def load_inputs(
             raise ValueError(
                 "--cluster and --health go with --trace (or leave all three out for a bundled scenario)"
             )
-        from .scenarios import generate
+        from .scenarios import check_scenario_days, generate
 
+        if days is not None:
+            check_scenario_days(days)
         inp.warmup_days = WARMUP_DAYS.get(scenario, 0)
         default = DEFAULT_DAYS_OF.get(scenario, DEFAULT_DAYS)
         sc = generate(scenario, int(days or default) + inp.warmup_days, seed, knobs)
@@ -122,6 +127,14 @@ def load_inputs(
     if not rows:
         raise InputFileError(str(trace), None, "no valid rows to simulate")
     inp.days = days
+    if inp.horizon_days() > MAX_TRACE_DAYS:
+        why = f"--days {days:g}" if days is not None else "the trace's last row"
+        raise InputFileError(
+            str(trace),
+            None,
+            f"{why} makes a simulation of {inp.horizon_days():g} days; at most {MAX_TRACE_DAYS:,} "
+            "(give --days to cut it)",
+        )
     inp.label = f"{trace}"
     return inp
 

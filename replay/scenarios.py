@@ -365,6 +365,19 @@ def _family(days: int = 10, seed: int = 1, knobs: Knobs | None = None) -> Scenar
 
 SCENARIOS: dict[str, Callable[..., Scenario]] = {"ai2": ai2, "debug": debug, "family": _family}
 
+MAX_SCENARIO_DAYS = 365
+"""The most days of a scenario one may ask for (``simulate`` and ``trace generate``
+``--days``); :func:`generate` makes up to two more, the warm-up days ``simulate``
+adds (``run.WARMUP_DAYS``)."""
+
+
+def check_scenario_days(days: float) -> None:
+    """Raise ``ValueError`` unless ``days`` is a scenario length one may ask for."""
+    if not 1 <= days <= MAX_SCENARIO_DAYS or days != int(days):
+        raise ValueError(
+            f"--days of a scenario must be a whole number from 1 to {MAX_SCENARIO_DAYS}, got {days:g}"
+        )
+
 
 def generate(name: str, days: int, seed: int, knobs: list[str] | None = None) -> Scenario:
     """Scenario ``name``; ``knobs`` (``KEY=VALUE``) only for ``family`` (see :mod:`.family`)."""
@@ -372,6 +385,10 @@ def generate(name: str, days: int, seed: int, knobs: list[str] | None = None) ->
         make = SCENARIOS[name]
     except KeyError:
         raise ValueError(f"unknown scenario {name!r} (known: {', '.join(SCENARIOS)})") from None
+    if not 1 <= days <= MAX_SCENARIO_DAYS + 2:
+        raise ValueError(
+            f"a scenario is 1 to {MAX_SCENARIO_DAYS} days long (plus 2 of warm-up), got {days}"
+        )
     if name == "family":
         from .family import parse_knobs
 

@@ -82,6 +82,7 @@ import msgspec
 from apportion.core.rules.federation import MAX_SUMMARY_MS, MIN_SUMMARY_MS
 from apportion.core.rules.fence import heartbeat_timeout_problem
 from apportion.core.rules.gpu_types import is_any
+from apportion.schemas.bounds import MAX_GPUS, MAX_PEERS
 from apportion.schemas.events import (
     HOUR_MS,
     PPM,
@@ -140,6 +141,10 @@ def format_duration(ms: int) -> str:
     return f"{ms}ms"
 
 
+MAX_CLUSTER_NODES = 65_536
+"""Nodes of one cluster, over all its pools (a cluster file of 70,000 nodes loads
+and simulates a day of the debug trace in 3.5 s; past the bound a typo such as
+``count = 100000000`` would fill the memory)."""
 DEFAULT_MARGIN = 0
 """The preemption margin a cluster file gets when it names none: 0, so a workload
 whose team is more under-served over the lookback window preempts work past its
@@ -245,6 +250,16 @@ def cluster_from_dict(doc: dict[str, Any], file: str = "<cluster>", at_ms: int =
             v = pool.get(field)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise fail(f"{key}.{field}", f"must be a positive integer, got {v!r}")
+        if pool["gpus_per_node"] > MAX_GPUS:
+            raise fail(
+                f"{key}.gpus_per_node", f"at most {MAX_GPUS:,}, got {pool['gpus_per_node']:,}"
+            )
+        if len(nodes) + pool["count"] > MAX_CLUSTER_NODES:
+            before = f" ({len(nodes):,} in the pools before)" if nodes else ""
+            raise fail(
+                f"{key}.count",
+                f"a cluster has at most {MAX_CLUSTER_NODES:,} nodes{before}, got {pool['count']:,}",
+            )
         gpu_type = pool.get("gpu_type")
         if not isinstance(gpu_type, str) or is_any(gpu_type):
             raise fail(f"{key}.gpu_type", f"must name a GPU type, got {gpu_type!r}")
@@ -434,6 +449,8 @@ def federation_from_dict(
     members = doc["clusters"]
     if not isinstance(members, list) or not members:
         raise fail("clusters", "need at least one [[clusters]] with a name and pools")
+    if len(members) > MAX_PEERS:  # every cluster's policy names them all
+        raise fail("clusters", f"at most {MAX_PEERS} clusters share a tree, got {len(members)}")
     fed = doc.get("federation", {})
     if not isinstance(fed, dict):
         raise fail("federation", "must be a table")

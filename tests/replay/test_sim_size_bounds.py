@@ -96,3 +96,51 @@ def test_a_long_trace_cut_by_days_runs(tmp_path):
         ],
     )
     assert r.exit_code == 0, r.output
+
+
+def _cluster_file(tmp_path, pools: str, name: str = "c.toml"):
+    f = tmp_path / name
+    f.write_text(
+        f'[cluster]\nname = "x"\n{pools}\n[budget]\nowner = "ops"\n[budget.a]\nweight = 1\nowner = "a"\n'
+    )
+    return f
+
+
+@pytest.mark.parametrize(
+    ("pools", "message"),
+    [
+        (
+            '[[cluster.pool]]\nprefix = "n"\ncount = 100000000\ngpus_per_node = 8\ngpu_type = "h100"\n',
+            "cluster.pool[0].count: a cluster has at most 65,536 nodes, got 100,000,000",
+        ),
+        (
+            '[[cluster.pool]]\nprefix = "n"\ncount = 60000\ngpus_per_node = 8\ngpu_type = "h100"\n'
+            '[[cluster.pool]]\nprefix = "m"\ncount = 6000\ngpus_per_node = 8\ngpu_type = "a100"\n',
+            "cluster.pool[1].count: a cluster has at most 65,536 nodes (60,000 in the pools before), got 6,000",
+        ),
+        (
+            '[[cluster.pool]]\nprefix = "n"\ncount = 2\ngpus_per_node = 100000\ngpu_type = "h100"\n',
+            "cluster.pool[0].gpus_per_node: at most 65,536, got 100,000",
+        ),
+    ],
+)
+def test_cluster_file_sizes_are_bounded(tmp_path, pools, message):
+    cluster = _cluster_file(tmp_path, pools)
+    trace = tmp_path / "t.csv"
+    trace.write_text("id,submit,owner,gpus,duration,min_runtime\nj1,0,a,1,60,0\n")
+    line = _refused(["simulate", "--cluster", str(cluster), "--trace", str(trace), "-q"])
+    assert message in line
+
+
+def test_at_most_64_clusters_share_a_tree(tmp_path):
+    members = "".join(
+        f'[[clusters]]\nname = "c{i}"\n[[clusters.pool]]\nprefix = "c{i}-"\ncount = 1\ngpus_per_node = 8\n'
+        'gpu_type = "h100"\n'
+        for i in range(65)
+    )
+    f = tmp_path / "fed.toml"
+    f.write_text(members + '[budget]\nowner = "ops"\n[budget.a]\nweight = 1\nowner = "a"\n')
+    trace = tmp_path / "t.csv"
+    trace.write_text("id,submit,owner,gpus,duration,min_runtime\nj1,0,a,1,60,0\n")
+    line = _refused(["simulate", "--cluster", str(f), "--trace", str(trace), "-q"])
+    assert "at most 64 clusters share a tree, got 65" in line
